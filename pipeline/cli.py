@@ -1,0 +1,19 @@
+"""The ``transfusion`` command: one subcommand per DVC stage."""
+
+from __future__ import annotations
+
+import click
+
+from stages.prepare import prepare
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="transfusion-pipeline")
+def main() -> None:
+    """TransFusion contrastive learning: the stages of the DVC pipeline (`dvc repro` runs them all)."""
+
+
+main.add_command(prepare)
+
+if __name__ == "__main__":
+    main()

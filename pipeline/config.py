@@ -1,0 +1,302 @@
+"""Typed, validated params: ``params.yaml`` -> :class:`Params`, one config object per concern.
+
+Every section is required; every field inside has a default. Unknown keys, wrong types, out-of-range
+values, unknown names and conflicting settings raise :class:`ParamsError`, whose message names each bad
+key and what is allowed. Nothing is run or written before validation passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipeline.augment import PRESETS
+from pipeline.backbones import BACKBONE_NAMES, FIXED_DIMS
+from pipeline.datasets import DATASET_NAMES
+from pipeline.losses import LOSS_NAMES, SELF_SUPERVISED_ONLY
+from pipeline.model import ACTIVATIONS, BLOCK_NORMS
+
+DatasetName = Literal[DATASET_NAMES]  # type: ignore[valid-type]
+BackboneName = Literal[BACKBONE_NAMES]  # type: ignore[valid-type]
+LossName = Literal[LOSS_NAMES]  # type: ignore[valid-type]
+PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
+Activation = Literal[ACTIVATIONS]  # type: ignore[valid-type]
+BlockNorm = Literal[BLOCK_NORMS]  # type: ignore[valid-type]
+
+
+class ParamsError(ValueError):
+    """Invalid params: the message names the key(s) and what is allowed."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True)
+
+
+class SyntheticConfig(Section):
+    """Union of K subspaces of rank r in R^m with noise bounded as eq. 8 (``x·x̃ >= 1 - noise``)."""
+
+    n_samples: int = Field(2000, ge=4, le=10_000_000)
+    n_clusters: int = Field(10, ge=2, le=10_000)
+    rank: int = Field(3, ge=1)
+    dim: int = Field(64, ge=2, le=100_000)
+    noise: float = Field(0.1, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _independent(self) -> SyntheticConfig:
+        if (self.n_clusters - 1) * self.rank >= self.dim:
+            raise ValueError(
+                f"data.synthetic: (n_clusters - 1) * rank = {(self.n_clusters - 1) * self.rank} must be < dim "
+                f"= {self.dim} (the paper's independence assumption); lower rank or n_clusters, or raise dim"
+            )
+        if self.n_samples < 2 * self.n_clusters:
+            raise ValueError("data.synthetic: n_samples must be >= 2 * n_clusters (every class in both splits)")
+        return self
+
+
+class DataConfig(Section):
+    dataset: DatasetName = "digits"
+    root: str = "data/raw"
+    download: bool = False
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    seed: int = Field(0, ge=0)
+    image_size: int | None = Field(None, ge=4, le=4096)
+    limit_train: int | None = Field(None, ge=2)
+    limit_test: int | None = Field(None, ge=2)
+    synthetic: SyntheticConfig = SyntheticConfig()
+
+    @model_validator(mode="after")
+    def _image_folder_size(self) -> DataConfig:
+        if self.dataset == "image_folder" and self.image_size is None:
+            raise ValueError("data.image_size is required for data.dataset: image_folder (e.g. 32)")
+        return self
+
+
+class ModelConfig(Section):
+    backbone: BackboneName = "cnn_small"
+    embed_dim: int | None = Field(None, ge=2, le=65_536)
+    hidden_dim: int = Field(256, ge=2, le=65_536)
+    depth: int = Field(1, ge=0, le=64)
+    activation: Activation = "relu"
+    block_norm: BlockNorm = "layernorm"
+    head: Literal["appendix_e", "truncated"] = "appendix_e"
+    weights: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        if self.head == "truncated" and self.depth == 0:
+            raise ValueError("model.head: truncated needs model.depth >= 1 (its last block gives the affinity)")
+        if self.backbone == "pixels" and self.depth == 0:
+            raise ValueError("model.backbone: pixels with model.depth: 0 has nothing to train; use depth >= 1")
+        if self.backbone in FIXED_DIMS and self.embed_dim not in (None, FIXED_DIMS[self.backbone]):
+            raise ValueError(
+                f"model.embed_dim: {self.backbone} produces {FIXED_DIMS[self.backbone]}-d embeddings; "
+                f"set embed_dim to null or {FIXED_DIMS[self.backbone]}"
+            )
+        if self.backbone == "pixels" and self.embed_dim is not None:
+            raise ValueError("model.embed_dim: the pixels backbone's width is the input size; set it to null")
+        if self.weights is not None and self.backbone != "resnet18":
+            raise ValueError("model.weights: only the resnet18 backbone loads weights from a file")
+        return self
+
+
+class LossConfig(Section):
+    name: LossName = "jsd"
+    temperature: float = Field(0.1, gt=0.0, le=100.0)
+    barlow_lambda: float = Field(5e-3, ge=0.0)
+
+
+class AugmentConfig(Section):
+    preset: PresetName = "paper"
+    strength: float = Field(1.0, ge=0.0, le=1.0)
+
+
+class TrainConfig(Section):
+    mode: Literal["self_supervised", "supervised"] = "self_supervised"
+    epochs: int = Field(20, ge=1, le=100_000)
+    batch_size: int = Field(256, ge=2, le=1_000_000)
+    lr: float = Field(1e-3, gt=0.0, le=10.0)
+    optimizer: Literal["adam", "sgd", "lars"] = "adam"
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    warmup_epochs: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    checkpoint_every: int = Field(1, ge=1)
+    grad_cache_chunk: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _warmup(self) -> TrainConfig:
+        if self.warmup_epochs >= self.epochs:
+            raise ValueError(
+                f"train.warmup_epochs ({self.warmup_epochs}) must be < train.epochs ({self.epochs})"
+            )
+        return self
+
+
+class RayConfig(Section):
+    address: str | None = None
+    num_workers: int = Field(1, ge=1, le=100_000)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0.0, le=1024.0)
+    storage_path: str = "ray_results"
+    max_failures: int = Field(0, ge=-1)
+
+
+class Params(Section):
+    """All of ``params.yaml``. Each DVC stage depends only on the sections it reads."""
+
+    data: DataConfig
+    model: ModelConfig
+    loss: LossConfig
+    augment: AugmentConfig
+    train: TrainConfig
+    ray: RayConfig
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> Params:
+        problems = []
+        if self.train.mode == "supervised" and self.loss.name in SELF_SUPERVISED_ONLY:
+            problems.append(
+                f"loss.name: {self.loss.name} needs train.mode: self_supervised (one positive per row); "
+                "for supervised training use jsd, jsd_appendix_e, kl_softmax, kl_relu, kl_squared, supcon or dcl"
+            )
+        image_backbones = ("cnn_small", "resnet18_cifar", "resnet18")
+        if self.data.dataset == "synthetic" and self.model.backbone in image_backbones:
+            problems.append(
+                f"model.backbone: {self.model.backbone} needs images, but data.dataset: synthetic gives "
+                "vectors; use pixels or mlp"
+            )
+        if self.train.batch_size % self.ray.num_workers:
+            problems.append(
+                f"train.batch_size ({self.train.batch_size}) must be a multiple of ray.num_workers "
+                f"({self.ray.num_workers}): it is the global batch, split evenly over the workers"
+            )
+        if self.ray.use_gpu and self.train.device == "cpu":
+            problems.append("ray.use_gpu: true conflicts with train.device: cpu")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+SECTIONS = tuple(Params.model_fields)
+
+
+# ----------------------------------------------------------------------------------------------- loading
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str] | None:
+    """Field names of the section at ``loc`` (the parent of an unknown key)."""
+    model: type[BaseModel] = Params
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = field.annotation if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return list(model.model_fields)
+
+
+def _format(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if p not in ("function-after", "function-before"))
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            allowed = _allowed_keys(loc[:-1])
+            extra = f"; allowed keys here: {', '.join(allowed)}" if allowed else ""
+            lines.append(f"{key}: unknown key{extra}")
+        elif e["type"] == "missing":
+            lines.append(f"{key}: required section is missing")
+        elif e["type"] == "value_error":
+            lines.append(str(e["msg"]).removeprefix("Value error, "))
+        else:
+            got = e.get("input")
+            shown = f" (got {got!r})" if not isinstance(got, dict) else ""
+            lines.append(f"{key}: {e['msg']}{shown}")
+    return f"invalid params in {source}:\n  " + "\n  ".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"model.depth=3"`` -> (["model", "depth"], 3); the value is parsed as YAML, like DVC's ``-S``."""
+    if "=" not in text:
+        raise ParamsError(f"override {text!r}: expected key=value, e.g. -S model.depth=3")
+    key, _, raw = text.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ParamsError(f"override {text!r}: bad key {key!r}; keys look like section.name")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ParamsError(f"override {text!r}: value is not valid YAML: {exc}") from exc
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Return a copy of ``raw`` with each ``key=value`` override set (intermediate sections created)."""
+    import copy
+
+    out = copy.deepcopy(raw)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if not isinstance(nxt, dict):
+                if nxt is not None:
+                    raise ParamsError(f"override {text!r}: {p!r} is a value, not a section")
+                nxt = node[p] = {}
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def validate_params(raw: Mapping[str, Any], source: str = "params") -> Params:
+    if not isinstance(raw, Mapping):
+        raise ParamsError(f"{source}: expected a mapping of sections ({', '.join(SECTIONS)}), "
+                          f"got {type(raw).__name__}")
+    try:
+        return Params.model_validate(dict(raw))
+    except ValidationError as err:
+        raise ParamsError(_format(err, source)) from None
+
+
+def read_params_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"params file {str(path)!r} not found (pass --params PATH or run in the project root)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ParamsError(f"{path}: not valid YAML: {exc}") from exc
+    if raw is None:
+        raise ParamsError(f"{path}: the file is empty; it needs the sections {', '.join(SECTIONS)}")
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)}), "
+                          f"got {type(raw).__name__}")
+    return raw
+
+
+def load_params(path: str | Path = "params.yaml", overrides: Iterable[str] = ()) -> Params:
+    """Read, override and validate ``path``. Raises :class:`ParamsError` with every problem listed."""
+    raw = apply_overrides(read_params_file(path), overrides)
+    return validate_params(raw, source=str(path))
+
+
+def flatten(params: BaseModel | Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"model.depth": 1, ...}`` — flat keys for trackers and tables."""
+    data = params.model_dump() if isinstance(params, BaseModel) else params
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = v
+    return out
+
+
+__all__ = [
+    "AugmentConfig", "DataConfig", "LossConfig", "ModelConfig", "Params", "ParamsError", "RayConfig",
+    "SyntheticConfig", "TrainConfig", "apply_overrides", "flatten", "load_params", "validate_params",
+]

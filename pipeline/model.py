@@ -1,0 +1,158 @@
+"""TransFusion blocks, head and the full model (paper eq. 2-3 and Appendix E.1).
+
+Block ℓ, on a batch X ∈ R^{n×m} whose *samples* attend to each other:
+
+    X̂ = norm(X)                                  # LayerNorm (default), L2, or none (Appendix E)
+    Q = normalize(X̂ W_Q),  K = normalize(X̂ W_K),  V = X̂ W_V
+    A = act(Q Kᵀ)                                 # act = ReLU (eq. 3); softmax etc. as ablations
+    A ← A − diag(A);  A ← (A + 1e-10) / Σ_j (A + 1e-10)     # Appendix E's row normalisation
+    X' = A V + X̂                                  # eq. 3 residual on the normalised input
+
+Head of depth d: d such blocks. As in Appendix E, the training affinity is then the loss's parameter-free
+cosine affinity of the fused output (``HeadOutput.q == HeadOutput.k == embedding``). With
+``truncate_last=True`` the last block is cut after its affinity, as section 2.1 describes: blocks 1..d-1
+fuse, and block d only supplies its normalised queries and keys (``q``, ``k``), whose product ``A^d`` the
+loss compares with the target. Depth 0 is the backbone alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ACTIVATIONS = ("relu", "softmax", "sigmoid", "identity")
+BLOCK_NORMS = ("layernorm", "l2", "none")
+EPS = 1e-10  # Appendix E's additive constant in the row normalisation
+
+
+def _activate(a: Tensor, activation: str) -> Tensor:
+    if activation == "relu":
+        return F.relu(a)
+    if activation == "softmax":
+        return torch.softmax(a, dim=-1)
+    if activation == "sigmoid":
+        return torch.sigmoid(a)
+    if activation == "identity":
+        return a
+    raise ValueError(f"unknown activation {activation!r}; allowed: {', '.join(ACTIVATIONS)}")
+
+
+def fuse_weights(q: Tensor, k: Tensor, activation: str = "relu") -> tuple[Tensor, Tensor]:
+    """Attention weights of one block from unit queries and keys.
+
+    Returns ``(raw, weights)``: ``raw = act(Q Kᵀ)`` with its diagonal set to 0 (the affinity whose
+    sharpness the theory speaks of) and ``weights = (raw + 1e-10) / Σ_j (raw + 1e-10)`` (Appendix E).
+    q, k: (n, h) unit rows -> (n, n), (n, n).
+    """
+    a = _activate(q @ k.transpose(-2, -1), activation)  # (n, n)
+    raw = a - torch.diag_embed(torch.diagonal(a, dim1=-2, dim2=-1))  # zero diagonal
+    weights = (raw + EPS) / (raw + EPS).sum(dim=-1, keepdim=True)
+    return raw, weights
+
+
+class TransFusionBlock(nn.Module):
+    """One TransFusion block, eq. 2-3 with Appendix E.1 semantics. x: (n, m) -> (n, m)."""
+
+    def __init__(self, dim: int, activation: str = "relu", norm: str = "layernorm") -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; allowed: {', '.join(ACTIVATIONS)}")
+        if norm not in BLOCK_NORMS:
+            raise ValueError(f"unknown block norm {norm!r}; allowed: {', '.join(BLOCK_NORMS)}")
+        self.activation = activation
+        self.norm_kind = norm
+        self.norm = nn.LayerNorm(dim) if norm == "layernorm" else nn.Identity()
+        self.query = nn.Linear(dim, dim)
+        self.key = nn.Linear(dim, dim)
+        self.value = nn.Linear(dim, dim)
+
+    def normalize_input(self, x: Tensor) -> Tensor:
+        x = self.norm(x)
+        return F.normalize(x, dim=-1) if self.norm_kind == "l2" else x
+
+    def qk(self, x_hat: Tensor) -> tuple[Tensor, Tensor]:
+        """Unit queries and keys of the normalised input. (n, m) -> (n, m), (n, m)."""
+        return F.normalize(self.query(x_hat), dim=-1), F.normalize(self.key(x_hat), dim=-1)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Returns ``(x_next, raw_affinity)``: (n, m) and (n, n)."""
+        x_hat = self.normalize_input(x)  # (n, m)
+        q, k = self.qk(x_hat)
+        raw, weights = fuse_weights(q, k, self.activation)  # (n, n)
+        return weights @ self.value(x_hat) + x_hat, raw
+
+
+@dataclass
+class HeadOutput:
+    """What a head returns for one batch of n samples.
+
+    q, k: (n, h) — what the loss turns into the training affinity (cosine of q and k).
+    embedding: (n, m) — the fused embedding for downstream use (output of the last full block).
+    hidden: depth_full + 1 tensors (n, m) — the head's input and every full block's output.
+    affinities: one (n, n) raw affinity act(QKᵀ) per block (zero diagonal), for sharpness.
+    """
+
+    q: Tensor
+    k: Tensor
+    embedding: Tensor
+    hidden: list[Tensor] = field(default_factory=list)
+    affinities: list[Tensor] = field(default_factory=list)
+
+
+class TransFusionHead(nn.Module):
+    """A stack of ``depth`` TransFusion blocks. x: (n, m) -> :class:`HeadOutput`."""
+
+    def __init__(
+        self,
+        dim: int,
+        depth: int,
+        activation: str = "relu",
+        norm: str = "layernorm",
+        truncate_last: bool = False,
+    ) -> None:
+        super().__init__()
+        if depth < 0:
+            raise ValueError(f"depth must be >= 0, got {depth}")
+        if truncate_last and depth == 0:
+            raise ValueError("truncate_last needs depth >= 1 (the last block supplies the affinity)")
+        self.depth = depth
+        self.truncate_last = truncate_last
+        self.blocks = nn.ModuleList(TransFusionBlock(dim, activation, norm) for _ in range(depth))
+
+    def forward(self, x: Tensor, *, collect: bool = False) -> HeadOutput:
+        full = self.blocks[:-1] if self.truncate_last else self.blocks
+        hidden, affinities = [x], []
+        for block in full:
+            x, raw = block(x)
+            if collect:
+                hidden.append(x)
+                affinities.append(raw.detach())
+        if self.truncate_last:
+            last = self.blocks[-1]
+            q, k = last.qk(last.normalize_input(x))
+            if collect:
+                affinities.append(fuse_weights(q, k, last.activation)[0].detach())
+        else:
+            q = k = x
+        return HeadOutput(q=q, k=k, embedding=x, hidden=hidden if collect else [], affinities=affinities)
+
+
+class TransFusion(nn.Module):
+    """Backbone followed by a TransFusion head. images (n, ...) -> :class:`HeadOutput`."""
+
+    def __init__(self, backbone: nn.Module, embed_dim: int, head: TransFusionHead) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.embed_dim = embed_dim
+        self.head = head
+
+    def forward(self, x: Tensor, *, collect: bool = False) -> HeadOutput:
+        return self.head(self.backbone(x), collect=collect)
+
+    @torch.no_grad()
+    def embed(self, x: Tensor) -> list[Tensor]:
+        """Frozen representations for probes: [backbone output, block 1 output, ...], each (n, m)."""
+        return [h.detach() for h in self.forward(x, collect=True).hidden]
