@@ -7,6 +7,7 @@ key and what is allowed. Nothing is run or written before validation passes.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -185,6 +186,25 @@ SECTIONS = tuple(Params.model_fields)
 
 
 # ----------------------------------------------------------------------------------------------- loading
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads ``1e-3`` as a float (YAML 1.2, as DVC does) instead of a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _allowed_keys(loc: tuple[Any, ...]) -> list[str] | None:
     """Field names of the section at ``loc`` (the parent of an unknown key)."""
     model: type[BaseModel] = Params
@@ -226,7 +246,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise ParamsError(f"override {text!r}: bad key {key!r}; keys look like section.name")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _yaml(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
         raise ParamsError(f"override {text!r}: value is not valid YAML: {exc}") from exc
     return parts, value
@@ -266,7 +286,7 @@ def read_params_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ParamsError(f"params file {str(path)!r} not found (pass --params PATH or run in the project root)")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = _yaml(path.read_text())
     except yaml.YAMLError as exc:
         raise ParamsError(f"{path}: not valid YAML: {exc}") from exc
     if raw is None:

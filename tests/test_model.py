@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import math
+import pickle
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.model import ACTIVATIONS, TransFusion, TransFusionBlock, TransFusionHead, fuse_weights
 from pipeline.backbones import build_backbone
+from pipeline.model import ACTIVATIONS, TransFusion, TransFusionBlock, TransFusionHead, fuse_weights
 
 
 def naive_block(x, wq, bq, wk, bk, wv, bv, activation="relu"):
@@ -174,8 +176,9 @@ def test_resnet18_loads_local_weights_only(tmp_path):
     torch.save(ref.state_dict(), tmp_path / "w.pt")
     bb, _ = build_backbone("resnet18", (3, 32, 32), weights=tmp_path / "w.pt")
     torch.testing.assert_close(bb.conv1.weight, ref.conv1.weight)
-    (tmp_path / "evil.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(Exception):
+    # a pickle that would build an arbitrary object is refused (weights_only=True)
+    torch.save({"conv1.weight": argparse.Namespace(payload="x")}, tmp_path / "evil.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         build_backbone("resnet18", (3, 32, 32), weights=tmp_path / "evil.pt")
 
 

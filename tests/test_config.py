@@ -1,0 +1,120 @@
+"""params.yaml validation: every bad input names its key and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import (
+    Params,
+    ParamsError,
+    apply_overrides,
+    flatten,
+    load_params,
+    parse_override,
+    validate_params,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def default_raw() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def test_project_params_are_valid():
+    p = load_params(ROOT / "params.yaml")
+    assert isinstance(p, Params)
+    assert p.data.dataset == "digits"
+
+
+def test_overrides_parse_yaml_values():
+    assert parse_override("model.depth=3") == (["model", "depth"], 3)
+    assert parse_override("data.image_size=null") == (["data", "image_size"], None)
+    assert parse_override("train.lr=1e-2") == (["train", "lr"], 0.01)
+    raw = apply_overrides(default_raw(), ["model.depth=5", "data.synthetic.noise=0.3"])
+    p = validate_params(raw)
+    assert p.model.depth == 5 and p.data.synthetic.noise == 0.3
+
+
+def test_flatten_gives_dotted_keys():
+    flat = flatten(load_params(ROOT / "params.yaml"))
+    assert flat["model.depth"] == 1 and flat["data.synthetic.rank"] == 3 and "ray.num_workers" in flat
+
+
+# (overrides, substrings the message must contain)
+BAD = [
+    (["data.dataset=cifar"], ["data.dataset", "digits", "cifar10", "fashion_mnist"]),
+    (["model.backbone=vit"], ["model.backbone", "cnn_small", "resnet18_cifar"]),
+    (["loss.name=triplet"], ["loss.name", "jsd", "barlow_twins"]),
+    (["model.activation=gelu"], ["model.activation", "relu", "softmax"]),
+    (["augment.preset=strong"], ["augment.preset", "paper", "simclr"]),
+    (["model.depth=-1"], ["model.depth", "greater than or equal to 0"]),
+    (["model.depth=three"], ["model.depth", "valid integer"]),
+    (["model.depth=2.5"], ["model.depth", "valid integer"]),
+    (["augment.strength=1.5"], ["augment.strength", "less than or equal to 1"]),
+    (["train.lr=0"], ["train.lr", "greater than 0"]),
+    (["train.batch_size=1"], ["train.batch_size", "greater than or equal to 2"]),
+    (["train.epochs=0"], ["train.epochs"]),
+    (["data.test_fraction=1.0"], ["data.test_fraction", "less than 1"]),
+    (["data.download=maybe"], ["data.download", "valid boolean"]),
+    (["model.depht=3"], ["model.depht", "unknown key", "depth"]),
+    (["extra.key=1"], ["extra", "unknown key", "data, model, loss"]),
+    (["train.optimizer=rmsprop"], ["train.optimizer", "adam", "lars"]),
+    (["train.mode=semi"], ["train.mode", "self_supervised", "supervised"]),
+    (["train.mode=supervised", "loss.name=infonce"], ["loss.name", "infonce", "self_supervised", "supcon"]),
+    (["train.mode=supervised", "loss.name=barlow_twins"], ["barlow_twins", "self_supervised"]),
+    (["model.head=truncated", "model.depth=0"], ["model.head", "depth >= 1"]),
+    (["model.backbone=pixels", "model.depth=0", "model.embed_dim=null"], ["pixels", "nothing to train"]),
+    (["model.backbone=resnet18_cifar", "model.embed_dim=128"], ["model.embed_dim", "512"]),
+    (["data.dataset=image_folder"], ["data.image_size", "image_folder"]),
+    (["data.dataset=synthetic"], ["model.backbone", "cnn_small", "vectors", "mlp"]),
+    (["data.synthetic.rank=10", "data.synthetic.dim=20"], ["data.synthetic", "must be < dim"]),
+    (["ray.num_workers=3"], ["train.batch_size", "multiple of ray.num_workers"]),
+    (["ray.num_workers=0"], ["ray.num_workers", "greater than or equal to 1"]),
+    (["ray.use_gpu=true", "train.device=cpu"], ["ray.use_gpu", "train.device"]),
+    (["train.warmup_epochs=50"], ["train.warmup_epochs", "train.epochs"]),
+    (["loss.temperature=-0.1"], ["loss.temperature", "greater than 0"]),
+    (["model.weights=w.pt"], ["model.weights", "resnet18"]),
+    (["data=3"], ["data", "valid dictionary"]),
+    (["data.synthetic.noise=2"], ["data.synthetic.noise", "less than or equal to 1"]),
+]
+
+
+@pytest.mark.parametrize("overrides,needles", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_params_name_the_key_and_the_allowed_values(overrides, needles):
+    raw = apply_overrides(default_raw(), overrides)
+    with pytest.raises(ParamsError) as info:
+        validate_params(raw, source="params.yaml")
+    msg = str(info.value)
+    for needle in needles:
+        assert needle in msg, f"{needle!r} missing from: {msg}"
+
+
+def test_every_problem_is_listed_at_once():
+    raw = apply_overrides(default_raw(), ["model.depth=-1", "loss.name=nope", "data.seed=-3"])
+    msg = str(pytest.raises(ParamsError, validate_params, raw).value)
+    assert "model.depth" in msg and "loss.name" in msg and "data.seed" in msg
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [("", "empty"), ("data: [1, 2\n", "not valid YAML"), ("- a\n- b\n", "mapping of sections"),
+     ("data: {}\n", "model: required section is missing")],
+)
+def test_bad_files(tmp_path, text, needle):
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    with pytest.raises(ParamsError, match=needle):
+        load_params(path)
+
+
+def test_missing_file_and_bad_override_syntax(tmp_path):
+    with pytest.raises(ParamsError, match="not found"):
+        load_params(tmp_path / "nope.yaml")
+    with pytest.raises(ParamsError, match="key=value"):
+        load_params(ROOT / "params.yaml", ["model.depth"])
+    with pytest.raises(ParamsError, match="is a value, not a section"):
+        load_params(ROOT / "params.yaml", ["model.depth.x=1"])
