@@ -159,9 +159,9 @@ def _safe_log(x: Tensor, where: Tensor) -> Tensor:
 def _kl_rows(p: Tensor, log_q: Tensor) -> Tensor:
     """Per-row KL ``sum_j p_ij (log p_ij - log q_ij)`` with 0 log 0 = 0. (r, n) -> (r,).
 
-    ``log_q`` must be finite wherever p > 0.
+    ``log_q`` must be finite wherever p > 0. NaN in ``p`` propagates (a NaN loss must not read as 0).
     """
-    pos = p > 0
+    pos = ~(p <= 0)  # True for p > 0 and for NaN
     terms = p * (_safe_log(p, pos) - torch.where(pos, log_q, torch.zeros_like(log_q)))
     return torch.where(pos, terms, torch.zeros_like(terms)).sum(dim=1)
 

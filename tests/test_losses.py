@@ -511,3 +511,11 @@ def test_shape_errors():
         jsd(q, k, torch.arange(5))
     with pytest.raises(ValueError):
         jsd(q, k[:, :3], self_supervised_ids(3))
+
+
+@pytest.mark.parametrize("name", LOSS_NAMES)
+def test_nan_embeddings_give_a_nan_loss(name):
+    """A NaN must surface (the trainer's non-finite guard relies on it), never be masked to 0."""
+    q = torch.randn(8, 4)
+    q[0, 0] = float("nan")
+    assert torch.isnan(make_loss(name)(q, q, self_supervised_ids(4)))

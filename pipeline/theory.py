@@ -1,0 +1,593 @@
+"""Section 3 of the TransFusion paper (and its appendices C, D) as numerical tools.
+
+What is here, by the paper's numbering:
+
+- the data model of section 3: K subspaces U_k of rank r in R^m with (K-1) r < m, samples on the unit
+  sphere of their subspace, and noisy copies with x_i^T x~_i >= 1 - ε (eq. 8):  ``union_of_subspaces``;
+- cluster integrity ρ (Definition 1, eq. 6):  ``cluster_integrity`` and friends;
+- sharpness S(A) (Definition 2):  ``sharpness``, ``sharpness_per_layer``;
+- δ and Δ of section 3.2:  ``noise_bounds``;
+- the factor γ of Theorem 2, exactly as printed:  ``theorem2``, ``learnable_region``;
+- the weight construction of Theorem 1 / Appendix C:  ``theorem1_weights``, ``affinity_from_weights``.
+
+Where the paper is loose, this module implements what is printed and states the reading it had to choose.
+The deviations and findings, each also noted at the function concerned:
+
+1. Definition 1 says "x_i ∉ U_k". With noise no sample lies exactly in any subspace, so membership is
+   taken from the labels: the min in eq. (6) runs over the samples whose label is not k.
+2. ρ_k in eq. (6) is a max-min over the unit sphere of U_k's orthogonal complement; the problem is
+   non-convex (the |.|). ``cluster_integrity`` returns the value of the best unit vector it finds. Every
+   vector it evaluates is feasible, so the estimate is a LOWER bound of the true ρ.
+   ``cluster_integrity_upper_bound`` gives a cheap rigorous upper bound (min_i of ||proj_{U_k^⊥} x_i||).
+3. Theorem 1 claims [A]_ij > ν_i ρ² inside a cluster. With the construction of Appendix C (columns
+   w_j of unit norm, orthogonal to every other subspace) this holds for two rank-1 subspaces with
+   sign-aligned samples (the paper's example, with equality, so ">" should read ">="), but not in general:
+   - with samples x and -x in one cluster the same-cluster entry is negative (the paper's ReLU then zeros it);
+   - for rank r > 1 same-cluster entries can have either sign (only the diagonal is guaranteed > 0);
+   - for K >= 3 the same-cluster entries scale with the distance of U_k to the SPAN of all the other
+     subspaces, which can be far smaller than ρ (e.g. three lines in R^3, one nearly in the plane of the
+     other two). Any W giving exact zeros across clusters has this problem, unless W is scaled up, and a
+     scale-free bound then says nothing. Printed example (7) also does not follow from the printed W*.
+4. Theorem 2's γ, evaluated as printed (``theorem2``), has these properties:
+   - Appendix D's step from the second to the third line of (16) replaces n(n²(...))² = n⁵(...)² by
+     n³(...)²; the printed γ keeps that slip (it makes γ larger than the derivation gives).
+   - The denominator carries Δ², so γ → ∞ as Δ → 0, i.e. where noise and cluster overlap are worst.
+   - The same-cluster lower bound Δ³ - n²(δ + δ²) of Appendix D is negative unless Δ³ > n²(δ + δ²);
+     squaring a negative lower bound does not give a lower bound, so γ only means something where
+     ``meaningful = (Δ > 0) & (Δ³ > n²(δ + δ²))``.
+   - In that meaningful region γ <= 1 always (proof at ``learnable_region``), so the region
+     "meaningful and γ > 1" is EMPTY for every n >= 1. The set {γ > 1} that a direct plot of the printed
+     formula shades (``printed_gamma_region``) lies entirely in the non-meaningful part: it grows with ε
+     and shrinks with ρ, the opposite of the paper's reading (low noise and separated clusters help).
+   - The text says sharpness grows like O(Δ² n); the printed γ decays like Δ⁴ / n³ at δ = 0.
+   - (16) divides by D(S) = α/β "<= Δ² / (2δ + δ²)", but α/β is a LOWER bound of the layer's sharpness,
+     so the ratio D(S')/D(S) is not bounded below by the chain as written.
+
+Shapes: n samples, m (``dim``) ambient dimension, K clusters, r rank. Arrays may be torch tensors or numpy
+arrays; scalars and grids come back as Python floats / numpy arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.optimize import nnls
+
+ArrayLike = torch.Tensor | np.ndarray
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _np64(a: ArrayLike | Sequence[float] | float) -> np.ndarray:
+    """Any torch tensor / numpy array / nested list -> float64 numpy array (detached, on CPU)."""
+    if isinstance(a, torch.Tensor):
+        return a.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(a, dtype=np.float64)
+
+
+def _labels(labels: ArrayLike | Sequence[int], n: int) -> np.ndarray:
+    """Cluster labels -> int64 numpy array of shape (n,)."""
+    y = labels.detach().cpu().numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
+    if y.shape != (n,):
+        raise ValueError(f"labels must have shape ({n},), got {tuple(y.shape)}")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"labels must be integers, got dtype {y.dtype}")
+    return y.astype(np.int64)
+
+
+def _orth_basis(b: np.ndarray, tol: float = 1e-10) -> np.ndarray:
+    """Orthonormal basis of the column span of b: (m, k) -> (m, rank)."""
+    if b.shape[1] == 0:
+        return np.zeros((b.shape[0], 0))
+    u, s, _ = np.linalg.svd(b, full_matrices=False)
+    return u[:, s > tol * max(1.0, s.max(initial=0.0))]
+
+
+def _orth_complement(b: np.ndarray, tol: float = 1e-10) -> np.ndarray:
+    """Orthonormal basis of the orthogonal complement of span(b): (m, k) -> (m, m - rank)."""
+    m = b.shape[0]
+    if b.shape[1] == 0:
+        return np.eye(m)
+    u, s, _ = np.linalg.svd(b, full_matrices=True)
+    rank = int((s > tol * max(1.0, s.max(initial=0.0))).sum())
+    return u[:, rank:]
+
+
+def _bases(bases: ArrayLike, dim: int) -> np.ndarray:
+    """Subspace bases -> float64 (K, dim, r)."""
+    b = _np64(bases)
+    if b.ndim != 3 or b.shape[1] != dim:
+        raise ValueError(f"bases must have shape (K, {dim}, r), got {tuple(b.shape)}")
+    return b
+
+
+def _check_label_range(y: np.ndarray, k: int) -> None:
+    if y.size and (y.min() < 0 or y.max() >= k):
+        raise ValueError(f"labels must lie in [0, {k}) to index the {k} bases, got [{y.min()}, {y.max()}]")
+
+
+def _as_float_or_array(a: np.ndarray) -> float | np.ndarray:
+    return float(a) if np.ndim(a) == 0 else a
+
+
+# ------------------------------------------------------------------------------------ data generator
+@dataclass(frozen=True)
+class SubspaceData:
+    """A union-of-subspaces batch (section 3).
+
+    x: (n, dim) float32 unit rows, the noisy samples x~_i; clean: (n, dim) float32 unit rows x_i in their
+    subspace; labels: (n,) int64 in [0, K); bases: (K, dim, rank) float32, orthonormal columns spanning U_k.
+    """
+
+    x: torch.Tensor
+    labels: torch.Tensor
+    bases: torch.Tensor
+    clean: torch.Tensor
+
+
+def union_of_subspaces(
+    n: int, n_clusters: int, rank: int, dim: int, noise: float, seed: int = 0
+) -> SubspaceData:
+    """Sample n unit points from K random rank-r subspaces of R^dim, then perturb them within eq. (8).
+
+    Subspaces: U_k = span(Q_k), Q_k the orthonormal factor of a (dim, r) Gaussian matrix. The paper
+    assumes no subspace lies in the span of the others, (K - 1) r < m; that is required here.
+    Labels: balanced (counts differ by at most one), in random order.
+    Clean samples: x_i = Q_{c_i} g_i / ||g_i||, g_i ~ N(0, I_r).
+    Noisy samples: x~_i = (1 - e_i) x_i + sqrt(1 - (1 - e_i)²) d_i with d_i a random unit vector orthogonal
+    to x_i and e_i ~ U[0, noise], so ||x~_i|| = 1 and x_i^T x~_i = 1 - e_i >= 1 - ε (eq. 8 with ε = noise).
+
+    Deterministic given ``seed`` (a private torch.Generator; global RNG state is untouched).
+    """
+    if n_clusters < 1 or rank < 1:
+        raise ValueError(f"need n_clusters >= 1 and rank >= 1, got {n_clusters}, {rank}")
+    if dim < 2:
+        raise ValueError(f"need dim >= 2 (a noise direction orthogonal to each sample), got {dim}")
+    if rank > dim:
+        raise ValueError(f"rank {rank} exceeds the ambient dimension {dim}")
+    if (n_clusters - 1) * rank >= dim:
+        raise ValueError(
+            f"(K - 1) r = ({n_clusters} - 1) * {rank} = {(n_clusters - 1) * rank} must be < m = {dim}: "
+            "the paper "
+            "assumes no subspace is linearly dependent on the others (section 3)"
+        )
+    if n < n_clusters:
+        raise ValueError(f"need n >= n_clusters (every cluster gets a sample), got n={n} < K={n_clusters}")
+    if not 0.0 <= noise <= 1.0:
+        raise ValueError(f"noise ε must lie in [0, 1] (eq. 8), got {noise}")
+
+    g = torch.Generator().manual_seed(int(seed))
+    f64 = torch.float64
+    bases = torch.linalg.qr(torch.randn(n_clusters, dim, rank, generator=g, dtype=f64)).Q  # (K, m, r)
+    labels = (torch.arange(n) % n_clusters)[torch.randperm(n, generator=g)]  # (n,)
+    coef = torch.randn(n, rank, generator=g, dtype=f64)  # (n, r)
+    clean = torch.einsum("nmr,nr->nm", bases[labels], coef)  # (n, m)
+    clean = clean / clean.norm(dim=1, keepdim=True)
+    d = torch.randn(n, dim, generator=g, dtype=f64)  # (n, m)
+    d = d - (d * clean).sum(1, keepdim=True) * clean  # orthogonal to the clean sample
+    d = d / d.norm(dim=1, keepdim=True)
+    e = noise * torch.rand(n, generator=g, dtype=f64)  # (n,) e_i ~ U[0, ε]
+    cos = (1.0 - e)[:, None]
+    sin = torch.sqrt(torch.clamp(1.0 - cos**2, min=0.0))
+    x = cos * clean + sin * d  # (n, m), unit rows
+    return SubspaceData(
+        x=x.float(), labels=labels.to(torch.int64), bases=bases.float(), clean=clean.float()
+    )
+
+
+# ------------------------------------------------------------------------------- cluster integrity
+def _min_norm_point(a: np.ndarray) -> np.ndarray:
+    """Approximate minimum-norm point of the convex hull of the rows of a (p, d) -> (d,).
+
+    min_{λ >= 0} ||a^T λ||² + (1^T λ - 1)² as an NNLS problem; for any fixed 1^T λ the optimum is a
+    multiple of the min-norm point, so the penalty weight does not bias the direction.
+    """
+    p, d = a.shape
+    mat = np.vstack([a.T, np.ones((1, p))])  # (d + 1, p)
+    rhs = np.zeros(d + 1)
+    rhs[-1] = 1.0
+    lam, _ = nnls(mat, rhs, maxiter=50 * (p + d + 1))
+    s = lam.sum()
+    return a.T @ lam / s if s > 0 else np.zeros(d)
+
+
+def _maxmin_abs(
+    z: np.ndarray, groups: np.ndarray, rng: np.random.Generator, n_random: int, max_sample_candidates: int,
+    steps: int,
+) -> tuple[np.ndarray, float]:
+    """Estimate max_{||v|| = 1} min_i |z_i^T v| for z: (p, d) -> (v (d,), value).
+
+    Candidates (normalised projected samples, principal directions per group and overall, their
+    sign-aligned means, random directions) are improved by projected gradient ascent on a soft-min of
+    |z_i^T v| with an annealed temperature, then the best few are polished by sign-fixed exact steps:
+    for signs s_i = sign(z_i^T v), max_{||v|| <= 1} min_i s_i z_i^T v is concave and equals the distance
+    from 0 to conv{s_i z_i}, attained at v = p*/||p*|| (p* the min-norm point), and this never decreases
+    the value. ``value`` is always the exact min_i |z_i^T v| of the returned unit v.
+    """
+    p, d = z.shape
+    if d == 1:  # the complement is one direction: nothing to optimise
+        v = np.ones(1)
+        return v, float(np.abs(z[:, 0]).min())
+
+    def unit_rows(v: np.ndarray) -> np.ndarray:
+        nrm = np.linalg.norm(v, axis=1, keepdims=True)
+        return v[nrm[:, 0] > 1e-12] / nrm[nrm[:, 0] > 1e-12]
+
+    cands = []
+    idx = np.arange(p)
+    if p > max_sample_candidates:
+        idx = rng.choice(p, size=max_sample_candidates, replace=False)
+    cands.append(z[idx])
+    for sub in [z] + [z[groups == g] for g in np.unique(groups)]:
+        _, evec = np.linalg.eigh(sub.T @ sub)  # principal directions, ascending eigenvalues
+        top = evec[:, ::-1][:, : min(3, d)].T  # (<=3, d)
+        cands.append(top)
+        signs = np.sign(sub @ top[0])
+        signs[signs == 0] = 1.0
+        cands.append((signs[:, None] * sub).mean(0, keepdims=True))
+    cands.append(rng.standard_normal((n_random, d)))
+    v = unit_rows(np.vstack(cands))  # (c, d)
+
+    best_v = v.copy()
+    best_val = np.full(len(v), -np.inf)
+    taus = np.geomspace(0.1, 1e-3, max(steps, 1))
+    lrs = np.geomspace(0.2, 5e-3, max(steps, 1))
+    prune_at, n_keep = steps // 5, 16  # after a warm-up, only the most promising candidates keep climbing
+    for t in range(steps + 1):
+        s = v @ z.T  # (c, p)
+        a = np.abs(s)
+        val = a.min(1)  # exact value of the current directions
+        better = val > best_val
+        best_v[better], best_val[better] = v[better], val[better]
+        if t == steps:
+            break
+        if t == prune_at and len(v) > n_keep:
+            keep = np.argsort(-best_val)[:n_keep]
+            v, s, a, val = v[keep], s[keep], a[keep], val[keep]
+            best_v, best_val = best_v[keep], best_val[keep]
+        w = np.exp(-(a - val[:, None]) / taus[t])
+        w /= w.sum(1, keepdims=True)  # soft-min weights
+        grad = (w * np.sign(s)) @ z  # (c, d)
+        grad -= (grad * v).sum(1, keepdims=True) * v  # tangent to the sphere
+        v = v + lrs[t] * grad
+        v /= np.linalg.norm(v, axis=1, keepdims=True)
+
+    order = np.argsort(-best_val)[:n_keep]
+    top_v, top_val = best_v[order[0]], float(best_val[order[0]])
+    for c in order:  # polish: sign-fixed exact ascent
+        cur_v, cur_val = best_v[c], float(best_val[c])
+        for _ in range(20):
+            signs = np.sign(z @ cur_v)
+            signs[signs == 0] = 1.0
+            try:
+                pt = _min_norm_point(signs[:, None] * z)
+            except RuntimeError:  # NNLS iteration limit: keep what we have
+                break
+            nrm = np.linalg.norm(pt)
+            if nrm < 1e-12:
+                break
+            new_v = pt / nrm
+            new_val = float(np.abs(z @ new_v).min())
+            if new_val <= cur_val + 1e-15:
+                break
+            cur_v, cur_val = new_v, new_val
+        if cur_val > top_val:
+            top_v, top_val = cur_v, cur_val
+    return top_v, top_val
+
+
+def cluster_integrity_directions(
+    x: ArrayLike, labels: ArrayLike, bases: ArrayLike, *, n_random: int = 32, max_sample_candidates: int = 64,
+    steps: int = 300, seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-cluster estimates of eq. (6) with their witnesses.
+
+        ρ_k := max_{unit u ⊥ U_k} min_{x_i ∉ U_k} |x_i^T u|            (6)
+
+    "x_i ∉ U_k" is read as "label_i != k" (noisy samples lie in no subspace). u is searched in the
+    orthogonal complement of span(bases[k]) (bases need not be orthonormal).
+    Returns ``(rho (K,), u (K, dim))``: u[k] is a unit vector orthogonal to U_k and
+    rho[k] = min_{label_i != k} |x_i^T u[k]| exactly. Every u evaluated is feasible, so rho[k] is a LOWER
+    bound of the true ρ_k (exact when the complement is one-dimensional).
+    Clusters with no sample outside them get ρ_k = +inf (min over an empty set).
+
+    x: (n, dim); labels: (n,) in [0, K); bases: (K, dim, r).
+    """
+    xs = _np64(x)
+    if xs.ndim != 2:
+        raise ValueError(f"x must be (n, dim), got shape {xs.shape}")
+    n, dim = xs.shape
+    y = _labels(labels, n)
+    b = _bases(bases, dim)
+    n_clusters = b.shape[0]
+    _check_label_range(y, n_clusters)
+    rng = np.random.default_rng(seed)
+    rho = np.full(n_clusters, np.inf)
+    u = np.zeros((n_clusters, dim))
+    for k in range(n_clusters):
+        comp = _orth_complement(b[k])  # (dim, dim - r_k)
+        if comp.shape[1] == 0:
+            raise ValueError(f"subspace {k} spans R^{dim}: no unit vector is orthogonal to it (eq. 6)")
+        u[k] = comp[:, 0]
+        outside = y != k
+        if not outside.any():
+            continue
+        z = xs[outside] @ comp  # (p, dim - r_k): coordinates in U_k^⊥
+        v, _ = _maxmin_abs(z, y[outside], rng, n_random, max_sample_candidates, steps)
+        u[k] = comp @ v
+        u[k] /= np.linalg.norm(u[k])
+        rho[k] = float(np.abs(xs[outside] @ u[k]).min())
+    return rho, u
+
+
+def cluster_integrity_per_cluster(
+    x: ArrayLike, labels: ArrayLike, bases: ArrayLike, *, n_random: int = 32, max_sample_candidates: int = 64,
+    steps: int = 300, seed: int = 0,
+) -> np.ndarray:
+    """Lower-bound estimates of ρ_k (Definition 1, eq. 6), one per subspace: (K,) numpy array.
+
+    See ``cluster_integrity_directions`` for the method and conventions.
+    """
+    rho, _ = cluster_integrity_directions(
+        x, labels, bases, n_random=n_random, max_sample_candidates=max_sample_candidates, steps=steps,
+        seed=seed,
+    )
+    return rho
+
+
+def cluster_integrity(
+    x: ArrayLike, labels: ArrayLike, bases: ArrayLike, *, n_random: int = 32, max_sample_candidates: int = 64,
+    steps: int = 300, seed: int = 0,
+) -> float:
+    """Cluster integrity ρ = min_k ρ_k (Definition 1, eq. 6), estimated from below.
+
+        ρ_k := max_{unit u ⊥ U_k} min_{x_i ∉ U_k} |x_i^T u|
+
+    The max-min is non-convex; the returned value is attained by an explicit feasible u per cluster, so it
+    is a LOWER bound of the true ρ (``cluster_integrity_upper_bound`` brackets it from above).
+    x: (n, dim); labels: (n,) in [0, K); bases: (K, dim, r). Returns a float in [0, 1] for unit rows.
+    """
+    return float(
+        cluster_integrity_per_cluster(
+            x, labels, bases, n_random=n_random, max_sample_candidates=max_sample_candidates, steps=steps,
+            seed=seed,
+        ).min()
+    )
+
+
+def cluster_integrity_upper_bound(x: ArrayLike, labels: ArrayLike, bases: ArrayLike) -> float:
+    """A rigorous upper bound of ρ (eq. 6): min_k min_{label_i != k} ||P_{U_k^⊥} x_i||.
+
+    For unit u ⊥ U_k, |x_i^T u| = |(P_{U_k^⊥} x_i)^T u| <= ||P_{U_k^⊥} x_i||, so every ρ_k is below it.
+    x: (n, dim); labels: (n,); bases: (K, dim, r).
+    """
+    xs = _np64(x)
+    n, dim = xs.shape
+    y = _labels(labels, n)
+    b = _bases(bases, dim)
+    _check_label_range(y, b.shape[0])
+    out = np.inf
+    for k in range(b.shape[0]):
+        outside = y != k
+        if outside.any():
+            out = min(out, float(np.linalg.norm(xs[outside] @ _orth_complement(b[k]), axis=1).min()))
+    return out
+
+
+# --------------------------------------------------------------------------------------- sharpness
+def _ratio_with_conventions(lo: float, hi: float) -> float:
+    """lo / hi, with a non-positive hi treated as 0+: +inf if lo > 0, 0 if lo == 0, -inf if lo < 0."""
+    if np.isnan(lo) or np.isnan(hi):
+        return float("nan")
+    if hi > 0:
+        return float(lo / hi)
+    if lo > 0:
+        return float("inf")
+    return 0.0 if lo == 0 else float("-inf")
+
+
+def sharpness(a: ArrayLike, labels: ArrayLike) -> float:
+    """Sharpness of an affinity matrix (Definition 2).
+
+        S(A) := inf_{i,j,p,q} [A]_ij / [A]_pq,   c_i = c_j (i != j),  c_p != c_q
+              = min_{same, i != j} A_ij / max_{different} A_pq      (for A >= 0)
+
+    Conventions: the diagonal is excluded (the model removes it; A_ii says nothing about clusters). The
+    value computed is always min_same / max_diff; for a non-negative A this is exactly the infimum above.
+    A non-positive max_diff is treated as 0+: the result is +inf if min_same > 0, 0 if min_same == 0 and
+    -inf if min_same < 0. Hence a matrix whose same-cluster minimum is <= 0 gets a sharpness <= 0.
+    NaN entries give NaN. Raises ValueError when there is no same-cluster pair i != j or no
+    different-cluster pair.
+
+    a: (n, n) torch or numpy; labels: (n,).
+    """
+    am = _np64(a)
+    if am.ndim != 2 or am.shape[0] != am.shape[1]:
+        raise ValueError(f"affinity must be a square (n, n) matrix, got shape {am.shape}")
+    n = am.shape[0]
+    y = _labels(labels, n)
+    same = y[:, None] == y[None, :]  # (n, n)
+    same_off = same & ~np.eye(n, dtype=bool)
+    diff = ~same
+    if not same_off.any():
+        raise ValueError("sharpness needs a same-cluster pair i != j; every cluster is a singleton")
+    if not diff.any():
+        raise ValueError("sharpness needs two clusters; all samples share one label")
+    return _ratio_with_conventions(float(am[same_off].min()), float(am[diff].max()))
+
+
+def sharpness_per_layer(affinities: Sequence[ArrayLike], labels: ArrayLike) -> list[float]:
+    """Definition 2 for each layer's affinity A^ℓ: list of (n, n) matrices -> list of floats."""
+    return [sharpness(a, labels) for a in affinities]
+
+
+# ------------------------------------------------------------------------------ noise bounds, Thm 2
+def _validate_unit_interval(name: str, v: np.ndarray) -> None:
+    if np.any(~np.isfinite(v)) or np.any(v < 0) or np.any(v > 1):
+        raise ValueError(f"{name} must lie in [0, 1]")
+
+
+def _noise_bounds_np(rho: np.ndarray, eps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    keep = 1.0 - eps
+    s = 1.0 - keep**2  # 1 - (1 - ε)², in [0, 1]
+    delta = np.sqrt(s)
+    big_delta = keep * rho - np.sqrt(s * (1.0 - rho**2))
+    return delta, big_delta
+
+
+def noise_bounds(
+    rho: float | ArrayLike, eps: float | ArrayLike
+) -> tuple[float | np.ndarray, float | np.ndarray]:
+    """δ and Δ of section 3.2 (and Appendix D), broadcast over rho and eps.
+
+        δ := sqrt(1 - (1 - ε)²)                                   (projection of a noisy in-cluster sample
+                                                                   onto a direction ⊥ its subspace, upper)
+        Δ := (1 - ε) ρ - sqrt((1 - (1 - ε)²)(1 - ρ²))              (same for other clusters, lower)
+
+    Δ = cos(arccos(1 - ε) + arccos ρ), so Δ < 0 once the two angles add up to more than 90°, and Δ = 0
+    exactly when ρ = δ. ρ, ε in [0, 1]. Returns floats for scalar inputs, numpy arrays otherwise.
+    """
+    r, e = np.broadcast_arrays(_np64(rho), _np64(eps))
+    _validate_unit_interval("rho", r)
+    _validate_unit_interval("eps", e)
+    delta, big_delta = _noise_bounds_np(r, e)
+    return _as_float_or_array(delta), _as_float_or_array(big_delta)
+
+
+@dataclass(frozen=True)
+class Theorem2:
+    """Theorem 2 evaluated on a grid; every field has the broadcast shape of (rho, eps, n).
+
+    delta, Delta: section 3.2's bounds; gamma: the printed factor; meaningful: where Appendix D's
+    same-cluster lower bound is positive, (Δ > 0) & (Δ³ > n²(δ + δ²)).
+    """
+
+    delta: np.ndarray
+    Delta: np.ndarray
+    gamma: np.ndarray
+    meaningful: np.ndarray
+
+
+def theorem2(rho: float | ArrayLike, eps: float | ArrayLike, n: float | ArrayLike) -> Theorem2:
+    """Theorem 2's sharpness factor, exactly as printed, with where it means anything.
+
+        γ := (Δ³ - n²(δ + δ²))² (2 + δ) / ( Δ² n³ (Δ² + (1 + δ)) (1 + δ(Δ² + (1 + δ))) )
+
+    Evaluated honestly:
+    - the denominator vanishes with Δ, so γ → ∞ as Δ → 0 (where noise and overlap are worst). At Δ == 0
+      exactly, γ = +inf when δ > 0; at the single point ρ = ε = 0 (Δ = δ = 0) the formula is 0/0 and
+      γ = NaN (along ε = 0, γ = 2Δ⁴ / (n³(1 + Δ²)) → 0, so +inf would be wrong there);
+    - when Δ³ < n²(δ + δ²), Appendix D's lower bound Δ³ - n²(δ + δ²) on the next layer's same-cluster
+      affinity is negative, and squaring it gives no bound: ``meaningful`` marks where γ can be read,
+      (Δ > 0) & (Δ³ > n²(δ + δ²));
+    - the printed γ carries Appendix D's slip n⁵ -> n³ in (16) (module docstring, item 4).
+    No floating-point warnings are emitted. rho, eps in [0, 1], n >= 1 (the batch size), all broadcast.
+    """
+    r, e, nn = np.broadcast_arrays(_np64(rho), _np64(eps), _np64(n))
+    _validate_unit_interval("rho", r)
+    _validate_unit_interval("eps", e)
+    if np.any(~np.isfinite(nn)) or np.any(nn < 1):
+        raise ValueError("n (batch size) must be finite and >= 1")
+    delta, big_delta = _noise_bounds_np(r, e)
+    dd = delta + delta**2  # δ + δ²
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        num = (big_delta**3 - nn**2 * dd) ** 2 * (2.0 + delta)
+        inner = big_delta**2 + (1.0 + delta)  # Δ² + (1 + δ)
+        den = big_delta**2 * nn**3 * inner * (1.0 + delta * inner)
+        gamma = num / den
+    gamma = np.where(big_delta == 0, np.where(delta > 0, np.inf, np.nan), gamma)
+    meaningful = (big_delta > 0) & (big_delta**3 > nn**2 * dd)
+    return Theorem2(
+        delta=np.asarray(delta), Delta=np.asarray(big_delta), gamma=np.asarray(gamma),
+        meaningful=np.asarray(meaningful),
+    )
+
+
+def learnable_region(
+    rho_grid: float | ArrayLike, eps_grid: float | ArrayLike, n: float | ArrayLike
+) -> np.ndarray:
+    """Where Theorem 2 promises growing sharpness: ``meaningful & (γ > 1)`` (bool array, broadcast shape).
+
+    This is the set Figure 2 is said to shade. It is EMPTY for every n >= 1. Proof: where meaningful,
+    0 < Δ³ - n²(δ + δ²) <= Δ³, so the numerator is <= Δ⁶(2 + δ), and the denominator is
+    >= Δ² n³ (1 + δ) (drop Δ² in the first bracket, δ(...) in the second), hence
+    γ <= Δ⁴ (2 + δ) / (n³ (1 + δ)) <= 2Δ⁴ / n³ <= 2 / n³ (Δ <= ρ <= 1). For n >= 2 that is <= 1/4; for n = 1,
+    the δ = 0 case gives γ = 2Δ⁴ / (1 + Δ²) <= 1 with equality only at ρ = 1, ε = 0, and δ > 0 is smaller
+    still. Pass ``rho_grid[:, None], eps_grid[None, :]`` for a 2-D grid.
+    """
+    t = theorem2(rho_grid, eps_grid, n)
+    return t.meaningful & (t.gamma > 1)
+
+
+def printed_gamma_region(
+    rho_grid: float | ArrayLike, eps_grid: float | ArrayLike, n: float | ArrayLike
+) -> np.ndarray:
+    """{γ > 1} for the printed γ, ignoring whether the bound behind it holds (bool array).
+
+    This is what a direct plot of Theorem 2's formula shades. It lies entirely outside ``meaningful``
+    (see ``learnable_region``) and, at fixed ρ and n, is an interval ε >= ε*(ρ, n): more noise enters it,
+    less noise leaves it; it grows with n. Provided to put the paper's figure and the honest reading side
+    by side.
+    """
+    return np.asarray(theorem2(rho_grid, eps_grid, n).gamma > 1)
+
+
+# ------------------------------------------------------------------------------------------ Theorem 1
+def theorem1_weights(bases: ArrayLike, labels: ArrayLike, x: ArrayLike) -> ArrayLike:
+    """The weight matrix W ∈ R^{m×n} of Theorem 1's proof (Appendix C).
+
+    Column w_j is orthogonal to every subspace except U_{c_j}:
+        w_j = P_{c_j} x_j / ||P_{c_j} x_j||,   P_c = projector onto (span of all U_k, k != c)^⊥,
+    so [XW]_ij = x_i^T w_j = 0 whenever c_i != c_j and x_i ∈ U_{c_i} (Appendix C), and with
+    W_Q = W_K = W the affinity A = (XW)(XW)^T (eq. 2) is block diagonal (eq. 13). On the paper's lower bound
+    (12) see the module docstring, item 3: it holds for two rank-1 subspaces with sign-aligned samples.
+
+    bases: (K, m, r); labels: (n,) in [0, K); x: (n, m). Returns (m, n), a torch tensor of x's dtype and
+    device if x is a tensor, else a float64 numpy array. Raises ValueError if some x_j lies in the span of
+    the other subspaces (no such w_j exists).
+    """
+    xs = _np64(x)
+    n, dim = xs.shape
+    y = _labels(labels, n)
+    b = _bases(bases, dim)
+    n_clusters = b.shape[0]
+    _check_label_range(y, n_clusters)
+    w = np.zeros((dim, n))
+    for c in range(n_clusters):
+        cols = np.flatnonzero(y == c)
+        if cols.size == 0:
+            continue
+        others = b[[k for k in range(n_clusters) if k != c]]  # (K-1, m, r)
+        others = others.transpose(1, 0, 2).reshape(dim, -1)  # (m, (K-1) r)
+        o = _orth_basis(others)  # (m, rank of the others' span)
+        v = xs[cols].T - o @ (o.T @ xs[cols].T)  # (m, |c|) = P_c x_j
+        nrm = np.linalg.norm(v, axis=0)
+        bad = nrm <= 1e-10 * np.maximum(np.linalg.norm(xs[cols], axis=1), 1e-300)
+        if bad.any():
+            raise ValueError(
+                f"sample {cols[bad][0]} lies in the span of the subspaces of the other clusters: "
+                "no column orthogonal to them can see it "
+                "(Theorem 1 needs (K-1) r < m and U_c outside that span)"
+            )
+        w[:, cols] = v / nrm
+    if isinstance(x, torch.Tensor):
+        dtype = x.dtype if x.is_floating_point() else torch.float64
+        return torch.from_numpy(w).to(device=x.device, dtype=dtype)
+    return w
+
+
+def affinity_from_weights(x: ArrayLike, w: ArrayLike) -> ArrayLike:
+    """A = (X W)(X W)^T, eq. (2) with W_Q = W_K = W (no activation, no normalisation).
+
+    x: (n, m); w: (m, h) -> (n, n). Torch in, torch out (if either is a tensor); numpy otherwise.
+    """
+    if isinstance(x, torch.Tensor) or isinstance(w, torch.Tensor):
+        xt = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+        wt = w if isinstance(w, torch.Tensor) else torch.as_tensor(w)
+        dtype = torch.promote_types(xt.dtype, wt.dtype)
+        q = xt.to(dtype) @ wt.to(device=xt.device, dtype=dtype)  # (n, h)
+        return q @ q.T
+    q = np.asarray(x, dtype=np.float64) @ np.asarray(w, dtype=np.float64)  # (n, h)
+    return q @ q.T
