@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from stages.prepare import prepare
+from stages.pretrain import pretrain_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -14,6 +15,7 @@ def main() -> None:
 
 
 main.add_command(prepare)
+main.add_command(pretrain_cmd)
 
 if __name__ == "__main__":
     main()

@@ -127,6 +127,8 @@ class TrainConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     checkpoint_every: int = Field(1, ge=1)
     grad_cache_chunk: int | None = Field(None, ge=1)
+    knn_every: int = Field(1, ge=0)  # epochs between online kNN evaluations (0 = only at the end)
+    knn_k: int = Field(20, ge=1)
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainConfig:

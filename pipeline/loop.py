@@ -1,0 +1,182 @@
+"""The pretraining loop, pure torch (+ torch.distributed): data shards, views, steps, kNN monitor.
+
+Ray-free on purpose: the Ray Train worker (``pipeline.train``) and the benchmarks run this same loop.
+All randomness derives from ``(train.seed, epoch, step, rank)``: the epoch's permutation of the training
+set is the same on every worker, each worker augments its shard with its own generator, and a run
+resumed from a checkpoint draws exactly the numbers an uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeline.augment import BatchAugment, view_noise
+from pipeline.backbones import build_backbone
+from pipeline.config import Params
+from pipeline.datasets import Dataset, to_float
+from pipeline.knn import knn_accuracy
+from pipeline.losses import make_loss
+from pipeline.model import TransFusion, TransFusionHead
+from pipeline.optim import build_optimizer, warmup_cosine
+from pipeline.step import GlobalBatchStep, NonFiniteLossError
+
+KNN_BANK, KNN_QUERIES = 5000, 2000
+
+
+def build_model(params: Params, input_shape: tuple[int, ...]) -> TransFusion:
+    m = params.model
+    backbone, dim = build_backbone(m.backbone, tuple(input_shape), m.embed_dim, m.hidden_dim, m.weights)
+    head = TransFusionHead(dim, m.depth, m.activation, m.block_norm, truncate_last=m.head == "truncated")
+    return TransFusion(backbone, dim, head)
+
+
+def wants_gpu(params: Params) -> bool:
+    """GPU when asked for, or when present and ``train.device: auto`` (the default)."""
+    if params.train.device == "cpu":
+        return False
+    return params.ray.use_gpu or params.train.device == "cuda" or torch.cuda.is_available()
+
+
+def _seed(*parts: int) -> int:
+    h = 0
+    for p in parts:
+        h = (h * 1_000_003 + int(p) + 1) % (2**62)
+    return h
+
+
+@dataclass
+class EpochMetrics:
+    epoch: int
+    loss: float
+    lr: float
+    samples_per_s: float
+    view_noise: float
+    knn_acc: float | None
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class PretrainLoop:
+    """Owns the model, optimizer, schedule and data of one worker. ``fit`` runs the remaining epochs."""
+
+    def __init__(self, params: Params, data: Dataset, device: torch.device, rank: int = 0, world_size: int = 1):
+        t = params.train
+        self.params, self.data, self.device, self.rank, self.world = params, data, device, rank, world_size
+        self.batch = t.batch_size  # global images per step
+        self.local = t.batch_size // world_size
+        n = len(data.train.y)
+        if t.batch_size > n:
+            raise ValueError(f"train.batch_size ({t.batch_size}) exceeds the training set ({n} samples)")
+        self.steps_per_epoch = n // t.batch_size  # drop the last partial batch: the fused batch size is fixed
+        torch.manual_seed(t.seed)
+        self.model = build_model(params, data.input_shape).to(device)
+        self.optimizer = build_optimizer(t.optimizer, self.model, lr=t.lr, weight_decay=t.weight_decay)
+        self.scheduler = warmup_cosine(self.optimizer, total_steps=t.epochs * self.steps_per_epoch,
+                                       warmup_steps=t.warmup_epochs * self.steps_per_epoch)
+        self.augment = BatchAugment(params.augment.preset, params.augment.strength)
+        loss_fn = make_loss(params.loss.name, temperature=params.loss.temperature,
+                            barlow_lambda=params.loss.barlow_lambda)
+        cuda = device.type == "cuda"
+        self.step = GlobalBatchStep(self.model, loss_fn, grad_cache_chunk=t.grad_cache_chunk,
+                                    autocast_dtype=torch.bfloat16 if cuda else None)
+        self.x_train = data.train.x.pin_memory() if cuda else data.train.x
+        self.y_train = data.train.y
+        self.epoch = 0  # completed epochs
+        self.history: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "epoch": self.epoch, "history": self.history}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.epoch = int(state["epoch"])
+        self.history = list(state["history"])
+
+    # ------------------------------------------------------------------ one epoch
+    def _local_batch(self, perm: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = perm[step * self.batch : (step + 1) * self.batch]  # (B,) the global batch
+        mine = idx[self.rank * self.local : (self.rank + 1) * self.local]  # (b,) this worker's shard
+        x = to_float(self.x_train[mine].to(self.device, non_blocking=True))
+        if self.params.train.mode == "self_supervised":  # positive = the other view of the same image
+            ids = torch.arange(self.rank * self.local, (self.rank + 1) * self.local)
+        else:  # positive = same label
+            ids = self.y_train[mine]
+        return x, ids.to(self.device)
+
+    def train_epoch(self) -> EpochMetrics:
+        t = self.params.train
+        epoch = self.epoch
+        self.model.train()
+        perm = torch.randperm(len(self.y_train), generator=torch.Generator().manual_seed(_seed(t.seed, epoch)))
+        gen = torch.Generator(self.device).manual_seed(_seed(t.seed, epoch, self.rank, 7))
+        losses, noises = [], []
+        start = time.perf_counter()
+        for s in range(self.steps_per_epoch):
+            x, ids = self._local_batch(perm, s)
+            with torch.no_grad():
+                v1, v2 = self.augment(x, gen), self.augment(x, gen)
+            loss = self.step(torch.cat([v1, v2]), torch.cat([ids, ids]))
+            self.optimizer.step()
+            self.scheduler.step()
+            losses.append(loss)
+            noises.append(view_noise(v1, v2))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        self.epoch += 1
+        knn = None
+        every = t.knn_every
+        if self.rank == 0 and (self.epoch == t.epochs or (every and self.epoch % every == 0)):
+            knn = self.knn()
+        return EpochMetrics(
+            epoch=self.epoch, loss=sum(losses) / len(losses), lr=self.optimizer.param_groups[0]["lr"],
+            samples_per_s=self.steps_per_epoch * self.batch / seconds, view_noise=sum(noises) / len(noises),
+            knn_acc=knn, seconds=seconds,
+        )
+
+    @torch.no_grad()
+    def embed(self, x: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+        """Backbone embeddings (the representation probes use), batched. (N, ...) -> (N, m)."""
+        self.model.eval()
+        out = [self.model.backbone(to_float(c.to(self.device))).float().cpu() for c in x.split(chunk)]
+        self.model.train()
+        return torch.cat(out)
+
+    def knn(self) -> float:
+        """Online kNN accuracy (cosine, k = train.knn_k) of backbone embeddings: train bank vs test split."""
+        g = torch.Generator().manual_seed(0)
+        bank = torch.randperm(len(self.y_train), generator=g)[:KNN_BANK]
+        test = self.data.test
+        queries = torch.randperm(len(test.y), generator=g)[:KNN_QUERIES]
+        zb, zq = self.embed(self.data.train.x[bank]), self.embed(test.x[queries])
+        return knn_accuracy(zb, self.y_train[bank], zq, test.y[queries], k=self.params.train.knn_k)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, report: Callable[[EpochMetrics, bool], None],
+            fail_at_epoch: int | None = None) -> None:
+        """Run the remaining epochs; ``report(metrics, checkpoint_now)`` after each (on every rank).
+
+        Raises :class:`NonFiniteLossError` (on every rank alike) when the loss stops being finite.
+        """
+        t = self.params.train
+        while self.epoch < t.epochs:
+            m = self.train_epoch()
+            if not math.isfinite(m.loss):
+                raise NonFiniteLossError(f"non-finite mean loss at epoch {m.epoch}")
+            self.history.append(m.as_dict())
+            ckpt = self.epoch % t.checkpoint_every == 0 or self.epoch == t.epochs
+            report(m, ckpt)
+            if fail_at_epoch is not None and self.epoch == fail_at_epoch:
+                raise RuntimeError(f"injected failure after epoch {self.epoch} (TRANSFUSION_FAIL_AT_EPOCH)")

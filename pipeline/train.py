@@ -1,0 +1,254 @@
+"""Distributed pretraining on Ray Train (V2 ``TorchTrainer``): orchestration only.
+
+The driver (:func:`pretrain`) validates and fails fast (data, tracking store), names the Ray run after
+everything that determines its result (so an interrupted run resumes, and a changed one starts afresh),
+launches ``ray.num_workers`` workers running :class:`pipeline.loop.PretrainLoop` on the global batch,
+and turns the final checkpoint into the stage's outputs. Rank 0 logs per-epoch metrics to MLflow and
+writes checkpoints (``train.checkpoint_every``) through Ray's checkpoint API; ``ray.max_failures``
+restarts a failed worker group from the last one. After a successful run the Ray run directory is
+removed, so a later forced rerun trains again instead of returning the old result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.config import Params, flatten
+from pipeline.datasets import load_prepared
+from pipeline.io import load_torch
+from pipeline.loop import EpochMetrics, PretrainLoop, wants_gpu
+from pipeline.step import NonFiniteLossError
+
+FAIL_AT_EPOCH_ENV = "TRANSFUSION_FAIL_AT_EPOCH"  # fault injection, for tests of resume
+STATE_FILE = "state.pt"
+STATUS_FILE = "status.json"
+
+
+class PretrainError(RuntimeError):
+    """Training stopped (non-finite loss, failed workers); the last good checkpoint is kept."""
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs; plain values so Ray can ship it."""
+
+    params: dict[str, Any]
+    data_dir: str
+    run_dir: str
+    use_gpu: bool
+    tracking_uri: str | None = None
+    mlflow_run_id: str | None = None
+    fail_at_epoch: int | None = None
+
+
+def _write_status(run_dir: str, status: dict[str, Any]) -> None:
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    Path(run_dir, STATUS_FILE).write_text(json.dumps(status))
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train worker entry point."""
+    import ray.train
+    import ray.train.torch
+
+    spec = WorkerSpec(**config)
+    params = Params.model_validate(spec.params, strict=False)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(max(1, int(params.ray.cpus_per_worker)))
+    device = ray.train.torch.get_device() if spec.use_gpu else torch.device("cpu")
+    data = load_prepared(Path(spec.data_dir), verify=False)
+    loop = PretrainLoop(params, data, device, rank=rank, world_size=world)
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            loop.load_state_dict(torch.load(Path(d) / STATE_FILE, map_location=device, weights_only=True))
+        if rank == 0:
+            print(f"[pretrain] resumed from the checkpoint after epoch {loop.epoch}", flush=True)
+
+    def report(m: EpochMetrics, checkpoint_now: bool) -> None:
+        metrics = {k: v for k, v in m.as_dict().items() if v is not None}
+        if rank == 0:
+            knn = f" knn {m.knn_acc:.4f}" if m.knn_acc is not None else ""
+            print(f"[pretrain] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
+                  f"eps {m.view_noise:.4f} {m.samples_per_s:,.0f} samples/s", flush=True)
+            if spec.mlflow_run_id:
+                from pipeline.tracking import log_epoch
+
+                log_epoch(spec.tracking_uri, spec.mlflow_run_id, {k: v for k, v in metrics.items()
+                                                                 if k != "epoch"}, step=m.epoch)
+        if checkpoint_now and rank == 0:
+            with tempfile.TemporaryDirectory() as d:
+                torch.save(loop.state_dict(), Path(d) / STATE_FILE)
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+        else:
+            ray.train.report(metrics)
+
+    try:
+        loop.fit(report, fail_at_epoch=spec.fail_at_epoch if rank == 0 else None)
+    except NonFiniteLossError as exc:  # every rank sees the same all-reduced loss and stops alike
+        if rank == 0:
+            _write_status(spec.run_dir, {"error": "non_finite", "message": str(exc), "epoch": loop.epoch})
+        return
+
+
+# ---------------------------------------------------------------------------------------------- driver
+def run_name(params: Params, manifest: dict[str, Any]) -> str:
+    """A stable name from everything that determines the result: the params pretraining reads, the data."""
+    keyed = {s: getattr(params, s).model_dump() for s in ("model", "loss", "augment", "train")}
+    keyed["ray"] = {"num_workers": params.ray.num_workers}
+    keyed["data"] = {name: f["sha256"] for name, f in sorted(manifest["files"].items())}
+    digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+    return f"pretrain-{digest}"
+
+
+def _storage(params: Params, root: Path) -> str:
+    path = params.ray.storage_path
+    return path if "://" in path else str((root / path).resolve())
+
+
+@dataclass
+class PretrainResult:
+    state: dict[str, Any]  # model state_dict, history, epoch, ...
+    run_name: str
+    mlflow_run_id: str | None
+    input_shape: tuple[int, ...]
+    n_classes: int
+
+
+def _init_ray(params: Params) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = params.ray.address or os.environ.get("RAY_ADDRESS") or None
+    ray.init(address=address, log_to_driver=True, configure_logging=False)
+
+
+def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = True) -> PretrainResult:
+    """Run (or resume) distributed pretraining; returns the final state. Raises PretrainError on failure."""
+    import mlflow
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from pipeline import tracking as trk
+
+    data = load_prepared(data_dir, verify=True)  # a corrupt input fails here, before Ray starts
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    if params.train.batch_size > len(data.train.y):
+        raise PretrainError(f"train.batch_size ({params.train.batch_size}) exceeds the training set "
+                            f"({len(data.train.y)} samples in {data_dir})")
+    name = run_name(params, manifest)
+    storage = _storage(params, root)
+    run_dir = os.path.join(storage, name) if "://" not in storage else None
+    status_dir = run_dir or str(root / ".transfusion" / name)
+    status_path = Path(status_dir, STATUS_FILE)
+    if status_path.exists():
+        status_path.unlink()
+
+    uri = run_id = None
+    if tracking:
+        uri = trk.tracking_uri(root)
+        trk.check_reachable(uri)
+        exp = trk.experiment_id(uri, root)
+        id_file = Path(status_dir, "mlflow_run_id")
+        if id_file.exists():  # resuming: continue the same MLflow run
+            run_id = id_file.read_text().strip()
+        else:
+            mlflow.set_tracking_uri(uri)
+            run = mlflow.MlflowClient(uri).create_run(exp, run_name=name, tags=trk.stage_tags("pretrain", root))
+            run_id = run.info.run_id
+            mlflow.MlflowClient(uri).log_batch(run_id, params=[
+                mlflow.entities.Param(k, v) for k, v in trk.flat_params(flatten(params)).items()])
+            Path(status_dir).mkdir(parents=True, exist_ok=True)
+            id_file.write_text(run_id)
+
+    use_gpu = wants_gpu(params)
+    fail_at = os.environ.get(FAIL_AT_EPOCH_ENV)
+    spec = WorkerSpec(params=params.model_dump(), data_dir=str(data_dir.resolve()), run_dir=status_dir,
+                      use_gpu=use_gpu, tracking_uri=uri, mlflow_run_id=run_id,
+                      fail_at_epoch=int(fail_at) if fail_at else None)
+    _init_ray(params)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=asdict(spec),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=params.ray.num_workers, use_gpu=use_gpu,
+            resources_per_worker={"CPU": params.ray.cpus_per_worker},
+        ),
+        run_config=ray.train.RunConfig(
+            name=name, storage_path=storage,
+            failure_config=ray.train.FailureConfig(max_failures=params.ray.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+        ),
+    )
+    system = None
+    if tracking:
+        system = _SystemMetrics(uri, run_id)
+    try:
+        result = trainer.fit()
+    except Exception as exc:
+        _end_run(uri, run_id, "FAILED")
+        raise PretrainError(f"pretraining failed: {exc}; rerun the stage to resume from the last checkpoint "
+                            f"in {storage}/{name}") from exc
+    finally:
+        if system:
+            system.stop()
+    if status_path.exists():
+        status = json.loads(status_path.read_text())
+        _end_run(uri, run_id, "FAILED")
+        raise PretrainError(f"pretraining stopped: {status['message']}; the last good checkpoint is kept in "
+                            f"{storage}/{name} (lower train.lr, or check the data for NaN)")
+    if result.checkpoint is None:
+        raise PretrainError("pretraining finished without a checkpoint")
+    with result.checkpoint.as_directory() as d:
+        state = load_torch(Path(d) / STATE_FILE)
+    return PretrainResult(state=state, run_name=name, mlflow_run_id=run_id, input_shape=data.input_shape,
+                          n_classes=len(data.classes))
+
+
+def _end_run(uri: str | None, run_id: str | None, status: str) -> None:
+    if uri and run_id:
+        import mlflow
+
+        mlflow.MlflowClient(uri).set_terminated(run_id, status)
+
+
+class _SystemMetrics:
+    """MLflow system metrics (CPU, memory, GPU) for the driver's node while Ray trains."""
+
+    def __init__(self, uri: str, run_id: str) -> None:
+        self.monitor = None
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self.monitor = SystemMetricsMonitor(run_id, sampling_interval=5, samples_before_logging=1,
+                                                tracking_uri=uri)
+            self.monitor.start()
+        except Exception:  # system metrics are a nicety; never fail training over them
+            self.monitor = None
+
+    def stop(self) -> None:
+        if self.monitor is not None:
+            try:
+                self.monitor.finish()
+            except Exception:
+                pass
+
+
+def cleanup_run(params: Params, root: Path, name: str) -> None:
+    """Forget a finished run so a forced rerun trains afresh (Ray would return the old result)."""
+    storage = _storage(params, root)
+    if "://" not in storage:
+        shutil.rmtree(os.path.join(storage, name), ignore_errors=True)
+    shutil.rmtree(root / ".transfusion" / name, ignore_errors=True)

@@ -1,0 +1,89 @@
+"""``pretrain`` stage: distributed TransFusion pretraining on Ray Train, tracked in MLflow.
+
+Reads params: ``model``, ``loss``, ``augment``, ``train``, ``ray``; input ``data/prepared/``.
+Writes (atomically): ``models/pretrain/{model.pt,config.json}``, ``metrics/pretrain.json``,
+``plots/pretrain.csv`` (per-epoch curves).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from pathlib import Path
+
+import click
+
+from pipeline.config import Params
+from pipeline.datasets import DatasetError
+from pipeline.io import atomic_dir, save_torch, write_json, write_text
+from pipeline.tracking import TrackingError, project_root
+from pipeline.train import PretrainError, PretrainResult, cleanup_run, pretrain
+from stages._common import params_options, runtime_errors
+
+CURVE_COLUMNS = ("epoch", "loss", "lr", "knn_acc", "view_noise", "samples_per_s", "seconds")
+
+
+def write_outputs(params: Params, res: PretrainResult, models: Path, metrics: Path, plots: Path) -> dict:
+    history = res.state["history"]
+    with atomic_dir(models) as d:
+        save_torch(d / "model.pt", res.state["model"])
+        write_json(d / "config.json", {"params": params.model_dump(), "input_shape": list(res.input_shape),
+                                       "n_classes": res.n_classes, "run_name": res.run_name})
+    last = history[-1]
+    knn = [h["knn_acc"] for h in history if h.get("knn_acc") is not None]
+    summary = {
+        "epochs": res.state["epoch"],
+        "loss": last["loss"],
+        "knn_acc": knn[-1] if knn else None,
+        "view_noise": sum(h["view_noise"] for h in history) / len(history),
+        "samples_per_s": sorted(h["samples_per_s"] for h in history)[len(history) // 2],  # median epoch
+        "train_seconds": sum(h["seconds"] for h in history),
+        "mlflow_run_id": res.mlflow_run_id,
+    }
+    write_json(metrics, summary)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CURVE_COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(history)
+    write_text(plots, buf.getvalue())
+    return summary
+
+
+def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
+    import mlflow
+    import mlflow.pytorch
+    import torch
+
+    from pipeline.loop import build_model
+    from pipeline.tracking import tracking_uri
+
+    os.environ.setdefault("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
+    model = build_model(params, res.input_shape)
+    model.load_state_dict(res.state["model"])
+    mlflow.set_tracking_uri(tracking_uri(project_root()))
+    with mlflow.start_run(run_id=res.mlflow_run_id):
+        for f in files:
+            mlflow.log_artifact(str(f))
+        mlflow.pytorch.log_model(model.eval(), name="model", serialization_format="pickle",
+                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+
+
+@click.command("pretrain")
+@params_options
+@click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
+              show_default=True, help="Prepared data (output of `prepare`).")
+@click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
+@runtime_errors(DatasetError, PretrainError, TrackingError)
+def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
+    """Pretrain TransFusion on the prepared data with Ray Train (resumes an interrupted run)."""
+    root = project_root()
+    res = pretrain(params, data_dir, root, tracking=not no_tracking)
+    paths = (Path("models/pretrain"), Path("metrics/pretrain.json"), Path("plots/pretrain.csv"))
+    summary = write_outputs(params, res, *paths)
+    if res.mlflow_run_id:
+        log_model(params, res, [paths[0] / "config.json", paths[1], paths[2]])
+    cleanup_run(params, root, res.run_name)
+    knn = f", kNN acc {summary['knn_acc']:.4f}" if summary["knn_acc"] is not None else ""
+    click.echo(f"pretrained {summary['epochs']} epochs: loss {summary['loss']:.5f}{knn}, "
+               f"{summary['samples_per_s']:,.0f} samples/s -> models/pretrain/")
