@@ -91,6 +91,7 @@ class PretrainLoop:
         self.y_train = data.train.y
         self.epoch = 0  # completed epochs
         self.history: list[dict[str, Any]] = []
+        self.poison_epoch: int | None = None  # fault injection: NaN inputs in this epoch (tests of the guard)
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -125,6 +126,8 @@ class PretrainLoop:
         start = time.perf_counter()
         for s in range(self.steps_per_epoch):
             x, ids = self._local_batch(perm, s)
+            if self.poison_epoch == epoch + 1:
+                x = x * float("nan")
             with torch.no_grad():
                 v1, v2 = self.augment(x, gen), self.augment(x, gen)
             loss = self.step(torch.cat([v1, v2]), torch.cat([ids, ids]))
@@ -164,11 +167,11 @@ class PretrainLoop:
         return knn_accuracy(zb, self.y_train[bank], zq, test.y[queries], k=self.params.train.knn_k)
 
     # ------------------------------------------------------------------ the loop
-    def fit(self, report: Callable[[EpochMetrics, bool], None],
-            fail_at_epoch: int | None = None) -> None:
+    def fit(self, report: Callable[[EpochMetrics, bool], None], crash_at_epoch: int | None = None) -> None:
         """Run the remaining epochs; ``report(metrics, checkpoint_now)`` after each (on every rank).
 
         Raises :class:`NonFiniteLossError` (on every rank alike) when the loss stops being finite.
+        ``crash_at_epoch`` is fault injection for tests: raise after that epoch's report.
         """
         t = self.params.train
         while self.epoch < t.epochs:
@@ -178,5 +181,5 @@ class PretrainLoop:
             self.history.append(m.as_dict())
             ckpt = self.epoch % t.checkpoint_every == 0 or self.epoch == t.epochs
             report(m, ckpt)
-            if fail_at_epoch is not None and self.epoch == fail_at_epoch:
-                raise RuntimeError(f"injected failure after epoch {self.epoch} (TRANSFUSION_FAIL_AT_EPOCH)")
+            if crash_at_epoch is not None and self.epoch == crash_at_epoch:
+                raise RuntimeError(f"injected crash after epoch {self.epoch} (TRANSFUSION_FAULT)")

@@ -28,7 +28,7 @@ from pipeline.io import load_torch
 from pipeline.loop import EpochMetrics, PretrainLoop, wants_gpu
 from pipeline.step import NonFiniteLossError
 
-FAIL_AT_EPOCH_ENV = "TRANSFUSION_FAIL_AT_EPOCH"  # fault injection, for tests of resume
+FAULT_ENV = "TRANSFUSION_FAULT"  # fault injection for tests: "crash@E" (rank 0 dies after epoch E), "nan@E"
 STATE_FILE = "state.pt"
 STATUS_FILE = "status.json"
 
@@ -47,7 +47,7 @@ class WorkerSpec:
     use_gpu: bool
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
-    fail_at_epoch: int | None = None
+    fault: str | None = None
 
 
 def _write_status(run_dir: str, status: dict[str, Any]) -> None:
@@ -94,8 +94,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         else:
             ray.train.report(metrics)
 
+    kind, _, at = (spec.fault or "").partition("@")
+    if kind == "nan":
+        loop.poison_epoch = int(at)
     try:
-        loop.fit(report, fail_at_epoch=spec.fail_at_epoch if rank == 0 else None)
+        loop.fit(report, crash_at_epoch=int(at) if kind == "crash" and rank == 0 else None)
     except NonFiniteLossError as exc:  # every rank sees the same all-reduced loss and stops alike
         if rank == 0:
             _write_status(spec.run_dir, {"error": "non_finite", "message": str(exc), "epoch": loop.epoch})
@@ -174,10 +177,9 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
             id_file.write_text(run_id)
 
     use_gpu = wants_gpu(params)
-    fail_at = os.environ.get(FAIL_AT_EPOCH_ENV)
     spec = WorkerSpec(params=params.model_dump(), data_dir=str(data_dir.resolve()), run_dir=status_dir,
                       use_gpu=use_gpu, tracking_uri=uri, mlflow_run_id=run_id,
-                      fail_at_epoch=int(fail_at) if fail_at else None)
+                      fault=os.environ.get(FAULT_ENV))
     _init_ray(params)
     trainer = TorchTrainer(
         train_loop_per_worker,

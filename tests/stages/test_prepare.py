@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +15,6 @@ from pipeline.cli import main
 from pipeline.datasets import load_prepared
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def project(tmp_path, monkeypatch):
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 def test_help_lists_the_stages():

@@ -1,0 +1,33 @@
+"""Shared fixtures: one local Ray instance per test session, small projects in temp dirs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for every Ray test (start-up costs ~8 s); shut down at the end of the session."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, object_store_memory=200 * 1024**2, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A project directory holding the repo's params.yaml, with its own MLflow store; cwd set to it."""
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
+    monkeypatch.delenv("TRANSFUSION_FAULT", raising=False)
+    return tmp_path

@@ -1,0 +1,124 @@
+"""The `pretrain` stage on real Ray Train and a real MLflow sqlite store (tiny params, digits)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import mlflow
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.config import load_params
+from pipeline.datasets import load_prepared
+from pipeline.loop import PretrainLoop
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+TINY = ["-S", "train.epochs=3", "-S", "train.batch_size=128", "-S", "data.limit_train=512",
+        "-S", "model.embed_dim=32", "-S", "train.knn_every=1"]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+@pytest.fixture
+def prepared(project):
+    assert invoke("prepare", "-S", "data.limit_train=512").exit_code == 0
+    return project
+
+
+def mlflow_runs(project):
+    client = mlflow.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("transfusion")
+    return client, client.search_runs([exp.experiment_id]) if exp else []
+
+
+def history(project):
+    with open(project / "plots/pretrain.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_unreachable_tracking_server_fails_before_training(prepared, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    result = invoke("pretrain", *TINY)
+    assert result.exit_code == 1
+    assert "http://127.0.0.1:9" in result.output and "unreachable" in result.output
+    assert not (prepared / "ray_results").exists() and not (prepared / "models").exists()
+
+
+def test_two_workers_write_outputs_and_track_in_mlflow(prepared, ray_session):
+    result = invoke("pretrain", *TINY, "-S", "ray.num_workers=2")
+    assert result.exit_code == 0, result.output
+    assert "pretrained 3 epochs" in result.output
+    # outputs
+    state = torch.load(prepared / "models/pretrain/model.pt", weights_only=True)
+    config = json.loads((prepared / "models/pretrain/config.json").read_text())
+    assert config["params"]["ray"]["num_workers"] == 2 and config["input_shape"] == [1, 8, 8]
+    assert any(k.startswith("head.blocks.0.query") for k in state)
+    metrics = json.loads((prepared / "metrics/pretrain.json").read_text())
+    assert metrics["epochs"] == 3 and 0.0 <= metrics["knn_acc"] <= 1.0 and metrics["samples_per_s"] > 0
+    assert 0.0 < metrics["view_noise"] < 1.0
+    rows = history(prepared)
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
+    assert float(rows[-1]["lr"]) < float(rows[0]["lr"])  # cosine schedule
+    # a finished run is forgotten so that `dvc repro -f` trains again
+    assert not any((prepared / "ray_results").iterdir())
+    # MLflow: the run, its params, its per-epoch metrics and the model
+    client, runs = mlflow_runs(prepared)
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.data.tags["stage"] == "pretrain"
+    assert run.data.params["model.depth"] == "1" and run.data.params["ray.num_workers"] == "2"
+    assert run.info.run_id == metrics["mlflow_run_id"]
+    for key in ("loss", "lr", "samples_per_s", "view_noise", "knn_acc"):
+        assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [1, 2, 3], key
+    losses = [m.value for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert losses == pytest.approx([float(r["loss"]) for r in rows])
+    assert {"pretrain.json", "pretrain.csv", "config.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    mlflow.set_tracking_uri(f"sqlite:///{prepared / 'mlflow.db'}")
+    model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, state[name])
+
+
+def test_crash_then_rerun_resumes_from_the_last_checkpoint(prepared, ray_session, monkeypatch):
+    monkeypatch.setenv("TRANSFUSION_FAULT", "crash@2")
+    result = invoke("pretrain", *TINY)
+    assert result.exit_code == 1 and "rerun the stage to resume" in result.output
+    assert not (prepared / "models").exists()
+
+    monkeypatch.delenv("TRANSFUSION_FAULT")
+    result = invoke("pretrain", *TINY)
+    assert result.exit_code == 0, result.output
+    rows = history(prepared)
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3]  # epochs 1-2 from before the crash, 3 after
+
+    # the resumed run equals an uninterrupted one: same seeds, same numbers (run here without Ray)
+    params = load_params("params.yaml", [t for t in TINY if t != "-S"])
+    torch.set_num_threads(1)
+    loop = PretrainLoop(params, load_prepared(prepared / "data/prepared"), torch.device("cpu"))
+    ref = []
+    loop.fit(lambda m, ckpt: ref.append(m.loss))
+    # (equal to the last digit when run alone; in-process numerics after other tests drift ~1e-4 at most)
+    assert [float(r["loss"]) for r in rows] == pytest.approx(ref, rel=1e-3)
+
+    client, runs = mlflow_runs(prepared)  # one MLflow run, continued
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == [1, 2, 3]
+
+
+def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(prepared, ray_session, monkeypatch):
+    monkeypatch.setenv("TRANSFUSION_FAULT", "nan@2")
+    result = invoke("pretrain", *TINY)
+    assert result.exit_code == 1
+    assert "non-finite" in result.output and "last good checkpoint" in result.output
+    assert not (prepared / "models").exists() and not (prepared / "metrics").exists()
+    runs_dir = [d for d in (prepared / "ray_results").iterdir() if d.is_dir()]
+    assert len(runs_dir) == 1
+    assert [c.name for c in runs_dir[0].glob("checkpoint_*")], "the epoch-1 checkpoint must be kept"
+    _, runs = mlflow_runs(prepared)
+    assert runs[0].info.status == "FAILED"
