@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from stages.check import check
 from stages.prepare import prepare
 from stages.pretrain import pretrain_cmd
 
@@ -14,6 +15,7 @@ def main() -> None:
     """TransFusion contrastive learning: the stages of the DVC pipeline (`dvc repro` runs them all)."""
 
 
+main.add_command(check)
 main.add_command(prepare)
 main.add_command(pretrain_cmd)
 

@@ -59,6 +59,7 @@ class EpochMetrics:
     view_noise: float
     knn_acc: float | None
     seconds: float
+    ended_at: float  # wall clock (time.time()) when the epoch's steps ended, before any evaluation
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -138,6 +139,7 @@ class PretrainLoop:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
+        ended_at = time.time()
         self.epoch += 1
         knn = None
         every = t.knn_every
@@ -146,7 +148,7 @@ class PretrainLoop:
         return EpochMetrics(
             epoch=self.epoch, loss=sum(losses) / len(losses), lr=self.optimizer.param_groups[0]["lr"],
             samples_per_s=self.steps_per_epoch * self.batch / seconds, view_noise=sum(noises) / len(noises),
-            knn_acc=knn, seconds=seconds,
+            knn_acc=knn, seconds=seconds, ended_at=ended_at,
         )
 
     @torch.no_grad()

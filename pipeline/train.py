@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,11 +57,24 @@ def _write_status(run_dir: str, status: dict[str, Any]) -> None:
     Path(run_dir, STATUS_FILE).write_text(json.dumps(status))
 
 
+def _progress(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train worker entry point."""
     import ray.train
     import ray.train.torch
 
+    # Ray Train V2 logs every report at INFO and tees print() twice; keep the console to our progress lines
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    try:  # the per-report line comes from a logger named after its file
+        from ray.train.v2._internal.execution import context as _ctx
+
+        _ctx.logger.setLevel(logging.WARNING)
+    except (ImportError, AttributeError):
+        pass
     spec = WorkerSpec(**config)
     params = Params.model_validate(spec.params, strict=False)
     ctx = ray.train.get_context()
@@ -74,23 +89,26 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         with checkpoint.as_directory() as d:
             loop.load_state_dict(torch.load(Path(d) / STATE_FILE, map_location=device, weights_only=True))
         if rank == 0:
-            print(f"[pretrain] resumed from the checkpoint after epoch {loop.epoch}", flush=True)
+            _progress(f"[pretrain] resumed from the checkpoint after epoch {loop.epoch}")
 
     def report(m: EpochMetrics, checkpoint_now: bool) -> None:
         metrics = {k: v for k, v in m.as_dict().items() if v is not None}
         if rank == 0:
             knn = f" knn {m.knn_acc:.4f}" if m.knn_acc is not None else ""
-            print(f"[pretrain] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
-                  f"eps {m.view_noise:.4f} {m.samples_per_s:,.0f} samples/s", flush=True)
+            _progress(f"[pretrain] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
+                      f"eps {m.view_noise:.4f} {m.samples_per_s:,.0f} samples/s")
             if spec.mlflow_run_id:
                 from pipeline.tracking import log_epoch
 
                 log_epoch(spec.tracking_uri, spec.mlflow_run_id, {k: v for k, v in metrics.items()
                                                                  if k != "epoch"}, step=m.epoch)
         if checkpoint_now and rank == 0:
-            with tempfile.TemporaryDirectory() as d:
-                torch.save(loop.state_dict(), Path(d) / STATE_FILE)
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+            # uploaded to storage in the background while training goes on; Ray deletes the temp dir after
+            d = tempfile.mkdtemp(prefix="transfusion-ckpt-")
+            torch.save(loop.state_dict(), Path(d) / STATE_FILE)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d),
+                             checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+                             delete_local_checkpoint_after_upload=True)
         else:
             ray.train.report(metrics)
 
@@ -181,6 +199,9 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
                       use_gpu=use_gpu, tracking_uri=uri, mlflow_run_id=run_id,
                       fault=os.environ.get(FAULT_ENV))
     _init_ray(params)
+    # the controller collects each report when it polls (default every 2 s) and a worker's next report
+    # waits for that: with short epochs that idles the workers, so poll faster (propagated by Ray Train)
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=asdict(spec),

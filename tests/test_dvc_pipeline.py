@@ -49,13 +49,13 @@ def set_param(repo: Path, section: str, key: str, value) -> None:
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
 
 
-def test_repro_runs_prepare_then_is_a_no_op_and_reruns_only_on_its_params(repo):
-    out = run(["dvc", "repro"], repo)
+def test_prepare_runs_then_is_a_no_op_and_reruns_only_on_its_params(repo):
+    out = run(["dvc", "repro", "prepare"], repo)
     assert "Running stage 'prepare'" in out
     assert (repo / "data/prepared/manifest.json").is_file()
     assert (repo / "dvc.lock").is_file()
 
-    out = run(["dvc", "repro"], repo)
+    out = run(["dvc", "repro", "prepare"], repo)
     assert "Running stage" not in out
 
     set_param(repo, "train", "lr", 0.5)  # not read by prepare

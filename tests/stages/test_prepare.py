@@ -69,3 +69,11 @@ def test_console_script_exit_code(project):
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "prepare", "-S", "model.depth=-2"],
                           capture_output=True, text=True, cwd=project)
     assert proc.returncode == 2 and "model.depth" in proc.stderr
+
+
+def test_check_validates_without_running(project):
+    ok = CliRunner().invoke(main, ["check", "-S", "model.depth=4"])
+    assert ok.exit_code == 0 and "model.depth = 4" in ok.output and "params OK" in ok.output
+    bad = CliRunner().invoke(main, ["check", "-S", "loss.name=nope"])
+    assert bad.exit_code == 2 and "loss.name" in bad.output and "jsd" in bad.output
+    assert sorted(p.name for p in project.iterdir()) == ["params.yaml"]
