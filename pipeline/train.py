@@ -91,6 +91,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if rank == 0:
             _progress(f"[pretrain] resumed from the checkpoint after epoch {loop.epoch}")
 
+    kind, _, at = (spec.fault or "").partition("@")
+    crash_at = int(at) if kind == "crash" and rank == 0 else None
+    if kind == "nan":
+        loop.poison_epoch = int(at)
+
     def report(m: EpochMetrics, checkpoint_now: bool) -> None:
         metrics = {k: v for k, v in m.as_dict().items() if v is not None}
         if rank == 0:
@@ -104,19 +109,18 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                                                                  if k != "epoch"}, step=m.epoch)
         if checkpoint_now and rank == 0:
             # uploaded to storage in the background while training goes on; Ray deletes the temp dir after
+            # (synchronously before an injected crash, so that the test knows which checkpoint exists)
             d = tempfile.mkdtemp(prefix="transfusion-ckpt-")
             torch.save(loop.state_dict(), Path(d) / STATE_FILE)
+            mode = ray.train.CheckpointUploadMode
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d),
-                             checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+                             checkpoint_upload_mode=mode.SYNC if m.epoch == crash_at else mode.ASYNC,
                              delete_local_checkpoint_after_upload=True)
         else:
             ray.train.report(metrics)
 
-    kind, _, at = (spec.fault or "").partition("@")
-    if kind == "nan":
-        loop.poison_epoch = int(at)
     try:
-        loop.fit(report, crash_at_epoch=int(at) if kind == "crash" and rank == 0 else None)
+        loop.fit(report, crash_at_epoch=crash_at)
     except NonFiniteLossError as exc:  # every rank sees the same all-reduced loss and stops alike
         if rank == 0:
             _write_status(spec.run_dir, {"error": "non_finite", "message": str(exc), "epoch": loop.epoch})
