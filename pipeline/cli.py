@@ -5,8 +5,10 @@ from __future__ import annotations
 import click
 
 from stages.check import check
+from stages.evaluate import evaluate_cmd
 from stages.prepare import prepare
 from stages.pretrain import pretrain_cmd
+from stages.report import report_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -18,6 +20,8 @@ def main() -> None:
 main.add_command(check)
 main.add_command(prepare)
 main.add_command(pretrain_cmd)
+main.add_command(evaluate_cmd)
+main.add_command(report_cmd)
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -20,6 +20,7 @@ from pipeline.backbones import BACKBONE_NAMES, FIXED_DIMS
 from pipeline.datasets import DATASET_NAMES
 from pipeline.losses import LOSS_NAMES, SELF_SUPERVISED_ONLY
 from pipeline.model import ACTIVATIONS, BLOCK_NORMS
+from pipeline.probes import PROBES
 
 DatasetName = Literal[DATASET_NAMES]  # type: ignore[valid-type]
 BackboneName = Literal[BACKBONE_NAMES]  # type: ignore[valid-type]
@@ -27,6 +28,7 @@ LossName = Literal[LOSS_NAMES]  # type: ignore[valid-type]
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 Activation = Literal[ACTIVATIONS]  # type: ignore[valid-type]
 BlockNorm = Literal[BLOCK_NORMS]  # type: ignore[valid-type]
+ProbeName = Literal[PROBES]  # type: ignore[valid-type]
 
 
 class ParamsError(ValueError):
@@ -139,6 +141,19 @@ class TrainConfig(Section):
         return self
 
 
+class ProbeConfig(Section):
+    """The evaluate stage: probes on frozen embeddings, cluster quality, figures."""
+
+    probes: list[ProbeName] = Field(default_factory=lambda: list(PROBES), min_length=1)
+    label_fractions: list[Annotated[float, Field(gt=0.0, le=1.0)]] = Field(
+        default_factory=lambda: [0.1, 1.0], min_length=1)
+    max_train: int | None = Field(10_000, ge=10)
+    seed: int = Field(0, ge=0)
+    tsne_points: int = Field(1000, ge=0)  # 0 = no t-SNE figure
+    affinity_points: int = Field(500, ge=10)  # test samples in the affinity batch (sharpness, spectral)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
 class RayConfig(Section):
     address: str | None = None
     num_workers: int = Field(1, ge=1, le=100_000)
@@ -157,6 +172,7 @@ class Params(Section):
     augment: AugmentConfig
     train: TrainConfig
     ray: RayConfig
+    probe: ProbeConfig
 
     @model_validator(mode="after")
     def _cross_section(self) -> Params:
@@ -319,6 +335,6 @@ def flatten(params: BaseModel | Mapping[str, Any], prefix: str = "") -> dict[str
 
 
 __all__ = [
-    "AugmentConfig", "DataConfig", "LossConfig", "ModelConfig", "Params", "ParamsError", "RayConfig",
+    "AugmentConfig", "DataConfig", "LossConfig", "ModelConfig", "Params", "ParamsError", "ProbeConfig", "RayConfig",
     "SyntheticConfig", "TrainConfig", "apply_overrides", "flatten", "load_params", "validate_params",
 ]

@@ -18,7 +18,7 @@ import torch
 
 from pipeline.augment import BatchAugment, view_noise
 from pipeline.backbones import build_backbone
-from pipeline.config import Params
+from pipeline.config import ModelConfig, Params
 from pipeline.datasets import Dataset, to_float
 from pipeline.knn import knn_accuracy
 from pipeline.losses import make_loss
@@ -29,8 +29,8 @@ from pipeline.step import GlobalBatchStep, NonFiniteLossError
 KNN_BANK, KNN_QUERIES = 5000, 2000
 
 
-def build_model(params: Params, input_shape: tuple[int, ...]) -> TransFusion:
-    m = params.model
+def build_model(m: ModelConfig, input_shape: tuple[int, ...]) -> TransFusion:
+    """Backbone + TransFusion head as ``model.*`` describes, for inputs of ``input_shape``."""
     backbone, dim = build_backbone(m.backbone, tuple(input_shape), m.embed_dim, m.hidden_dim, m.weights)
     head = TransFusionHead(dim, m.depth, m.activation, m.block_norm, truncate_last=m.head == "truncated")
     return TransFusion(backbone, dim, head)
@@ -78,7 +78,7 @@ class PretrainLoop:
             raise ValueError(f"train.batch_size ({t.batch_size}) exceeds the training set ({n} samples)")
         self.steps_per_epoch = n // t.batch_size  # drop the last partial batch: the fused batch size is fixed
         torch.manual_seed(t.seed)
-        self.model = build_model(params, data.input_shape).to(device)
+        self.model = build_model(params.model, data.input_shape).to(device)
         self.optimizer = build_optimizer(t.optimizer, self.model, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = warmup_cosine(self.optimizer, total_steps=t.epochs * self.steps_per_epoch,
                                        warmup_steps=t.warmup_epochs * self.steps_per_epoch)

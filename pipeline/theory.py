@@ -418,6 +418,23 @@ def sharpness(a: ArrayLike, labels: ArrayLike) -> float:
     return _ratio_with_conventions(float(am[same_off].min()), float(am[diff].max()))
 
 
+def affinity_contrast(a: ArrayLike, labels: ArrayLike) -> float:
+    """The average-case counterpart of Definition 2: mean same-cluster affinity / mean different-cluster one.
+
+    Definition 2 takes the worst pair on each side, which with ReLU affinities is almost always 0; this ratio
+    of means (diagonal excluded, like the Silhouette index the paper compares with) shows progress that the
+    infimum hides. a: (n, n), labels: (n,). +inf when the different-cluster mean is <= 0 < same mean.
+    """
+    am = _np64(a)
+    n = am.shape[0]
+    y = _labels(labels, n)
+    same = (y[:, None] == y[None, :]) & ~np.eye(n, dtype=bool)
+    diff = y[:, None] != y[None, :]
+    if not same.any() or not diff.any():
+        raise ValueError("affinity_contrast needs a same-cluster pair i != j and two clusters")
+    return _ratio_with_conventions(float(am[same].mean()), float(am[diff].mean()))
+
+
 def sharpness_per_layer(affinities: Sequence[ArrayLike], labels: ArrayLike) -> list[float]:
     """Definition 2 for each layer's affinity A^ℓ: list of (n, n) matrices -> list of floats."""
     return [sharpness(a, labels) for a in affinities]

@@ -29,7 +29,8 @@ def write_outputs(params: Params, res: PretrainResult, models: Path, metrics: Pa
     with atomic_dir(models) as d:
         save_torch(d / "model.pt", res.state["model"])
         write_json(d / "config.json", {"params": params.model_dump(), "input_shape": list(res.input_shape),
-                                       "n_classes": res.n_classes, "run_name": res.run_name})
+                                       "n_classes": res.n_classes, "run_name": res.run_name,
+                                       "mlflow_run_id": res.mlflow_run_id})
     last = history[-1]
     knn = [h["knn_acc"] for h in history if h.get("knn_acc") is not None]
     summary = {
@@ -59,7 +60,7 @@ def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
     from pipeline.tracking import tracking_uri
 
     os.environ.setdefault("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
-    model = build_model(params, res.input_shape)
+    model = build_model(params.model, res.input_shape)
     model.load_state_dict(res.state["model"])
     mlflow.set_tracking_uri(tracking_uri(project_root()))
     with mlflow.start_run(run_id=res.mlflow_run_id):

@@ -66,3 +66,71 @@ def test_prepare_runs_then_is_a_no_op_and_reruns_only_on_its_params(repo):
     out = run(["dvc", "repro", "prepare"], repo)
     assert "Running stage 'prepare'" in out
     assert os.path.getsize(repo / "data/prepared/train.pt") > 0
+
+
+TINY = {
+    ("data", "limit_train"): 400,
+    ("model", "embed_dim"): 16,
+    ("train", "epochs"): 2,
+    ("train", "batch_size"): 100,
+    ("probe", "probes"): ["svm", "knn50"],
+    ("probe", "label_fractions"): [1.0],
+    ("probe", "tsne_points"): 120,
+    ("probe", "affinity_points"): 100,
+}
+
+
+def ran(out: str) -> set[str]:
+    import re
+
+    return set(re.findall(r"Running stage '(\w+)'", out))
+
+
+@pytest.mark.timeout(900)
+def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(repo, monkeypatch):
+    import json
+
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{repo / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
+    for (section, key), value in TINY.items():
+        set_param(repo, section, key, value)
+    run(["git", "commit", "-qam", "tiny params"], repo)
+
+    out = run(["dvc", "repro"], repo)
+    assert ran(out) == {"prepare", "pretrain", "evaluate", "report"}
+    evaluation = json.loads((repo / "metrics/evaluate.json").read_text())
+    assert set(evaluation["probes"]) == {"input", "backbone", "block_1"}
+    assert 0.5 < evaluation["probes"]["input"]["svm"]["1"] <= 1.0  # raw digits pixels: ~0.98
+    for name in ("tsne.png", "tsne.csv", "sharpness.png", "sharpness.csv", "curves.png", "probes.csv"):
+        assert (repo / "plots/evaluate" / name).stat().st_size > 0, name
+    report = (repo / "reports/REPORT.md").read_text()
+    assert "| Model | Batch Size | 3-FFN | SVM | K-NN (k=50) | K-NN (k=200) | Time (min) |" in report
+    assert "paper: TransFusion 9-Layer" in report and "../plots/evaluate/tsne.png" in report
+
+    assert ran(run(["dvc", "repro"], repo)) == set()  # nothing changed: nothing runs
+
+    set_param(repo, "probe", "label_fractions", [0.5, 1.0])  # only evaluate and report read probe.*
+    assert ran(run(["dvc", "repro"], repo)) == {"evaluate", "report"}
+    evaluation = json.loads((repo / "metrics/evaluate.json").read_text())
+    assert set(evaluation["probes"]["backbone"]["svm"]) == {"0.5", "1"}
+
+    # MLflow: the evaluate runs are children of the pretraining run that made the model
+    client = mlflow.MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("transfusion")
+    runs = client.search_runs([exp.experiment_id])
+    pretrain = [r for r in runs if r.data.tags.get("stage") == "pretrain"]
+    evaluate = [r for r in runs if r.data.tags.get("stage") == "evaluate"]
+    assert len(pretrain) == 1 and len(evaluate) == 2
+    assert all(r.data.tags["mlflow.parentRunId"] == pretrain[0].info.run_id for r in evaluate)
+    assert evaluate[0].data.metrics["backbone.svm.100pct"] == pytest.approx(evaluation["probes"]["backbone"]["svm"]["1"])
+
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "baseline"], repo)
+    out = run(["dvc", "exp", "run", "-S", "model.depth=2"], repo)
+    assert {"pretrain", "evaluate", "report"} <= ran(out) and "prepare" not in ran(out)
+    shown = run(["dvc", "exp", "show", "--json"], repo)
+    assert '"depth": 2' in shown.replace("'", '"')
+    runs = client.search_runs([exp.experiment_id], filter_string="params.`model.depth` = '2'")
+    assert len(runs) == 1 and runs[0].data.tags["stage"] == "pretrain"

@@ -407,3 +407,17 @@ def test_printed_gamma_region_favours_noise():
         assert not (~reg[:-1, :] & reg[1:, :]).any()  # growing ρ never enters it
         assert not (reg & T.theorem2(rho[:, None], eps[None, :], n).meaningful).any()
     assert not (regions[2] & ~regions[8]).any() and not (regions[8] & ~regions[64]).any()  # grows with n
+
+
+@pytest.mark.parametrize("n", [5, 8])
+def test_affinity_contrast_matches_a_loop(n):
+    from pipeline.theory import affinity_contrast
+
+    rng = np.random.default_rng(n)
+    a = rng.random((n, n))
+    y = np.arange(n) % 2
+    same = [a[i, j] for i in range(n) for j in range(n) if i != j and y[i] == y[j]]
+    diff = [a[i, j] for i in range(n) for j in range(n) if y[i] != y[j]]
+    assert affinity_contrast(a, y) == pytest.approx((sum(same) / len(same)) / (sum(diff) / len(diff)))
+    block = (y[:, None] == y[None, :]).astype(float)
+    assert affinity_contrast(block, y) == float("inf")

@@ -1,0 +1,116 @@
+"""``evaluate`` stage: probes, cluster quality and figures from the pretrained model.
+
+Reads params: ``probe``; inputs ``data/prepared/``, ``models/pretrain/``, ``plots/pretrain.csv``.
+Writes (atomically): ``metrics/evaluate.json`` and ``plots/evaluate/`` (probes.csv, sharpness.{csv,png},
+tsne.{csv,png}, curves.png). Logged to MLflow as a child of the pretraining run that made the model.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from pathlib import Path
+from typing import Any
+
+import click
+
+from pipeline.config import Params, flatten
+from pipeline.datasets import DatasetError
+from pipeline.evaluation import Evaluation, evaluate, load_data, load_pretrained
+from pipeline.io import atomic_dir, write_json, write_text
+from pipeline.tracking import TrackingError
+from stages._common import params_options, runtime_errors
+
+PLOTS = Path("plots/evaluate")
+
+
+def finite(obj: Any) -> Any:
+    """JSON for DVC: non-finite floats (an infinite sharpness) become strings."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def _csv(rows: list[dict[str, Any]]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+def write_figures(ev: Evaluation, out: Path, curves_csv: Path) -> None:
+    from pipeline import figures
+
+    write_text(out / "probes.csv", _csv(ev.probe_rows))
+    figures.sharpness_per_layer([r["sharpness"] for r in ev.sharpness_rows], out / "sharpness.png",
+                                out / "sharpness.csv", labels=[r["layer"] for r in ev.sharpness_rows])
+    if ev.tsne is not None:
+        reps, labels, names = ev.tsne
+        figures.tsne_layers(reps, labels, names, out / "tsne.png", out / "tsne.csv")
+    if curves_csv.is_file():
+        with open(curves_csv) as f:
+            rows = [{k: (float(v) if v not in ("", None) else None) for k, v in r.items()} for r in csv.DictReader(f)]
+        figures.line_curves(rows, "epoch", ["loss", "knn_acc", "view_noise"], out / "curves.png",
+                            title="pretraining")
+
+
+def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, files: list[Path]) -> str:
+    import mlflow
+
+    from pipeline import tracking as trk
+
+    root = trk.project_root()
+    uri = trk.tracking_uri(root)
+    trk.check_reachable(uri)
+    mlflow.set_tracking_uri(uri)
+    tags = trk.stage_tags("evaluate", root)
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    metrics = {}
+    for rep, by_probe in ev.metrics["probes"].items():
+        for probe, by_frac in by_probe.items():
+            for frac, acc in by_frac.items():
+                metrics[f"{rep}.{probe}.{round(float(frac) * 100)}pct"] = acc
+    metrics.update({f"spectral.{k}": v for k, v in ev.metrics["spectral"].items() if isinstance(v, float)})
+    metrics.update({f"sharpness.{k}": v for k, v in ev.metrics["sharpness"].items() if math.isfinite(v)})
+    with mlflow.start_run(experiment_id=trk.experiment_id(uri, root), run_name="evaluate", tags=tags) as run:
+        mlflow.log_params(trk.flat_params(flatten(params.probe, "probe.")))
+        mlflow.log_metrics(metrics)
+        for f in files:
+            if f.is_file():
+                mlflow.log_artifact(str(f), artifact_path="evaluate")
+        return run.info.run_id
+
+
+@click.command("evaluate")
+@params_options
+@click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
+              show_default=True)
+@click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("models/pretrain"), show_default=True)
+@click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
+@runtime_errors(DatasetError, TrackingError, FileNotFoundError)
+def evaluate_cmd(params: Params, data_dir: Path, model_dir: Path, no_tracking: bool) -> None:
+    """Probe the frozen embeddings of every layer, cluster the learned affinity, draw the figures."""
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no pretrained model in {model_dir}: run `transfusion pretrain` (or `dvc repro`)")
+    model, config = load_pretrained(model_dir)
+    data = load_data(data_dir)
+    ev = evaluate(params, data, model, config["params"]["train"]["batch_size"], progress=click.echo)
+    ev.metrics["pretrain_mlflow_run_id"] = config.get("mlflow_run_id")
+    with atomic_dir(PLOTS) as out:
+        write_figures(ev, out, Path("plots/pretrain.csv"))
+    metrics_path = Path("metrics/evaluate.json")
+    if not no_tracking:
+        ev.metrics["mlflow_run_id"] = log_to_mlflow(
+            params, ev, config.get("mlflow_run_id"), [*sorted(PLOTS.iterdir())])
+    write_json(metrics_path, finite(ev.metrics))
+    best = ev.metrics["probes"].get("backbone", {})
+    line = ", ".join(f"{k} {max(v.values()):.4f}" for k, v in best.items())
+    click.echo(f"evaluated: backbone {line}; spectral NMI {ev.metrics['spectral']['nmi']:.3f} -> metrics/evaluate.json")

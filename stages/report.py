@@ -1,0 +1,40 @@
+"""``report`` stage: ``reports/REPORT.md`` from the metrics and figures of the other stages.
+
+Reads params: every section (the report prints them); inputs ``metrics/*.json``, ``plots/evaluate/``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from pipeline.config import Params
+from pipeline.io import write_text
+from pipeline.report import render
+from stages._common import params_options, runtime_errors
+
+OUT = Path("reports/REPORT.md")
+FIGURES = {
+    "t-SNE of the input and of every layer (paper Fig. 4)": "plots/evaluate/tsne.png",
+    "Sharpness of every layer's affinity": "plots/evaluate/sharpness.png",
+    "Pretraining curves": "plots/evaluate/curves.png",
+}
+
+
+@click.command("report")
+@params_options
+@runtime_errors(FileNotFoundError)
+def report_cmd(params: Params) -> None:
+    """Write reports/REPORT.md: our tables beside the paper's, the figures, the params."""
+    pre, ev = Path("metrics/pretrain.json"), Path("metrics/evaluate.json")
+    for f in (pre, ev):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} is missing: run `dvc repro` (the pretrain and evaluate stages) first")
+    config = json.loads(Path("models/pretrain/config.json").read_text())
+    figures = {c: f"../{p}" for c, p in FIGURES.items() if Path(p).is_file()}
+    text = render(config["params"] | {"probe": params.probe.model_dump()}, json.loads(pre.read_text()),
+                  json.loads(ev.read_text()), figures)
+    write_text(OUT, text)
+    click.echo(f"report -> {OUT}")
