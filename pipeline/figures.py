@@ -301,6 +301,7 @@ def sharpness_per_layer(
     csv: Path,
     *,
     labels: Sequence[str] | None = None,
+    name: str = "sharpness",
 ) -> None:
     """Sharpness (Definition 2, ``S(A) = min_{c_i=c_j, i!=j} A_ij / max_{c_p!=c_q} A_pq``) of every block's affinity.
 
@@ -310,6 +311,7 @@ def sharpness_per_layer(
     line marks S = 1 (every same-class affinity above every cross-class one).
     values: L floats; labels: L names (default "block 1" ... "block L").
     CSV (L rows): ``layer,sharpness``, with inf / -inf / nan written as ``inf`` / ``-inf`` / ``nan``.
+    ``name`` renames the quantity (axis label and CSV column), e.g. for the mean-ratio ``contrast``.
     """
     v = np.asarray([_float(s) for s in values], dtype=np.float64)  # (L,)
     names = [f"block {i + 1}" for i in range(len(v))] if labels is None else [str(s) for s in labels]
@@ -342,10 +344,10 @@ def sharpness_per_layer(
             ax.annotate("nan", xy=(i, 0.5), xycoords=trans, ha="center", va="center", color="grey")
     ax.set_xlim(-0.5, len(v) - 0.5)
     ax.set_xticks(pos, names, rotation=30 if len(v) > 6 else 0)
-    ax.set_ylabel("sharpness (symlog)")
+    ax.set_ylabel(f"{name} (symlog)")
     ax.grid(True, axis="y", alpha=0.3)
-    table = [[name, repr(float(s))] for name, s in zip(names, v, strict=True)]
-    _save(fig, png, csv, _csv_text(["layer", "sharpness"], table))
+    table = [[layer, repr(float(s))] for layer, s in zip(names, v, strict=True)]
+    _save(fig, png, csv, _csv_text(["layer", name], table))
 
 
 # ----------------------------------------------------------------------------------- phase diagram

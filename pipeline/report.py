@@ -70,7 +70,10 @@ def render(params: Mapping[str, Any], pretrain: Mapping[str, Any], evaluation: M
     ours = _row(f"**{model_name(params)}, ours on {data['dataset']}**", train["batch_size"],
                 our_accuracies(probes, "backbone"), minutes)
     raw = _row(f"raw input ({data['dataset']}), same probes", "-", our_accuracies(probes, "input"), None)
-    table, caption = (PAPER_TABLE_2, "Table 2 (supervised)") if supervised else (PAPER_TABLE_1, "Table 1 (self-supervised)")
+    if supervised:
+        table, caption = PAPER_TABLE_2, "Table 2 (supervised)"
+    else:
+        table, caption = PAPER_TABLE_1, "Table 1 (self-supervised)"
     lines = [
         "# TransFusion pipeline report",
         "",

@@ -48,8 +48,11 @@ def write_figures(ev: Evaluation, out: Path, curves_csv: Path) -> None:
     from pipeline import figures
 
     write_text(out / "probes.csv", _csv(ev.probe_rows))
+    layers = [r["layer"] for r in ev.sharpness_rows]
     figures.sharpness_per_layer([r["sharpness"] for r in ev.sharpness_rows], out / "sharpness.png",
-                                out / "sharpness.csv", labels=[r["layer"] for r in ev.sharpness_rows])
+                                out / "sharpness.csv", labels=layers)
+    figures.sharpness_per_layer([r["contrast"] for r in ev.sharpness_rows], out / "contrast.png",
+                                out / "contrast.csv", labels=layers, name="contrast")
     if ev.tsne is not None:
         reps, labels, names = ev.tsne
         figures.tsne_layers(reps, labels, names, out / "tsne.png", out / "tsne.csv")
@@ -67,7 +70,6 @@ def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, fil
 
     root = trk.project_root()
     uri = trk.tracking_uri(root)
-    trk.check_reachable(uri)
     mlflow.set_tracking_uri(uri)
     tags = trk.stage_tags("evaluate", root)
     if parent_run_id:
@@ -98,6 +100,10 @@ def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, fil
 @runtime_errors(DatasetError, TrackingError, FileNotFoundError)
 def evaluate_cmd(params: Params, data_dir: Path, model_dir: Path, no_tracking: bool) -> None:
     """Probe the frozen embeddings of every layer, cluster the learned affinity, draw the figures."""
+    if not no_tracking:  # fail fast, before the probes, if the store is unreachable
+        from pipeline.tracking import check_reachable, project_root, tracking_uri
+
+        check_reachable(tracking_uri(project_root()))
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"no pretrained model in {model_dir}: run `transfusion pretrain` (or `dvc repro`)")
     model, config = load_pretrained(model_dir)

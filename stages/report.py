@@ -18,7 +18,8 @@ from stages._common import params_options, runtime_errors
 OUT = Path("reports/REPORT.md")
 FIGURES = {
     "t-SNE of the input and of every layer (paper Fig. 4)": "plots/evaluate/tsne.png",
-    "Sharpness of every layer's affinity": "plots/evaluate/sharpness.png",
+    "Sharpness of every layer's affinity (def. 2, worst pair)": "plots/evaluate/sharpness.png",
+    "Contrast of every layer's affinity (mean same-class / mean other-class)": "plots/evaluate/contrast.png",
     "Pretraining curves": "plots/evaluate/curves.png",
 }
 

@@ -124,7 +124,8 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(repo, monkeyp
     evaluate = [r for r in runs if r.data.tags.get("stage") == "evaluate"]
     assert len(pretrain) == 1 and len(evaluate) == 2
     assert all(r.data.tags["mlflow.parentRunId"] == pretrain[0].info.run_id for r in evaluate)
-    assert evaluate[0].data.metrics["backbone.svm.100pct"] == pytest.approx(evaluation["probes"]["backbone"]["svm"]["1"])
+    latest = max(evaluate, key=lambda r: r.info.start_time)
+    assert latest.data.metrics["backbone.svm.100pct"] == pytest.approx(evaluation["probes"]["backbone"]["svm"]["1"])
 
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "baseline"], repo)

@@ -1,0 +1,35 @@
+"""The report renders our row in the paper's table layout, the paper's rows, every probe and the figures."""
+
+from __future__ import annotations
+
+from pipeline.report import HEADER, PAPER_TABLE_1, render
+
+
+def sample(mode="self_supervised"):
+    params = {"data": {"dataset": "digits"}, "model": {"depth": 3, "backbone": "cnn_small"},
+              "loss": {"name": "jsd"}, "augment": {"preset": "paper", "strength": 1.0},
+              "train": {"mode": mode, "batch_size": 128}}
+    pre = {"epochs": 40, "train_seconds": 90.0, "view_noise": 0.045}
+    ev = {"probes": {"input": {"svm": {"1": 0.986, "0.1": 0.9}, "ffn": {"1": 0.97}},
+                     "backbone": {"svm": {"1": 0.99}, "ffn": {"1": 0.98}, "knn50": {"1": 0.97}, "knn200": {"1": 0.93}}},
+          "spectral": {"affinity": "output", "nmi": 0.8, "ari": 0.7},
+          "sharpness": {"backbone": 0.0, "block_1": "inf"}, "contrast": {"backbone": 1.5, "block_1": 3.0}}
+    return params, pre, ev
+
+
+def test_our_row_sits_in_the_paper_layout_beside_the_paper_rows():
+    text = render(*sample(), {"t-SNE": "../plots/evaluate/tsne.png"})
+    assert HEADER in text
+    assert "| **TransFusion 3-Layer (jsd), ours on digits** | 128 | 0.9800 | 0.9900 | 0.9700 | 0.9300 | 1.5 |" in text
+    assert "| raw input (digits), same probes | - | 0.9700 | 0.9860 | - | - | - |" in text
+    for name, *_ in PAPER_TABLE_1:
+        assert f"paper: {name}" in text
+    assert "![t-SNE](../plots/evaluate/tsne.png)" in text
+    assert "| input | svm | 0.9000 | 0.9860 |" in text  # every representation x fraction
+    assert "NMI 0.8000, ARI 0.7000" in text and "| block_1 | inf |" in text
+    assert "Table 1 (self-supervised)" in text
+
+
+def test_supervised_runs_use_table_2():
+    text = render(*sample("supervised"), {})
+    assert "Table 2 (supervised)" in text and "paper: SupCon" in text and "paper: InfoNCE" not in text
