@@ -9,6 +9,7 @@ from stages.evaluate import evaluate_cmd
 from stages.prepare import prepare
 from stages.pretrain import pretrain_cmd
 from stages.report import report_cmd
+from stages.sweep import sweep_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -22,6 +23,7 @@ main.add_command(prepare)
 main.add_command(pretrain_cmd)
 main.add_command(evaluate_cmd)
 main.add_command(report_cmd)
+main.add_command(sweep_cmd)
 
 if __name__ == "__main__":
     main()

@@ -154,6 +154,21 @@ class ProbeConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
+class SweepConfig(Section):
+    """The sweep stage (Ray Tune): the grid over the paper's two knobs and depth."""
+
+    depth: list[Annotated[int, Field(ge=0, le=64)]] = Field(default_factory=lambda: [0, 1], min_length=1)
+    batch_size: list[Annotated[int, Field(ge=2)]] = Field(default_factory=lambda: [32, 256], min_length=1)
+    strength: list[Annotated[float, Field(ge=0.0, le=1.0)]] = Field(default_factory=lambda: [0.0, 1.0], min_length=1)
+    lr: list[Annotated[float, Field(gt=0.0, le=10.0)]] = Field(default_factory=list)  # empty: keep train.lr
+    search: Literal["grid", "random"] = "grid"
+    num_samples: int = Field(1, ge=1)  # grid: repeats of the grid; random: number of sampled points
+    epochs: int = Field(6, ge=1)
+    asha: bool = True
+    grace_period: int = Field(2, ge=1)
+    cpus_per_worker: float = Field(0.5, gt=0.0)
+
+
 class RayConfig(Section):
     address: str | None = None
     num_workers: int = Field(1, ge=1, le=100_000)
@@ -173,6 +188,7 @@ class Params(Section):
     train: TrainConfig
     ray: RayConfig
     probe: ProbeConfig
+    sweep: SweepConfig
 
     @model_validator(mode="after")
     def _cross_section(self) -> Params:
@@ -336,5 +352,6 @@ def flatten(params: BaseModel | Mapping[str, Any], prefix: str = "") -> dict[str
 
 __all__ = [
     "AugmentConfig", "DataConfig", "LossConfig", "ModelConfig", "Params", "ParamsError", "ProbeConfig", "RayConfig",
+    "SweepConfig",
     "SyntheticConfig", "TrainConfig", "apply_overrides", "flatten", "load_params", "validate_params",
 ]
