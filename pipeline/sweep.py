@@ -49,13 +49,17 @@ def trial_params(base: dict[str, Any], point: dict[str, Any]) -> Params:
     return validate_params(raw, source=f"sweep point {point}")
 
 
-def _trial(config: dict[str, Any]) -> None:
-    """One Tune trial: a Ray Train run of the pretraining loop on this point of the space."""
+def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
+    """One Tune trial: a Ray Train run of the pretraining loop on this point of the space.
+
+    ``config`` holds the point (``{"model.depth": 1, ...}``); ``fixed`` what every trial shares.
+    """
     import ray.train
     import ray.tune
     from ray.train.torch import TorchTrainer
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    config = {**fixed, **config}
     point = {k: config[k] for k in config if "." in k}
     params = trial_params(config["__base"], point)
     trial_id = ray.tune.get_context().get_trial_id()
@@ -115,7 +119,7 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, count_file: str | N
     fixed = {"__base": base, "__data": str(data_dir.resolve()), "__storage": storage,
              "__use_gpu": wants_gpu(params), "__count_file": count_file or os.environ.get(COUNT_ENV)}
     s = params.sweep
-    space: dict[str, Any] = dict(fixed)
+    space: dict[str, Any] = {}
     if s.search == "grid":
         for dotted in grid_points(params)[0]:
             key = next(k for k, v in SPACE_KEYS.items() if v == dotted)
@@ -128,7 +132,7 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, count_file: str | N
         samples = s.num_samples
     scheduler = (ASHAScheduler(time_attr="epoch", max_t=s.epochs, grace_period=min(s.grace_period, s.epochs),
                                reduction_factor=2) if s.asha else FIFOScheduler())
-    trainable = tune.with_resources(_trial, {"CPU": TRIAL_CPU})
+    trainable = tune.with_resources(tune.with_parameters(_trial, fixed=fixed), {"CPU": TRIAL_CPU})
     path = os.path.join(storage, name)
     if tune.Tuner.can_restore(path):
         print(f"[sweep] resuming {path}", flush=True)
