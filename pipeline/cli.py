@@ -10,6 +10,7 @@ from stages.prepare import prepare
 from stages.pretrain import pretrain_cmd
 from stages.report import report_cmd
 from stages.sweep import sweep_cmd
+from stages.theory import theory_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -24,6 +25,7 @@ main.add_command(pretrain_cmd)
 main.add_command(evaluate_cmd)
 main.add_command(report_cmd)
 main.add_command(sweep_cmd)
+main.add_command(theory_cmd)
 
 if __name__ == "__main__":
     main()

@@ -416,6 +416,8 @@ def phase_diagram(
     png: Path,
     csv: Path,
     region: Callable[[float, float, Any], bool] | None = None,
+    region_label: str = "region",
+    title: str | None = None,
 ) -> None:
     """Sweep heat maps: one panel per distinct ``row[panel]`` (e.g. depth), categorical x / y axes (sorted distinct
     values, e.g. batch size x augmentation strength), cells coloured by ``row[value]`` (e.g. accuracy).
@@ -423,7 +425,8 @@ def phase_diagram(
     Cells are laid out by :func:`phase_grids` (repeats averaged) and coloured on one scale shared by all panels,
     ``color_limits(grids)``, with one colour bar; each cell shows its number; a cell without a finite value is
     blank. ``region(x_value, y_value, panel_value) -> bool`` (optional) outlines and hatches the cells where it
-    returns True -- e.g. where the theory predicts learning -- whether or not the cell has a value.
+    returns True -- e.g. where the theory predicts learning -- whether or not the cell has a value; the legend names it
+    ``region_label``. ``title``: an optional figure title.
     CSV (one line per input row): columns ``x, y, panel, value`` (the given key names), empty where value is missing.
     """
     panels, xs, ys, grids = phase_grids(rows, x=x, y=y, value=value, panel=panel)
@@ -453,8 +456,10 @@ def phase_diagram(
         ax.set_title(f"{panel} = {_fmt(pv)}")
     fig.colorbar(image, ax=list(axes), label=value, shrink=0.9)
     if region is not None:
-        fig.legend(handles=[Patch(fill=False, edgecolor="tab:red", hatch="//", label="region")],
+        fig.legend(handles=[Patch(fill=False, edgecolor="tab:red", hatch="//", label=region_label)],
                    loc="outside lower center", fontsize="small", frameon=False)
+    if title:
+        fig.suptitle(title)
     cols = [x, y, panel, value]
     text = _csv_text(cols, [["" if r.get(c) is None else _fmt(r.get(c)) for c in cols] for r in rows])
     _save(fig, png, csv, text)

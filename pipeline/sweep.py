@@ -2,13 +2,19 @@
 
 Train V2 pattern: each Tune trial is a plain function that launches a ``TorchTrainer`` running the
 pretraining worker loop (``pipeline.train.train_loop_per_worker``), named after the trial id so that a
-restored sweep resumes each trial's own run; ``TuneReportCallback`` passes rank 0's per-epoch metrics
-(online kNN accuracy, loss, measured view noise ε) to Tune, and ASHA stops the hopeless trials early.
+restored sweep resumes each trial's own run from its last checkpoint; ``TuneReportCallback`` passes rank 0's
+per-epoch metrics (online kNN accuracy, loss, measured view noise ε) to Tune, and ASHA (optional) stops the
+hopeless trials early.
 
 Resources: a trial's function holds ``TRIAL_CPU`` and its workers ``ray.num_workers × sweep.cpus_per_worker``;
-``max_concurrent_trials`` follows from the cluster's CPUs (two 1-CPU workers under a 1-CPU trial never
-start on 2 cores). The driver is the only MLflow writer: after the sweep it logs one parent run and a
-child per trial from Tune's results (no sqlite lock contention between trials).
+``max_concurrent_trials`` follows from the cluster's CPUs unless ``sweep.max_concurrent_trials`` is set
+(two 1-CPU workers under a 1-CPU trial never start on 2 cores).
+
+Tracking and progress come from one driver-side Tune callback (:class:`SweepTracker`): a progress line per
+trial event, and MLflow written live from the driver only (one parent run per sweep, a child per trial with its
+point, per-epoch metrics and final status), so trials never contend for the sqlite store. An interrupted
+sweep (Ctrl-C, a killed driver) is restored with ``Tuner.restore``: finished trials are kept, unfinished ones
+resume from their checkpoints, and the same MLflow parent and children continue.
 """
 
 from __future__ import annotations
@@ -18,26 +24,48 @@ import itertools
 import json
 import math
 import os
+import shutil
+import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ray import tune
+
 from pipeline.config import Params, flatten, validate_params
-from pipeline.train import WorkerSpec, train_loop_per_worker, wants_gpu
+from pipeline.train import WorkerSpec, _init_ray, _storage, train_loop_per_worker, wants_gpu
 
 TRIAL_CPU = 0.25
 SPACE_KEYS = {"depth": "model.depth", "batch_size": "train.batch_size", "strength": "augment.strength",
               "lr": "train.lr"}
+SEED_KEY = "train.seed"
 COUNT_ENV = "TRANSFUSION_TRIAL_LOG"  # tests: each trial start appends a line to this file
+STATE_DIR = ".transfusion"  # driver-side state of a sweep under the project root (MLflow parent run id)
+
+
+class SweepError(RuntimeError):
+    """The sweep did not finish (interrupted, or every trial failed); rerunning the stage resumes it."""
+
+
+# ------------------------------------------------------------------------------------------------- space
+def axes(params: Params) -> dict[str, list[Any]]:
+    """The swept keys and their values, ``{"model.depth": [0, 1], ...}``; lr only if listed.
+
+    In grid mode ``sweep.num_samples`` > 1 repeats the grid with seeds ``train.seed + 0 .. num_samples - 1``
+    (identical repeats would only measure the same run twice).
+    """
+    s = params.sweep
+    out = {SPACE_KEYS[k]: list(getattr(s, k)) for k in SPACE_KEYS if getattr(s, k)}
+    if s.search == "grid" and s.num_samples > 1:
+        out[SEED_KEY] = [params.train.seed + i for i in range(s.num_samples)]
+    return out
 
 
 def grid_points(params: Params) -> list[dict[str, Any]]:
-    """Every combination of the sweep's values, as ``{"model.depth": 1, ...}`` (lr only if listed)."""
-    s = params.sweep
-    axes = {SPACE_KEYS[k]: getattr(s, k) for k in SPACE_KEYS if getattr(s, k)}
-    keys = list(axes)
-    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(axes[k] for k in keys))]
+    """Every combination of the sweep's values, as ``{"model.depth": 1, ...}``."""
+    a = axes(params)
+    return [dict(zip(a, combo, strict=True)) for combo in itertools.product(*a.values())]
 
 
 def trial_params(base: dict[str, Any], point: dict[str, Any]) -> Params:
@@ -49,33 +77,68 @@ def trial_params(base: dict[str, Any], point: dict[str, Any]) -> Params:
     return validate_params(raw, source=f"sweep point {point}")
 
 
+def base_params(params: Params) -> dict[str, Any]:
+    """What every trial shares: the params with the sweep's epochs, a kNN check every epoch (ASHA's metric),
+    a checkpoint every epoch (resume loses at most one) and the sweep's per-worker CPUs."""
+    base = params.model_dump()
+    base["train"]["epochs"] = params.sweep.epochs
+    base["train"]["knn_every"] = 1
+    base["train"]["warmup_epochs"] = min(base["train"]["warmup_epochs"], params.sweep.epochs - 1)
+    base["train"]["checkpoint_every"] = 1
+    base["ray"]["cpus_per_worker"] = params.sweep.cpus_per_worker
+    return base
+
+
+def point_of(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in config.items() if "." in k}
+
+
+def describe(point: dict[str, Any]) -> str:
+    """``"depth 1, batch_size 32, strength 0.5"`` for progress lines."""
+    return ", ".join(f"{k.split('.')[1]} {v}" for k, v in point.items())
+
+
+def sweep_name(params: Params, manifest: dict[str, Any]) -> str:
+    """Stable name from everything that determines the sweep's result (params it reads, the data)."""
+    keyed = {s: getattr(params, s).model_dump() for s in ("model", "loss", "augment", "train", "sweep")}
+    keyed["ray"] = {"num_workers": params.ray.num_workers}
+    keyed["data"] = {n: f["sha256"] for n, f in sorted(manifest["files"].items())}
+    return "sweep-" + hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def max_concurrent(params: Params, cluster_cpus: float) -> int:
+    """``sweep.max_concurrent_trials`` if set, else as many trials as the cluster's CPUs hold (at least 1)."""
+    if params.sweep.max_concurrent_trials is not None:
+        return params.sweep.max_concurrent_trials
+    per_trial = TRIAL_CPU + params.ray.num_workers * params.sweep.cpus_per_worker
+    return max(1, int(cluster_cpus // per_trial))
+
+
+# ------------------------------------------------------------------------------------------------- trial
 def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
     """One Tune trial: a Ray Train run of the pretraining loop on this point of the space.
 
     ``config`` holds the point (``{"model.depth": 1, ...}``); ``fixed`` what every trial shares.
     """
     import ray.train
-    import ray.tune
     from ray.train.torch import TorchTrainer
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    config = {**fixed, **config}
-    point = {k: config[k] for k in config if "." in k}
-    params = trial_params(config["__base"], point)
-    trial_id = ray.tune.get_context().get_trial_id()
-    count_file = config.get("__count_file")
-    if count_file:
-        with open(count_file, "a") as f:
+    point = point_of(config)
+    params = trial_params(fixed["base"], point)
+    trial_id = tune.get_context().get_trial_id()
+    if fixed.get("count_file"):
+        with open(fixed["count_file"], "a") as f:
             f.write(f"{trial_id} {json.dumps(point, sort_keys=True)}\n")
-    storage = config["__storage"]
-    spec = WorkerSpec(params=params.model_dump(), data_dir=config["__data"],
-                      run_dir=os.path.join(storage, f"trial-{trial_id}"), use_gpu=config["__use_gpu"])
+    storage = fixed["storage"]
+    spec = WorkerSpec(params=params.model_dump(), data_dir=fixed["data"],
+                      run_dir=os.path.join(storage, f"trial-{trial_id}"), use_gpu=fixed["use_gpu"], quiet=True)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=asdict(spec),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=params.ray.num_workers, use_gpu=config["__use_gpu"],
-            resources_per_worker={"CPU": params.sweep.cpus_per_worker},
+            num_workers=params.ray.num_workers, use_gpu=fixed["use_gpu"],
+            resources_per_worker={"CPU": params.ray.cpus_per_worker},
         ),
         run_config=ray.train.RunConfig(
             name=f"trial-{trial_id}", storage_path=storage, callbacks=[TuneReportCallback()],
@@ -85,122 +148,283 @@ def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
     trainer.fit()
 
 
-def sweep_name(params: Params, manifest: dict[str, Any]) -> str:
-    keyed = {s: getattr(params, s).model_dump() for s in ("model", "loss", "augment", "train", "sweep")}
-    keyed["data"] = {n: f["sha256"] for n, f in sorted(manifest["files"].items())}
-    return "sweep-" + hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+# ------------------------------------------------------------------------------------ progress, tracking
+def _say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
-def max_concurrent(params: Params, cluster_cpus: float) -> int:
-    per_trial = TRIAL_CPU + params.ray.num_workers * params.sweep.cpus_per_worker
-    return max(1, int(cluster_cpus // per_trial))
+class SweepTracker(tune.Callback):
+    """Driver-side: one progress line per trial event, live MLflow runs, and the trials' final statuses.
+
+    MLflow (when ``uri``): ``parent_id`` is the sweep's run; each trial gets a child run (tags
+    ``mlflow.parentRunId``, ``trial_id``; params = its point) found again by those tags when a restored sweep
+    restarts the trial; per-epoch metrics are logged with step = epoch; the child ends FINISHED (tag
+    ``stopped_early`` when ASHA cut it) or FAILED.
+    """
+
+    METRICS = ("loss", "knn_acc", "view_noise", "samples_per_s", "lr")
+
+    def __init__(self, epochs: int, uri: str | None = None, experiment_id: str | None = None,
+                 parent_id: str | None = None) -> None:
+        self.epochs, self.uri, self.experiment_id, self.parent_id = epochs, uri, experiment_id, parent_id
+        self.trials: list[Any] = []
+        self.total = 0
+        self.children: dict[str, str] = {}
+        self.last_epoch: dict[str, int] = {}
+
+    def setup(self, **info) -> None:
+        self.total = int(info.get("total_num_samples") or 0)
+
+    def _client(self):
+        import mlflow
+
+        return mlflow.MlflowClient(self.uri)
+
+    def _child(self, trial) -> str | None:
+        if not self.uri:
+            return None
+        tid = trial.trial_id
+        if tid not in self.children:
+            client = self._client()
+            found = client.search_runs(
+                [self.experiment_id],
+                filter_string=f"tags.mlflow.parentRunId = '{self.parent_id}' and tags.trial_id = '{tid}'")
+            if found:
+                self.children[tid] = found[0].info.run_id
+                client.update_run(self.children[tid], status="RUNNING")
+            else:
+                from mlflow.entities import Param
+
+                tags = {"mlflow.parentRunId": self.parent_id, "stage": "sweep-trial", "trial_id": tid}
+                run = client.create_run(self.experiment_id, run_name=f"trial-{tid}", tags=tags)
+                self.children[tid] = run.info.run_id
+                client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in point_of(trial.config).items()])
+        return self.children[tid]
+
+    def _done(self, trials) -> str:
+        finished = sum(t.status in ("TERMINATED", "ERROR") for t in trials)
+        return f"{finished}/{max(self.total, len(trials))}"
+
+    def on_step_end(self, iteration, trials, **info) -> None:
+        self.trials = trials
+
+    def on_experiment_end(self, trials, **info) -> None:
+        self.trials = trials
+
+    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        self.trials = trials
+        _say(f"[sweep] {self._done(trials)} done; trial {trial.trial_id} started: {describe(point_of(trial.config))}")
+        self._child(trial)
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        from mlflow.entities import Metric
+
+        epoch = int(result.get("epoch", 0))
+        self.last_epoch[trial.trial_id] = epoch
+        knn = result.get("knn_acc")
+        _say(f"[sweep] trial {trial.trial_id} epoch {epoch}/{self.epochs}: loss {result.get('loss', math.nan):.4f}"
+             + (f" knn {knn:.4f}" if knn is not None else "")
+             + f" eps {result.get('view_noise', math.nan):.4f}")
+        child = self._child(trial)
+        if child:
+            now = int(time.time() * 1000)
+            metrics = [Metric(k, float(result[k]), now, epoch) for k in self.METRICS
+                       if isinstance(result.get(k), int | float) and math.isfinite(result[k])]
+            self._client().log_batch(child, metrics=metrics, synchronous=True)
+
+    def _end(self, trials, trial, status: str) -> None:
+        epoch = self.last_epoch.get(trial.trial_id, 0)
+        early = status == "FINISHED" and epoch < self.epochs
+        what = "failed" if status == "FAILED" else f"stopped early at epoch {epoch}" if early else "finished"
+        _say(f"[sweep] trial {trial.trial_id} {what} ({self._done(trials)} done)")
+        child = self._child(trial)
+        if child:
+            client = self._client()
+            client.set_tag(child, "stopped_early", str(early))
+            client.set_terminated(child, status)
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        self._end(trials, trial, "FINISHED")
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self._end(trials, trial, "FAILED")
+
+    def kill_unfinished(self) -> None:
+        """After an interruption: the children of trials that did not finish are KILLED (a rerun revives them)."""
+        for t in self.trials:
+            if t.status not in ("TERMINATED", "ERROR") and t.trial_id in self.children:
+                self._client().set_terminated(self.children[t.trial_id], "KILLED")
 
 
-def run_sweep(params: Params, data_dir: Path, root: Path, *, count_file: str | None = None):
-    """Run (or resume) the sweep; returns (rows, name). Rows: one per trial with config, metrics, status."""
-    import ray
-    from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-
-    from pipeline.train import _init_ray, _storage
-
-    manifest = json.loads((data_dir / "manifest.json").read_text())
-    name = sweep_name(params, manifest)
-    storage = _storage(params, root)
-    base = params.model_dump()
-    base["train"]["epochs"] = params.sweep.epochs
-    base["train"]["knn_every"] = 1  # ASHA needs the metric every epoch
-    base["train"]["warmup_epochs"] = min(base["train"]["warmup_epochs"], params.sweep.epochs - 1)
-    base["train"]["checkpoint_every"] = 1
-    for point in grid_points(params):  # fail before any work if a point is invalid
-        trial_params(base, point)
-    _init_ray(params)
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    fixed = {"__base": base, "__data": str(data_dir.resolve()), "__storage": storage,
-             "__use_gpu": wants_gpu(params), "__count_file": count_file or os.environ.get(COUNT_ENV)}
-    s = params.sweep
-    space: dict[str, Any] = {}
-    if s.search == "grid":
-        for dotted in grid_points(params)[0]:
-            key = next(k for k, v in SPACE_KEYS.items() if v == dotted)
-            space[dotted] = tune.grid_search(getattr(s, key))
-        samples = s.num_samples
-    else:
-        for dotted in grid_points(params)[0]:
-            key = next(k for k, v in SPACE_KEYS.items() if v == dotted)
-            space[dotted] = tune.choice(getattr(s, key))
-        samples = s.num_samples
-    scheduler = (ASHAScheduler(time_attr="epoch", max_t=s.epochs, grace_period=min(s.grace_period, s.epochs),
-                               reduction_factor=2) if s.asha else FIFOScheduler())
-    trainable = tune.with_resources(tune.with_parameters(_trial, fixed=fixed), {"CPU": TRIAL_CPU})
-    path = os.path.join(storage, name)
-    if tune.Tuner.can_restore(path):
-        print(f"[sweep] resuming {path}", flush=True)
-        tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True, param_space=space)
-    else:
-        tuner = tune.Tuner(
-            trainable,
-            param_space=space,
-            tune_config=tune.TuneConfig(metric="knn_acc", mode="max", scheduler=scheduler, num_samples=samples,
-                                        max_concurrent_trials=max_concurrent(params, ray.cluster_resources()["CPU"]),
-                                        trial_dirname_creator=lambda t: f"trial-{t.trial_id}"),
-            run_config=tune.RunConfig(name=name, storage_path=storage, verbose=1),
-        )
-    start = time.time()
-    grid = tuner.fit()
-    rows = []
-    for result in grid:
-        cfg = {k: v for k, v in result.config.items() if "." in k}
-        df = result.metrics_dataframe
-        history = [] if df is None else df.to_dict("records")
-        last = history[-1] if history else {}
-        rows.append({
-            "trial_id": (result.metrics or {}).get("trial_id") or Path(result.path).name.removeprefix("trial-"),
-            **cfg,
-            "view_noise": last.get("view_noise", math.nan),
-            "knn_acc": last.get("knn_acc", math.nan),
-            "best_knn_acc": max((h.get("knn_acc", math.nan) for h in history), default=math.nan),
-            "loss": last.get("loss", math.nan),
-            "epochs": int(last.get("epoch", 0) or 0),
-            "stopped_early": bool(history) and int(last.get("epoch", 0) or 0) < s.epochs,
-            "seconds": float(sum(h.get("seconds", 0.0) for h in history)),
-            "status": "ERROR" if result.error else "TERMINATED",
-            "history": history,
-        })
-    print(f"[sweep] {len(rows)} trials in {time.time() - start:.0f} s", flush=True)
-    return rows, name
+# ------------------------------------------------------------------------------------------------ driver
+@dataclass
+class SweepResult:
+    rows: list[dict[str, Any]]  # one per trial: point, final metrics, epochs, status, per-epoch history
+    name: str
+    mlflow_run_id: str | None = None
+    seconds: float = 0.0
+    resumed: bool = False
+    files: list[str] = field(default_factory=list)
 
 
-def log_sweep(params: Params, rows: list[dict[str, Any]], root: Path, name: str, files: list[Path]) -> str:
-    """One MLflow parent run for the sweep, a child per trial (params, per-epoch metrics, status)."""
+def _parent_run(params: Params, root: Path, name: str) -> tuple[str, str, str]:
+    """(uri, experiment id, parent run id): the sweep's MLflow run, created once and found again on resume."""
     import mlflow
-    from mlflow.entities import Metric, Param
+    from mlflow.entities import Param
 
     from pipeline import tracking as trk
 
     uri = trk.tracking_uri(root)
-    client = mlflow.MlflowClient(uri)
+    trk.check_reachable(uri)
     exp = trk.experiment_id(uri, root)
-    parent = client.create_run(exp, run_name=name, tags=trk.stage_tags("sweep", root))
-    pid = parent.info.run_id
-    client.log_batch(pid, params=[Param(k, v) for k, v in trk.flat_params(flatten(params.sweep, "sweep.")).items()])
-    now = int(time.time() * 1000)
-    for row in rows:
-        tags = {"mlflow.parentRunId": pid, "stage": "sweep-trial", "trial_id": str(row["trial_id"])}
-        child = client.create_run(exp, run_name=f"trial-{row['trial_id']}", tags=tags)
-        cid = child.info.run_id
-        point = {k: v for k, v in row.items() if "." in k}
-        metrics = [Metric(k, float(h[k]), now, int(h["epoch"])) for h in row["history"]
-                   for k in ("loss", "knn_acc", "view_noise", "samples_per_s") if h.get(k) is not None
-                   and not (isinstance(h[k], float) and math.isnan(h[k]))]
-        client.log_batch(cid, params=[Param(k, str(v)) for k, v in point.items()], metrics=metrics)
-        client.set_tag(cid, "stopped_early", str(row["stopped_early"]))
-        client.set_terminated(cid, "FAILED" if row["status"] == "ERROR" else "FINISHED")
-    best = max((r for r in rows if not math.isnan(r["knn_acc"])), key=lambda r: r["knn_acc"], default=None)
-    if best is not None:
-        client.log_metric(pid, "best_knn_acc", best["knn_acc"])
-    with mlflow.start_run(run_id=pid):
-        for f in files:
-            if f.is_file():
-                mlflow.log_artifact(str(f))
-    return pid
+    client = mlflow.MlflowClient(uri)
+    id_file = root / STATE_DIR / name / "mlflow_run_id"
+    if id_file.exists():
+        run_id = id_file.read_text().strip()
+        client.update_run(run_id, status="RUNNING")
+        return uri, exp, run_id
+    run = client.create_run(exp, run_name=name, tags={**trk.stage_tags("sweep", root), "sweep": name})
+    flat = {**flatten(params.sweep, "sweep."),
+            **{k: v for k, v in flatten(base_params(params)).items() if k.split(".")[0] in ("model", "loss", "augment",
+                                                                                            "train")}}
+    client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in trk.flat_params(flat).items()])
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    id_file.write_text(run.info.run_id)
+    return uri, exp, run.info.run_id
+
+
+def _rows(grid, epochs: int) -> list[dict[str, Any]]:
+    rows = []
+    for result in grid:
+        df = result.metrics_dataframe
+        history = [] if df is None else [{k: v for k, v in h.items() if k in ("epoch", *SweepTracker.METRICS,
+                                                                                "seconds")}
+                                         for h in df.to_dict("records")]
+        last = history[-1] if history else {}
+        epoch = int(last.get("epoch", 0) or 0)
+        knn = [h["knn_acc"] for h in history if isinstance(h.get("knn_acc"), float) and not math.isnan(h["knn_acc"])]
+        rows.append({
+            "trial_id": Path(result.path).name.removeprefix("trial-"),
+            **point_of(result.config),
+            "view_noise": float(last.get("view_noise", math.nan)),
+            "knn_acc": float(last.get("knn_acc", math.nan)),
+            "best_knn_acc": max(knn, default=math.nan),
+            "loss": float(last.get("loss", math.nan)),
+            "epochs": epoch,
+            "stopped_early": bool(history) and result.error is None and epoch < epochs,
+            "seconds": float(sum(h.get("seconds", 0.0) for h in history)),
+            "status": "ERROR" if result.error else "TERMINATED",
+            "history": history,
+        })
+    return rows
+
+
+def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = True,
+              count_file: str | None = None) -> SweepResult:
+    """Run (or resume) the sweep. Raises :class:`SweepError` if it was interrupted or every trial failed."""
+    import ray
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    name = sweep_name(params, manifest)
+    storage = _storage(params, root)
+    base = base_params(params)
+    n_train = manifest.get("n_train")
+    for point in grid_points(params):  # fail before any work if a point is invalid
+        p = trial_params(base, point)
+        if n_train is not None and p.train.batch_size > n_train:
+            raise ValueError(f"sweep.batch_size: {p.train.batch_size} exceeds the training set ({n_train} samples)")
+    s = params.sweep
+    uri = exp = parent = None
+    if tracking:
+        uri, exp, parent = _parent_run(params, root, name)
+    _init_ray(params)
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    fixed = {"base": base, "data": str(data_dir.resolve()), "storage": storage, "use_gpu": wants_gpu(params),
+             "count_file": count_file or os.environ.get(COUNT_ENV)}
+    sample = tune.grid_search if s.search == "grid" else tune.choice
+    space = {k: sample(v) for k, v in axes(params).items()}
+    samples = 1 if s.search == "grid" else s.num_samples
+    scheduler = (ASHAScheduler(time_attr="epoch", max_t=s.epochs, grace_period=min(s.grace_period, s.epochs),
+                               reduction_factor=2) if s.asha else FIFOScheduler())
+    trainable = tune.with_resources(tune.with_parameters(_trial, fixed=fixed), {"CPU": TRIAL_CPU})
+    tracker = SweepTracker(s.epochs, uri, exp, parent)
+    path = os.path.join(storage, name)
+    concurrent = max_concurrent(params, ray.cluster_resources().get("CPU", 1.0))
+    resumed = tune.Tuner.can_restore(path)
+    if resumed:
+        _say(f"[sweep] resuming {path}")
+        tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True, param_space=space)
+        # the restored run config holds an unpickled copy of the first run's tracker: use this run's instead
+        tuner._local_tuner.get_run_config().callbacks = [tracker]
+    else:
+        n = len(grid_points(params)) if s.search == "grid" else samples
+        _say(f"[sweep] {name}: {n} trials ({s.search}), {s.epochs} epochs each, up to {concurrent} at a time"
+             + (", ASHA early stopping" if s.asha else ""))
+        tuner = tune.Tuner(
+            trainable,
+            param_space=space,
+            tune_config=tune.TuneConfig(metric="knn_acc", mode="max", scheduler=scheduler, num_samples=samples,
+                                        max_concurrent_trials=concurrent,
+                                        trial_dirname_creator=lambda t: f"trial-{t.trial_id}"),
+            run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0, callbacks=[tracker]),
+        )
+    start = time.time()
+    grid = tuner.fit()
+    unfinished = [t for t in tracker.trials if t.status not in ("TERMINATED", "ERROR")]
+    if unfinished or not tracker.trials:
+        tracker.kill_unfinished()
+        if uri:
+            import mlflow
+
+            mlflow.MlflowClient(uri).set_terminated(parent, "KILLED")
+        raise SweepError(f"the sweep was interrupted with {len(unfinished)} of {len(tracker.trials)} trials "
+                         f"unfinished; rerun the stage to resume it from {path}")
+    rows = _rows(grid, s.epochs)
+    if all(r["status"] == "ERROR" for r in rows):
+        errors = "; ".join(str(r.error).splitlines()[0] for r in grid if r.error)[:2000]
+        if uri:
+            import mlflow
+
+            mlflow.MlflowClient(uri).set_terminated(parent, "FAILED")
+        raise SweepError(f"every trial of the sweep failed: {errors}")
+    seconds = time.time() - start
+    _say(f"[sweep] {len(rows)} trials in {seconds:.0f} s")
+    return SweepResult(rows=rows, name=name, mlflow_run_id=parent, seconds=seconds, resumed=resumed)
+
+
+def finish_tracking(root: Path, result: SweepResult, best: dict[str, Any] | None, files: list[Path]) -> None:
+    """The parent run gets the best trial's metrics and point, the output files, and ends FINISHED."""
+    import mlflow
+
+    from pipeline import tracking as trk
+
+    if not result.mlflow_run_id:
+        return
+    uri = trk.tracking_uri(root)
+    client = mlflow.MlflowClient(uri)
+    pid = result.mlflow_run_id
+    if best:
+        for k in ("knn_acc", "best_knn_acc", "view_noise"):
+            if isinstance(best.get(k), float) and math.isfinite(best[k]):
+                client.log_metric(pid, f"best.{k}", best[k])
+        for k, v in point_of(best).items():
+            client.set_tag(pid, f"best.{k}", str(v))
+        client.set_tag(pid, "best.trial_id", str(best["trial_id"]))
+    client.log_metric(pid, "trials", len(result.rows))
+    client.log_metric(pid, "trials_failed", sum(r["status"] == "ERROR" for r in result.rows))
+    for f in files:
+        if f.is_file():
+            client.log_artifact(pid, str(f))
+    client.set_terminated(pid, "FINISHED")
+
+
+def cleanup(params: Params, root: Path, result: SweepResult) -> None:
+    """Forget a finished sweep, so that a forced rerun sweeps again instead of returning the old trials."""
+    storage = _storage(params, root)
+    if "://" not in storage:
+        shutil.rmtree(Path(storage) / result.name, ignore_errors=True)
+        for r in result.rows:
+            shutil.rmtree(Path(storage) / f"trial-{r['trial_id']}", ignore_errors=True)
+    shutil.rmtree(root / STATE_DIR / result.name, ignore_errors=True)

@@ -50,6 +50,7 @@ class WorkerSpec:
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
     fault: str | None = None
+    quiet: bool = False  # no per-epoch progress lines (sweep trials: the driver prints them)
 
 
 def _write_status(run_dir: str, status: dict[str, Any]) -> None:
@@ -99,9 +100,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     def report(m: EpochMetrics, checkpoint_now: bool) -> None:
         metrics = {k: v for k, v in m.as_dict().items() if v is not None}
         if rank == 0:
-            knn = f" knn {m.knn_acc:.4f}" if m.knn_acc is not None else ""
-            _progress(f"[pretrain] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
-                      f"eps {m.view_noise:.4f} {m.samples_per_s:,.0f} samples/s")
+            if not spec.quiet:
+                knn = f" knn {m.knn_acc:.4f}" if m.knn_acc is not None else ""
+                _progress(f"[pretrain] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
+                          f"eps {m.view_noise:.4f} {m.samples_per_s:,.0f} samples/s")
             if spec.mlflow_run_id:
                 from pipeline.tracking import log_epoch
 

@@ -1,9 +1,10 @@
 """``sweep`` stage: Ray Tune over depth × batch size × augmentation strength (× lr).
 
-Reads params: ``sweep`` plus ``model``, ``loss``, ``augment``, ``train``, ``ray`` (the base of every trial);
-input ``data/prepared/``. Writes (atomically): ``sweeps/results.csv`` (a row per trial), ``sweeps/best.json``,
-``plots/sweep/phase.{png,csv}`` (online kNN accuracy over batch size × strength, a panel per depth).
-An interrupted sweep resumes without redoing finished trials.
+Reads params: ``sweep`` plus ``model``, ``loss``, ``augment``, ``train``, ``ray.num_workers`` (the base of every
+trial); input ``data/prepared/``. Writes (atomically, and only when every trial has ended):
+``sweeps/results.csv`` (a row per trial), ``sweeps/best.json``, ``plots/sweep/`` (``phase.{png,csv}``: final online
+kNN accuracy over batch size × strength, a panel per depth; ``curves.csv``: every trial's per-epoch metrics).
+An interrupted sweep exits 1 without touching the outputs; rerunning it resumes without redoing finished trials.
 """
 
 from __future__ import annotations
@@ -11,19 +12,56 @@ from __future__ import annotations
 import csv
 import io
 import math
-import shutil
 from pathlib import Path
+from typing import Any
 
 import click
 
 from pipeline.config import Params
 from pipeline.datasets import DatasetError
 from pipeline.io import atomic_dir, write_json, write_text
-from pipeline.tracking import TrackingError, check_reachable, project_root, tracking_uri
+from pipeline.tracking import TrackingError, project_root
 from stages._common import params_options, runtime_errors
 
-COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "view_noise", "knn_acc",
-           "best_knn_acc", "loss", "epochs", "stopped_early", "seconds", "status")
+COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "train.seed", "view_noise",
+           "knn_acc", "best_knn_acc", "loss", "epochs", "stopped_early", "seconds", "status")
+CURVE_COLUMNS = ("trial_id", "epoch", "loss", "knn_acc", "view_noise", "samples_per_s")
+
+
+def _csv(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+def best_trial(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The finished trial with the highest final online kNN accuracy (ties: the earliest trial id)."""
+    done = [r for r in rows if r["status"] == "TERMINATED" and not math.isnan(r["knn_acc"])]
+    return max(sorted(done, key=lambda r: str(r["trial_id"])), key=lambda r: r["knn_acc"]) if done else None
+
+
+def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plots: Path) -> dict[str, Any] | None:
+    from pipeline import figures
+
+    for r in rows:
+        r.setdefault("train.lr", params.train.lr)
+        r.setdefault("train.seed", params.train.seed)
+    rows = sorted(rows, key=lambda r: str(r["trial_id"]))
+    best = best_trial(rows)
+    with atomic_dir(plots) as out:
+        early = {(r["train.batch_size"], r["augment.strength"], r["model.depth"]) for r in rows if r["stopped_early"]}
+        figures.phase_diagram(
+            rows, x="train.batch_size", y="augment.strength", value="knn_acc", panel="model.depth",
+            png=out / "phase.png", csv=out / "phase.csv", region=(lambda x, y, p: (x, y, p) in early) if early else None,
+            region_label="stopped early by ASHA",
+            title=f"final online kNN accuracy after {params.sweep.epochs} epochs ({params.data.dataset})")
+        curves = [{"trial_id": r["trial_id"], **h} for r in rows for h in r["history"]]
+        write_text(out / "curves.csv", _csv(curves, CURVE_COLUMNS))
+    write_text(sweeps / "results.csv", _csv(rows, COLUMNS))
+    write_json(sweeps / "best.json", {k: best[k] for k in COLUMNS if k in best} if best else {})
+    return best
 
 
 @click.command("sweep")
@@ -34,37 +72,22 @@ COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "t
 @runtime_errors(DatasetError, TrackingError, ValueError)
 def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Sweep depth, batch size and augmentation strength with Ray Tune (each trial a Ray Train run)."""
-    from pipeline import figures
     from pipeline.datasets import load_prepared
-    from pipeline.sweep import log_sweep, run_sweep
-    from pipeline.train import _storage
+    from pipeline.sweep import SweepError, cleanup, finish_tracking, run_sweep
 
     root = project_root()
-    if not no_tracking:
-        check_reachable(tracking_uri(root))
     load_prepared(data_dir, verify=True)
-    rows, name = run_sweep(params, data_dir, root)
-    for r in rows:
-        r.setdefault("train.lr", params.train.lr)
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
-    w.writeheader()
-    w.writerows(sorted(rows, key=lambda r: str(r["trial_id"])))
-    write_text("sweeps/results.csv", buf.getvalue())
-    done = [r for r in rows if not math.isnan(r["knn_acc"])]
-    best = max(done, key=lambda r: r["knn_acc"]) if done else None
-    write_json("sweeps/best.json", {k: best[k] for k in COLUMNS if k in best} if best else {})
-    with atomic_dir(Path("plots/sweep")) as out:
-        figures.phase_diagram(rows, x="train.batch_size", y="augment.strength", value="knn_acc", panel="model.depth",
-                              png=out / "phase.png", csv=out / "phase.csv")
-    if not no_tracking:
-        log_sweep(params, rows, root, name, [Path("sweeps/results.csv"), Path("sweeps/best.json"),
-                                            Path("plots/sweep/phase.png")])
-    storage = _storage(params, root)
-    if "://" not in storage:  # a finished sweep is forgotten so that a forced rerun sweeps again
-        shutil.rmtree(Path(storage) / name, ignore_errors=True)
-        for r in rows:
-            shutil.rmtree(Path(storage) / f"trial-{r['trial_id']}", ignore_errors=True)
+    try:
+        result = run_sweep(params, data_dir, root, tracking=not no_tracking)
+    except SweepError as exc:
+        raise click.ClickException(str(exc)) from exc
+    sweeps, plots = Path("sweeps"), Path("plots/sweep")
+    best = write_outputs(params, result.rows, sweeps, plots)
+    finish_tracking(root, result, best, [sweeps / "results.csv", sweeps / "best.json", plots / "phase.png",
+                                         plots / "phase.csv", plots / "curves.csv"])
+    cleanup(params, root, result)
+    failed = sum(r["status"] == "ERROR" for r in result.rows)
     if best:
-        click.echo(f"swept {len(rows)} trials; best knn_acc {best['knn_acc']:.4f} at depth {best['model.depth']}, "
-                   f"batch {best['train.batch_size']}, strength {best['augment.strength']} -> sweeps/")
+        click.echo(f"swept {len(result.rows)} trials ({failed} failed) in {result.seconds:.0f} s; best knn_acc "
+                   f"{best['knn_acc']:.4f} at depth {best['model.depth']}, batch {best['train.batch_size']}, "
+                   f"strength {best['augment.strength']} -> sweeps/, plots/sweep/")
