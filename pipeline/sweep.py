@@ -33,7 +33,7 @@ from typing import Any
 
 from ray import tune
 
-from pipeline.config import Params, flatten, validate_params
+from pipeline.config import Params, ParamsError, flatten, validate_params
 from pipeline.train import WorkerSpec, _init_ray, _storage, train_loop_per_worker, wants_gpu
 
 TRIAL_CPU = 0.25
@@ -89,6 +89,15 @@ def base_params(params: Params) -> dict[str, Any]:
     return base
 
 
+def check_points(params: Params, n_train: int | None = None) -> None:
+    """Validate every point of the space before any work; raises ParamsError naming the point and the key."""
+    base = base_params(params)
+    for point in grid_points(params):
+        p = trial_params(base, point)
+        if n_train is not None and p.train.batch_size > n_train:
+            raise ParamsError(f"sweep.batch_size: {p.train.batch_size} exceeds the training set ({n_train} samples)")
+
+
 def point_of(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if "." in k}
 
@@ -100,7 +109,11 @@ def describe(point: dict[str, Any]) -> str:
 
 def sweep_name(params: Params, manifest: dict[str, Any]) -> str:
     """Stable name from everything that determines the sweep's result (params it reads, the data)."""
-    keyed = {s: getattr(params, s).model_dump() for s in ("model", "loss", "augment", "train", "sweep")}
+    base = base_params(params)
+    keyed = {s: base[s] for s in ("model", "loss", "augment", "train", "sweep")}
+    for dotted in axes(params):  # swept keys: their base value never reaches a trial
+        section, key = dotted.split(".")
+        keyed[section].pop(key, None)
     keyed["ray"] = {"num_workers": params.ray.num_workers}
     keyed["data"] = {n: f["sha256"] for n, f in sorted(manifest["files"].items())}
     return "sweep-" + hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
@@ -330,11 +343,7 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     name = sweep_name(params, manifest)
     storage = _storage(params, root)
     base = base_params(params)
-    n_train = manifest.get("n_train")
-    for point in grid_points(params):  # fail before any work if a point is invalid
-        p = trial_params(base, point)
-        if n_train is not None and p.train.batch_size > n_train:
-            raise ValueError(f"sweep.batch_size: {p.train.batch_size} exceeds the training set ({n_train} samples)")
+    check_points(params, manifest.get("n_train"))
     s = params.sweep
     uri = exp = parent = None
     if tracking:

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 import click
 
-from pipeline.config import Params
+from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
 from pipeline.io import atomic_dir, write_json, write_text
 from pipeline.tracking import TrackingError, project_root
-from stages._common import params_options, runtime_errors
+from stages._common import ParamsUsageError, params_options, runtime_errors
 
 COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "train.seed", "view_noise",
            "knn_acc", "best_knn_acc", "loss", "epochs", "stopped_early", "seconds", "status")
@@ -42,7 +43,9 @@ def best_trial(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return max(sorted(done, key=lambda r: str(r["trial_id"])), key=lambda r: r["knn_acc"]) if done else None
 
 
-def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plots: Path) -> dict[str, Any] | None:
+def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plots: Path,
+                  dataset: str = "") -> dict[str, Any] | None:
+    """results.csv, best.json (the best finished trial; {} if none) and plots/sweep/; returns the best row."""
     from pipeline import figures
 
     for r in rows:
@@ -52,11 +55,11 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
     best = best_trial(rows)
     with atomic_dir(plots) as out:
         early = {(r["train.batch_size"], r["augment.strength"], r["model.depth"]) for r in rows if r["stopped_early"]}
+        title = f"final online kNN accuracy after {params.sweep.epochs} epochs" + (f" ({dataset})" if dataset else "")
         figures.phase_diagram(
             rows, x="train.batch_size", y="augment.strength", value="knn_acc", panel="model.depth",
-            png=out / "phase.png", csv=out / "phase.csv", region=(lambda x, y, p: (x, y, p) in early) if early else None,
-            region_label="stopped early by ASHA",
-            title=f"final online kNN accuracy after {params.sweep.epochs} epochs ({params.data.dataset})")
+            png=out / "phase.png", csv=out / "phase.csv", title=title,
+            region=(lambda x, y, p: (x, y, p) in early) if early else None, region_label="stopped early by ASHA")
         curves = [{"trial_id": r["trial_id"], **h} for r in rows for h in r["history"]]
         write_text(out / "curves.csv", _csv(curves, CURVE_COLUMNS))
     write_text(sweeps / "results.csv", _csv(rows, COLUMNS))
@@ -73,16 +76,21 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
 def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Sweep depth, batch size and augmentation strength with Ray Tune (each trial a Ray Train run)."""
     from pipeline.datasets import load_prepared
-    from pipeline.sweep import SweepError, cleanup, finish_tracking, run_sweep
+    from pipeline.sweep import SweepError, check_points, cleanup, finish_tracking, run_sweep
 
     root = project_root()
-    load_prepared(data_dir, verify=True)
+    data = load_prepared(data_dir, verify=True)
+    try:
+        check_points(params, len(data.train.y))
+    except ParamsError as exc:
+        raise ParamsUsageError(str(exc)) from None
     try:
         result = run_sweep(params, data_dir, root, tracking=not no_tracking)
     except SweepError as exc:
         raise click.ClickException(str(exc)) from exc
     sweeps, plots = Path("sweeps"), Path("plots/sweep")
-    best = write_outputs(params, result.rows, sweeps, plots)
+    dataset = json.loads((data_dir / "manifest.json").read_text()).get("dataset", "")
+    best = write_outputs(params, result.rows, sweeps, plots, dataset)
     finish_tracking(root, result, best, [sweeps / "results.csv", sweeps / "best.json", plots / "phase.png",
                                          plots / "phase.csv", plots / "curves.csv"])
     cleanup(params, root, result)

@@ -1,0 +1,150 @@
+"""The `sweep` stage end to end on real Ray Tune over Ray Train and a real MLflow sqlite store (tiny digits runs)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import mlflow
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import main
+
+pytestmark = [pytest.mark.slow]
+
+TINY = ["-S", "model.embed_dim=16", "-S", "sweep.depth=[1]", "-S", "sweep.batch_size=[32,64]",
+        "-S", "sweep.strength=[0.0,1.0]"]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+@pytest.fixture
+def prepared(project):
+    assert invoke("prepare", "-S", "data.limit_train=256").exit_code == 0
+    return project
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def sweep_runs(project):
+    client = mlflow.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("transfusion")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("stage") == "sweep"]
+    children = [r for r in runs if r.data.tags.get("stage") == "sweep-trial"]
+    return client, parents, children
+
+
+def started(log) -> list[str]:
+    return [line.split()[0] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def check_sweep(project, rows, epochs):
+    """results.csv, best.json, phase plot, MLflow parent + a child per trial, and nothing left behind."""
+    best = json.loads((project / "sweeps/best.json").read_text())
+    finished = [r for r in rows if r["status"] == "TERMINATED"]
+    assert best["knn_acc"] == max(float(r["knn_acc"]) for r in finished)
+    assert best["trial_id"] in {r["trial_id"] for r in rows}
+    for r in rows:
+        assert 1 <= int(r["epochs"]) <= epochs and 0.0 <= float(r["knn_acc"]) <= 1.0
+        assert r["stopped_early"] == str(int(r["epochs"]) < epochs)
+        assert (float(r["view_noise"]) > 0.0) == (r["augment.strength"] == "1.0")  # measured ε of the views
+    assert (project / "plots/sweep/phase.png").read_bytes()[:4] == b"\x89PNG"
+    curves = read_csv(project / "plots/sweep/curves.csv")
+    for r in rows:  # every epoch of every trial exactly once, also for a resumed trial
+        assert [int(c["epoch"]) for c in curves if c["trial_id"] == r["trial_id"]] == list(range(1, int(r["epochs"]) + 1))
+
+    client, parents, children = sweep_runs(project)
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    parent = parents[0]
+    assert parent.data.metrics["best.knn_acc"] == pytest.approx(best["knn_acc"])
+    assert parent.data.metrics["trials"] == len(rows)
+    assert parent.data.params["sweep.depth"] == "[1]"
+    assert {"results.csv", "best.json", "phase.png"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert len(children) == len(rows)
+    by_trial = {c.data.tags["trial_id"]: c for c in children}
+    for r in rows:
+        child = by_trial[r["trial_id"]]
+        assert child.info.status == "FINISHED"
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.data.params["train.batch_size"] == r["train.batch_size"]
+        assert child.data.params["augment.strength"] == r["augment.strength"]
+        assert child.data.tags["stopped_early"] == r["stopped_early"]
+        history = client.get_metric_history(child.info.run_id, "knn_acc")
+        assert sorted({m.step for m in history}) == list(range(1, int(r["epochs"]) + 1))
+        assert history[-1].value == pytest.approx(float(r["knn_acc"]))
+    # a finished sweep is forgotten so that `dvc repro -f` sweeps again
+    assert not any((project / "ray_results").iterdir())
+    assert not (project / ".transfusion").exists() or not any((project / ".transfusion").iterdir())
+
+
+@pytest.mark.timeout(600)
+def test_four_trial_sweep_with_asha_end_to_end(prepared, ray_session, monkeypatch):
+    log = prepared / "trials.log"
+    monkeypatch.setenv("TRANSFUSION_TRIAL_LOG", str(log))
+    result = invoke("sweep", *TINY, "-S", "sweep.epochs=3", "-S", "sweep.asha=true", "-S", "sweep.grace_period=1")
+    assert result.exit_code == 0, result.output
+    assert "swept 4 trials (0 failed)" in result.output
+    rows = read_csv(prepared / "sweeps/results.csv")
+    assert len(rows) == 4 and len(started(log)) == 4
+    assert {(r["train.batch_size"], r["augment.strength"]) for r in rows} == {
+        ("32", "0.0"), ("32", "1.0"), ("64", "0.0"), ("64", "1.0")}
+    assert {r["model.depth"] for r in rows} == {"1"}
+    check_sweep(prepared, rows, epochs=3)
+
+
+def test_bad_sweep_point_is_a_usage_error_before_any_work(prepared):
+    result = invoke("sweep", "-S", "sweep.batch_size=[32,4096]")
+    assert result.exit_code == 2
+    assert "sweep.batch_size: 4096 exceeds the training set (256 samples)" in result.output
+    assert not (prepared / "sweeps").exists() and not (prepared / "ray_results").exists()
+
+
+def run_cli(project, args, log):
+    env = {**os.environ, "TRANSFUSION_TRIAL_LOG": str(log), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=project, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.timeout(900)
+def test_interrupted_sweep_resumes_without_redoing_finished_trials(prepared):
+    args = ["sweep", *TINY, "-S", "sweep.epochs=3", "-S", "sweep.max_concurrent_trials=1"]
+    log = prepared / "trials.log"
+    proc = run_cli(prepared, args, log)
+    deadline = time.time() + 400
+    while len(started(log)) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    assert len(started(log)) == 3, "the sweep did not reach its third trial"
+    time.sleep(8)  # into the third trial's training
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out
+    assert "interrupted" in out and "rerun the stage to resume" in out
+    assert not (prepared / "sweeps").exists() and not (prepared / "plots").exists()  # no partial outputs
+    first = started(log)
+    _, parents, children = sweep_runs(prepared)
+    assert len(parents) == 1 and parents[0].info.status == "KILLED"
+    assert {c.info.status for c in children if c.data.tags["trial_id"] in first[:2]} == {"FINISHED"}
+
+    proc = run_cli(prepared, args, log)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert "[sweep] resuming" in out
+    again = started(log)[3:]
+    assert not set(again) & set(first[:2]), "finished trials were run again"
+    assert first[2] in again and len(again) == 2  # the interrupted trial and the one never started
+    rows = read_csv(prepared / "sweeps/results.csv")
+    assert sorted(r["trial_id"] for r in rows) == sorted(set(first) | set(again))
+    assert all(r["status"] == "TERMINATED" and r["epochs"] == "3" for r in rows)
+    check_sweep(prepared, rows, epochs=3)
