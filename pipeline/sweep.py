@@ -34,7 +34,7 @@ from typing import Any
 from ray import tune
 
 from pipeline.config import Params, ParamsError, flatten, validate_params
-from pipeline.train import WorkerSpec, _init_ray, _storage, train_loop_per_worker, wants_gpu
+from pipeline.train import HISTORY_FILE, WorkerSpec, _init_ray, _storage, train_loop_per_worker, wants_gpu
 
 TRIAL_CPU = 0.25
 SPACE_KEYS = {"depth": "model.depth", "batch_size": "train.batch_size", "strength": "augment.strength",
@@ -182,6 +182,7 @@ class SweepTracker(tune.Callback):
                  parent_id: str | None = None) -> None:
         self.epochs, self.uri, self.experiment_id, self.parent_id = epochs, uri, experiment_id, parent_id
         self.trials: list[Any] = []
+        self.status: dict[str, str] = {}
         self.total = 0
         self.children: dict[str, str] = {}
         self.last_epoch: dict[str, int] = {}
@@ -220,10 +221,20 @@ class SweepTracker(tune.Callback):
         return f"{finished}/{max(self.total, len(trials))}"
 
     def on_step_end(self, iteration, trials, **info) -> None:
+        # statuses as the control loop left them: after an interruption Tune's cleanup marks the stopped trials
+        # TERMINATED (on_experiment_end sees that), but the saved experiment state, and a restore, see them unfinished
         self.trials = trials
+        self.status = {t.trial_id: t.status for t in trials}
 
     def on_experiment_end(self, trials, **info) -> None:
         self.trials = trials
+        if not self.status:  # the loop never stepped (a restored sweep that had already ended, or an early Ctrl-C)
+            self.status = {t.trial_id: t.status for t in trials}
+
+    def unfinished(self) -> list[str]:
+        """Trial ids that did not end, plus placeholders for trials never created (``total`` from Tune)."""
+        ids = [tid for tid, st in self.status.items() if st not in ("TERMINATED", "ERROR")]
+        return ids + ["(not started)"] * max(0, self.total - len(self.status))
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
         self.trials = trials
@@ -231,8 +242,6 @@ class SweepTracker(tune.Callback):
         self._child(trial)
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
-        from mlflow.entities import Metric
-
         epoch = int(result.get("epoch", 0))
         self.last_epoch[trial.trial_id] = epoch
         knn = result.get("knn_acc")
@@ -241,9 +250,15 @@ class SweepTracker(tune.Callback):
              + f" eps {result.get('view_noise', math.nan):.4f}")
         child = self._child(trial)
         if child:
-            now = int(time.time() * 1000)
-            metrics = [Metric(k, float(result[k]), now, epoch) for k in self.METRICS
-                       if isinstance(result.get(k), int | float) and math.isfinite(result[k])]
+            self._log_epochs(child, [result])
+
+    def _log_epochs(self, child: str, history: list[dict[str, Any]]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, float(h[k]), now, int(h["epoch"])) for h in history for k in self.METRICS
+                   if isinstance(h.get(k), int | float) and math.isfinite(h[k])]
+        if metrics:
             self._client().log_batch(child, metrics=metrics, synchronous=True)
 
     def _end(self, trials, trial, status: str) -> None:
@@ -254,6 +269,11 @@ class SweepTracker(tune.Callback):
         child = self._child(trial)
         if child:
             client = self._client()
+            # epochs a resumed trial checkpointed before an interruption but never reported to Tune: from the
+            # checkpoint's history, so that the run shows every epoch once
+            history = _checkpoint_history((trial.last_result or {}).get("checkpoint_path")) or []
+            logged = {m.step for m in client.get_metric_history(child, "loss")}
+            self._log_epochs(child, [h for h in history if int(h["epoch"]) not in logged])
             client.set_tag(child, "stopped_early", str(early))
             client.set_terminated(child, status)
 
@@ -265,9 +285,9 @@ class SweepTracker(tune.Callback):
 
     def kill_unfinished(self) -> None:
         """After an interruption: the children of trials that did not finish are KILLED (a rerun revives them)."""
-        for t in self.trials:
-            if t.status not in ("TERMINATED", "ERROR") and t.trial_id in self.children:
-                self._client().set_terminated(self.children[t.trial_id], "KILLED")
+        for tid in self.unfinished():
+            if tid in self.children:
+                self._client().set_terminated(self.children[tid], "KILLED")
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -307,13 +327,37 @@ def _parent_run(params: Params, root: Path, name: str) -> tuple[str, str, str]:
     return uri, exp, run.info.run_id
 
 
+def _checkpoint_history(checkpoint_path: Any) -> list[dict[str, Any]] | None:
+    """The per-epoch history saved beside the trial's last Train checkpoint (local or remote storage), if any."""
+    if not isinstance(checkpoint_path, str) or not checkpoint_path:
+        return None
+    from pyarrow import fs as pafs
+
+    try:
+        if "://" in checkpoint_path:
+            filesystem, path = pafs.FileSystem.from_uri(checkpoint_path)
+        else:
+            filesystem, path = pafs.LocalFileSystem(), checkpoint_path
+        with filesystem.open_input_stream(f"{path}/{HISTORY_FILE}") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def _rows(grid, epochs: int) -> list[dict[str, Any]]:
+    """One row per trial. The history comes from the trial's last checkpoint, which holds every epoch also across
+    a resume (Tune's own table of a restored trial starts at the resumed epoch), else from Tune's results."""
+    keep = ("epoch", *SweepTracker.METRICS, "seconds")
     rows = []
     for result in grid:
         df = result.metrics_dataframe
-        history = [] if df is None else [{k: v for k, v in h.items() if k in ("epoch", *SweepTracker.METRICS,
-                                                                                "seconds")}
-                                         for h in df.to_dict("records")]
+        reported = [] if df is None else df.to_dict("records")
+        paths = [h.get("checkpoint_path") for h in reported if isinstance(h.get("checkpoint_path"), str)]
+        history = _checkpoint_history(paths[-1]) if paths else None
+        last_reported = int(reported[-1].get("epoch", 0) or 0) if reported else 0
+        if history is None or (history and int(history[-1]["epoch"]) < last_reported):
+            history = reported  # no checkpoint of the last reported epoch: Tune's table is the latest word
+        history = [{k: v for k, v in h.items() if k in keep} for h in history]
         last = history[-1] if history else {}
         epoch = int(last.get("epoch", 0) or 0)
         knn = [h["knn_acc"] for h in history if isinstance(h.get("knn_acc"), float) and not math.isnan(h["knn_acc"])]
@@ -381,15 +425,16 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
         )
     start = time.time()
     grid = tuner.fit()
-    unfinished = [t for t in tracker.trials if t.status not in ("TERMINATED", "ERROR")]
-    if unfinished or not tracker.trials:
+    unfinished = tracker.unfinished()
+    if unfinished or not tracker.status:
         tracker.kill_unfinished()
         if uri:
             import mlflow
 
             mlflow.MlflowClient(uri).set_terminated(parent, "KILLED")
-        raise SweepError(f"the sweep was interrupted with {len(unfinished)} of {len(tracker.trials)} trials "
-                         f"unfinished; rerun the stage to resume it from {path}")
+        total = max(tracker.total, len(tracker.status))
+        raise SweepError(f"the sweep was interrupted with {len(unfinished)} of {total} trials unfinished; rerun the "
+                         f"stage to resume it from {path}")
     rows = _rows(grid, s.epochs)
     if all(r["status"] == "ERROR" for r in rows):
         errors = "; ".join(str(r.error).splitlines()[0] for r in grid if r.error)[:2000]

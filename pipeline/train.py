@@ -32,6 +32,7 @@ from pipeline.step import NonFiniteLossError
 
 FAULT_ENV = "TRANSFUSION_FAULT"  # fault injection for tests: "crash@E" (rank 0 dies after epoch E), "nan@E"
 STATE_FILE = "state.pt"
+HISTORY_FILE = "history.json"  # per-epoch metrics up to the checkpoint, beside STATE_FILE
 STATUS_FILE = "status.json"
 
 
@@ -114,6 +115,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             # (synchronously before an injected crash, so that the test knows which checkpoint exists)
             d = tempfile.mkdtemp(prefix="transfusion-ckpt-")
             torch.save(loop.state_dict(), Path(d) / STATE_FILE)
+            Path(d, HISTORY_FILE).write_text(json.dumps(loop.history))  # readable without loading the model
             mode = ray.train.CheckpointUploadMode
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d),
                              checkpoint_upload_mode=mode.SYNC if m.epoch == crash_at else mode.ASYNC,
