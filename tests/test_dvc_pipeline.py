@@ -77,6 +77,22 @@ TINY = {
     ("probe", "label_fractions"): [1.0],
     ("probe", "tsne_points"): 120,
     ("probe", "affinity_points"): 100,
+    ("sweep", "depth"): [1],
+    ("sweep", "batch_size"): [50, 100],
+    ("sweep", "strength"): [1.0],
+    ("sweep", "epochs"): 1,
+    ("theory", "formula_points"): 9,
+    ("theory", "formula_log_points"): 3,
+    ("theory", "formula_eps_min"): 1.0e-6,
+    ("theory", "formula_n"): [8, 32],
+    ("theory", "n"): [8],
+    ("theory", "eps"): [0.0, 0.5],
+    ("theory", "depth"): [1],
+    ("theory", "steps"): 5,
+    ("theory", "n_clusters"): 2,
+    ("theory", "rank"): 1,
+    ("theory", "dim"): 6,
+    ("theory", "seeds"): [0],
 }
 
 
@@ -99,7 +115,12 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(repo, monkeyp
     run(["git", "commit", "-qam", "tiny params"], repo)
 
     out = run(["dvc", "repro"], repo)
-    assert ran(out) == {"prepare", "pretrain", "evaluate", "report"}
+    assert ran(out) == {"prepare", "pretrain", "evaluate", "report", "sweep", "theory"}
+    results = (repo / "sweeps/results.csv").read_text().splitlines()
+    assert len(results) == 3 and json.loads((repo / "sweeps/best.json").read_text())["epochs"] == 1
+    for name in ("sweep/phase.png", "sweep/phase.csv", "sweep/curves.csv", "theory/theory.png", "theory/theory.md"):
+        assert (repo / "plots" / name).stat().st_size > 0, name
+    assert json.loads((repo / "metrics/theory.json").read_text())["empirical"]["runs"] == 2
     evaluation = json.loads((repo / "metrics/evaluate.json").read_text())
     assert set(evaluation["probes"]) == {"input", "backbone", "block_1"}
     assert 0.5 < evaluation["probes"]["input"]["svm"]["1"] <= 1.0  # raw digits pixels: ~0.98
@@ -113,6 +134,8 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(repo, monkeyp
 
     set_param(repo, "probe", "label_fractions", [0.5, 1.0])  # only evaluate and report read probe.*
     assert ran(run(["dvc", "repro"], repo)) == {"evaluate", "report"}
+    set_param(repo, "theory", "steps", 6)  # only theory reads theory.*
+    assert ran(run(["dvc", "repro"], repo)) == {"theory"}
     evaluation = json.loads((repo / "metrics/evaluate.json").read_text())
     assert set(evaluation["probes"]["backbone"]["svm"]) == {"0.5", "1"}
 
@@ -123,14 +146,18 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(repo, monkeyp
     pretrain = [r for r in runs if r.data.tags.get("stage") == "pretrain"]
     evaluate = [r for r in runs if r.data.tags.get("stage") == "evaluate"]
     assert len(pretrain) == 1 and len(evaluate) == 2
+    sweeps = [r for r in runs if r.data.tags.get("stage") == "sweep"]
+    trials = [r for r in runs if r.data.tags.get("stage") == "sweep-trial"]
+    assert len(sweeps) == 1 and sweeps[0].info.status == "FINISHED" and len(trials) == 2
+    assert all(r.data.tags["mlflow.parentRunId"] == sweeps[0].info.run_id for r in trials)
     assert all(r.data.tags["mlflow.parentRunId"] == pretrain[0].info.run_id for r in evaluate)
     latest = max(evaluate, key=lambda r: r.info.start_time)
     assert latest.data.metrics["backbone.svm.100pct"] == pytest.approx(evaluation["probes"]["backbone"]["svm"]["1"])
 
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "baseline"], repo)
-    out = run(["dvc", "exp", "run", "-S", "model.depth=2"], repo)
-    assert {"pretrain", "evaluate", "report"} <= ran(out) and "prepare" not in ran(out)
+    out = run(["dvc", "exp", "run", "-S", "model.depth=2"], repo)  # the sweep overrides model.depth: not re-run
+    assert ran(out) == {"pretrain", "evaluate", "report"}
     shown = run(["dvc", "exp", "show", "--json"], repo)
     assert '"depth": 2' in shown.replace("'", '"')
     runs = client.search_runs([exp.experiment_id], filter_string="params.`model.depth` = '2'")
