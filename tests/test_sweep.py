@@ -142,3 +142,13 @@ def test_params_yaml_default_sweep_is_small():
     p = params()
     assert len(grid_points(p)) <= 8 and p.sweep.epochs <= 10, "the default sweep must stay a few minutes on 2 cores"
     assert set(raw["sweep"]) == set(type(p.sweep).model_fields)
+
+
+def test_cluster_preset_is_valid_and_is_the_documented_grid():
+    p = load_params(ROOT / "presets/cluster-sweep.yaml")
+    assert (p.data.dataset, p.model.backbone, p.ray.use_gpu) == ("cifar10", "resnet18_cifar", True)
+    assert p.sweep.depth == [0, 1, 3, 5, 9] and min(p.sweep.batch_size) == 32 and max(p.sweep.batch_size) == 4096
+    assert p.sweep.strength[0] == 0.0 and p.sweep.strength[-1] == 1.0 and p.sweep.asha
+    assert len(grid_points(p)) == 240
+    for point in grid_points(p):  # every point is a valid run (e.g. the batch splits over the workers)
+        trial_params(base_params(p), point)
