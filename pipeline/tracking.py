@@ -101,6 +101,14 @@ def log_epoch(uri: str, run_id: str, metrics: Mapping[str, float], step: int) ->
     MlflowClient(uri).log_batch(run_id, metrics=batch, synchronous=True)
 
 
+def set_tags(run_id: str, tags: Mapping[str, str], root: Path | None = None) -> None:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri(root))
+    for k, v in tags.items():
+        client.set_tag(run_id, k, str(v)[:5000])
+
+
 def flat_params(flat: Mapping[str, Any]) -> dict[str, str]:
     """MLflow params are strings of at most 6000 characters."""
     return {k: str(v)[:6000] for k, v in flat.items()}

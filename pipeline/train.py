@@ -64,6 +64,21 @@ def _progress(line: str) -> None:
     sys.stdout.flush()
 
 
+def _placement(rank: int, world: int, device: torch.device) -> list[dict[str, Any]]:
+    """Where every rank runs (Ray node id, host, pid, device), gathered on all ranks: provenance for the outputs."""
+    import socket
+
+    import ray
+
+    me = {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(),
+          "pid": os.getpid(), "device": str(device)}
+    if world == 1 or not torch.distributed.is_initialized():
+        return [me]
+    everyone: list[Any] = [None] * world
+    torch.distributed.all_gather_object(everyone, me)
+    return everyone
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train worker entry point."""
     import ray.train
@@ -85,6 +100,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device() if spec.use_gpu else torch.device("cpu")
     data = load_prepared(Path(spec.data_dir), verify=False)
     loop = PretrainLoop(params, data, device, rank=rank, world_size=world)
+    workers = _placement(rank, world, device)
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
@@ -114,7 +130,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             # uploaded to storage in the background while training goes on; Ray deletes the temp dir after
             # (synchronously before an injected crash, so that the test knows which checkpoint exists)
             d = tempfile.mkdtemp(prefix="transfusion-ckpt-")
-            torch.save(loop.state_dict(), Path(d) / STATE_FILE)
+            torch.save({**loop.state_dict(), "workers": workers}, Path(d) / STATE_FILE)
             Path(d, HISTORY_FILE).write_text(json.dumps(loop.history))  # readable without loading the model
             mode = ray.train.CheckpointUploadMode
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d),

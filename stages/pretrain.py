@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 from pathlib import Path
 
@@ -17,9 +18,9 @@ import click
 from pipeline.config import Params
 from pipeline.datasets import DatasetError
 from pipeline.io import atomic_dir, save_torch, write_json, write_text
-from pipeline.tracking import TrackingError, project_root
+from pipeline.tracking import TrackingError, project_root, set_tags
 from pipeline.train import PretrainError, PretrainResult, cleanup_run, pretrain
-from stages._common import params_options, runtime_errors
+from stages._common import check_weights, params_options, runtime_errors
 
 CURVE_COLUMNS = ("epoch", "loss", "lr", "knn_acc", "view_noise", "samples_per_s", "seconds")
 
@@ -78,13 +79,19 @@ def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
 @runtime_errors(DatasetError, PretrainError, TrackingError)
 def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Pretrain TransFusion on the prepared data with Ray Train (resumes an interrupted run)."""
+    check_weights(params)
     root = project_root()
     res = pretrain(params, data_dir, root, tracking=not no_tracking)
     paths = (Path("models/pretrain"), Path("metrics/pretrain.json"), Path("plots/pretrain.csv"))
     summary = write_outputs(params, res, *paths)
     if res.mlflow_run_id:
         log_model(params, res, [paths[0] / "config.json", paths[1], paths[2]])
+        set_tags(res.mlflow_run_id, {"workers": json.dumps(res.state.get("workers", []))})
     cleanup_run(params, root, res.run_name)
+    workers = res.state.get("workers", [])
+    nodes = sorted({w["node_id"] for w in workers})
+    click.echo(f"[pretrain] {len(workers)} worker(s) on {len(nodes)} node(s): " + ", ".join(
+        f"rank {w['rank']} on node {w['node_id'][:12]} ({w['host']}, {w['device']})" for w in workers))
     knn = f", kNN acc {summary['knn_acc']:.4f}" if summary["knn_acc"] is not None else ""
     click.echo(f"pretrained {summary['epochs']} epochs: loss {summary['loss']:.5f}{knn}, "
                f"{summary['samples_per_s']:,.0f} samples/s -> models/pretrain/")
