@@ -90,8 +90,8 @@ def two_node_cluster():
     started: list[subprocess.Popen] = []
     try:
         head = subprocess.Popen(
-            ["ray", "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}", f"--ray-client-server-port={client}",
-             f"--temp-dir={tmp}", *common, *node_ports(0, 23000)],
+            ["ray", "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
+             f"--ray-client-server-port={client}", f"--temp-dir={tmp}", *common, *node_ports(0, 23000)],
             env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         started.append(head)
         address = f"127.0.0.1:{gcs}"
