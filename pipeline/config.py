@@ -36,7 +36,11 @@ class ParamsError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True)
+    # no inf / nan: a float param is a finite number (``.inf`` would pass an upper-bound-free range check)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True, allow_inf_nan=False)
+
+
+MAX_SEED = 2**32 - 1  # scikit-learn and NumPy seeds are 32-bit
 
 
 class SyntheticConfig(Section):
@@ -65,7 +69,7 @@ class DataConfig(Section):
     root: str = "data/raw"
     download: bool = False
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     image_size: int | None = Field(None, ge=4, le=4096)
     limit_train: int | None = Field(None, ge=2)
     limit_test: int | None = Field(None, ge=2)
@@ -125,7 +129,7 @@ class TrainConfig(Section):
     optimizer: Literal["adam", "sgd", "lars"] = "adam"
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
     warmup_epochs: int = Field(0, ge=0)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     checkpoint_every: int = Field(1, ge=1)
     grad_cache_chunk: int | None = Field(None, ge=1)
@@ -148,7 +152,7 @@ class ProbeConfig(Section):
     label_fractions: list[Annotated[float, Field(gt=0.0, le=1.0)]] = Field(
         default_factory=lambda: [0.1, 1.0], min_length=1)
     max_train: int | None = Field(10_000, ge=10)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     tsne_points: int = Field(1000, ge=0)  # 0 = no t-SNE figure
     affinity_points: int = Field(500, ge=10)  # test samples in the affinity batch (sharpness, spectral)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -267,7 +271,21 @@ SECTIONS = tuple(Params.model_fields)
 
 # ----------------------------------------------------------------------------------------------- loading
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e-3`` as a float (YAML 1.2, as DVC does) instead of a string."""
+    """SafeLoader that reads ``1e-3`` as a float (YAML 1.2, as DVC does) instead of a string, and refuses a key
+    given twice in one mapping (PyYAML would silently keep the last one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -283,6 +301,19 @@ _Loader.add_implicit_resolver(
 
 def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line from PyYAML's multi-line error: ``expected ',' or ']' at line 2, column 1 (while parsing ...)``."""
+    def at(mark: Any) -> str:
+        return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return " ".join(str(exc).split())
+    text = f"{exc.problem or exc.context or 'syntax error'}{at(exc.problem_mark or exc.context_mark)}"
+    if exc.problem and exc.context:
+        text += f" ({exc.context}{at(exc.context_mark)})"
+    return text
 
 
 def _allowed_keys(loc: tuple[Any, ...]) -> list[str] | None:
@@ -308,6 +339,8 @@ def _format(err: ValidationError, source: str) -> str:
             lines.append(f"{key}: unknown key{extra}")
         elif e["type"] == "missing":
             lines.append(f"{key}: required section is missing")
+        elif e["type"] == "model_type" and e.get("input") is None:
+            lines.append(f"{key}: the section is empty; give it keys, or {{}} for all the defaults")
         elif e["type"] == "value_error":
             lines.append(str(e["msg"]).removeprefix("Value error, "))
         else:
@@ -328,7 +361,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = _yaml(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
-        raise ParamsError(f"override {text!r}: value is not valid YAML: {exc}") from exc
+        raise ParamsError(f"override {text!r}: value is not valid YAML: {_yaml_problem(exc)}; quote it or fix "
+                          "the syntax, e.g. -S 'probe.probes=[svm, knn50]'") from exc
     return parts, value
 
 
@@ -366,9 +400,17 @@ def read_params_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ParamsError(f"params file {str(path)!r} not found (pass --params PATH or run in the project root)")
     try:
-        raw = _yaml(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ParamsError(f"{path}: not UTF-8 text (byte {exc.start} cannot be decoded); save it as UTF-8 "
+                          "YAML") from exc
+    except OSError as exc:
+        raise ParamsError(f"params file {str(path)!r} cannot be read ({exc.strerror or exc})") from exc
+    try:
+        raw = _yaml(text)
     except yaml.YAMLError as exc:
-        raise ParamsError(f"{path}: not valid YAML: {exc}") from exc
+        raise ParamsError(f"{path}: not valid YAML: {_yaml_problem(exc)}; fix it (nested keys indented by "
+                          "two spaces, `key: value`, lists as [a, b], each key once)") from exc
     if raw is None:
         raise ParamsError(f"{path}: the file is empty; it needs the sections {', '.join(SECTIONS)}")
     if not isinstance(raw, dict):

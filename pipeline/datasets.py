@@ -22,6 +22,7 @@ import os
 import pickle
 import shutil
 import struct
+import tarfile
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,13 +33,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.io import atomic_dir, load_torch, save_torch, sha256_file, write_json
+from pipeline.io import TensorFileError, atomic_dir, load_torch, save_torch, sha256_file, write_json
 
 DATASET_NAMES = ("digits", "synthetic", "cifar10", "fashion_mnist", "image_folder")
 
 MANIFEST = "manifest.json"
 PREPARED_FILES = ("train.pt", "test.pt")
 _PREPARE_HINT = "run `transfusion prepare` (or `dvc repro prepare`) first"
+_REPREPARE_HINT = "run `transfusion prepare` (or `dvc repro prepare`) again"
 _DOWNLOAD_HINT = "set data.download: true to fetch it"
 
 _CIFAR_FOLDER = "cifar-10-batches-py"
@@ -191,14 +193,16 @@ def _check_split(split: Split, input_shape: tuple[int, ...], n_classes: int, whe
     """Raise :class:`DatasetError` unless ``split`` is ``(N, *input_shape)``, finite, with valid labels."""
     if tuple(split.x.shape[1:]) != tuple(input_shape):
         raise DatasetError(
-            f"{where}: inputs have shape {tuple(split.x.shape)}, expected (N, {', '.join(map(str, input_shape))})"
+            f"{where}: inputs have shape {tuple(split.x.shape)}, expected (N, {', '.join(map(str, input_shape))}); "
+            "fix or regenerate the data"
         )
     if split.x.is_floating_point() and split.x.numel() and not bool(torch.isfinite(split.x).all()):
         bad = int((~torch.isfinite(split.x)).sum())
         raise DatasetError(f"{where}: {bad} input values are NaN or infinite; fix or regenerate the data")
     if len(split) and (int(split.y.min()) < 0 or int(split.y.max()) >= n_classes):
         raise DatasetError(
-            f"{where}: labels span [{int(split.y.min())}, {int(split.y.max())}] but there are {n_classes} classes"
+            f"{where}: labels span [{int(split.y.min())}, {int(split.y.max())}] but there are {n_classes} classes; "
+            "fix or regenerate the data"
         )
 
 
@@ -296,7 +300,8 @@ def _make_cifar10_class():
     class _StructuralCIFAR10(CIFAR10):
         """torchvision's CIFAR10 with the per-file md5 check replaced by a structural check.
 
-        The download path is torchvision's own (it verifies the md5 of the downloaded archive).
+        The download path is torchvision's own (it verifies the md5 of the downloaded archive), extracted with
+        tarfile's "data" filter.
         """
 
         _downloading = False
@@ -323,11 +328,21 @@ def _make_cifar10_class():
             return True
 
         def download(self) -> None:
+            # torchvision extracts the archive with a bare ``tar.extractall``: make tarfile's default filter the
+            # safe "data" filter while it does (no absolute paths, no "..", no links out of data.root)
+            if not hasattr(tarfile, "data_filter"):
+                raise DatasetError(
+                    "downloading CIFAR-10 needs a Python with safe tar extraction (3.10.12+, 3.11.4+); upgrade "
+                    f"Python, or place the extracted '{_CIFAR_FOLDER}' folder under {self.root}"
+                )
+            previous = tarfile.TarFile.extraction_filter
+            tarfile.TarFile.extraction_filter = staticmethod(tarfile.data_filter)
             self._downloading = True
             try:
                 super().download()
             finally:
                 self._downloading = False
+                tarfile.TarFile.extraction_filter = previous
 
         def _load_meta(self) -> None:
             self.classes = _read_cifar_meta(Path(self.root) / self.base_folder / _CIFAR_META)
@@ -496,7 +511,7 @@ def _load_image_folder(root: Path, image_size: int) -> tuple[Tensor, Tensor, tup
         folder = ImageFolder(str(root))
     except (FileNotFoundError, OSError) as e:
         raise DatasetError(
-            f"image_folder {root}: {e}. Expected one sub-folder per class holding images "
+            f"image_folder {root}: {str(e).rstrip('.')}. Expected one sub-folder per class holding images "
             "(e.g. <root>/cat/1.png, <root>/dog/2.jpg)"
         ) from e
     images = []
@@ -547,6 +562,10 @@ def load_dataset(
     root = Path(root).expanduser()
 
     needs_root = name == "image_folder" or (name in ("cifar10", "fashion_mnist") and not download)
+    if root.exists() and not root.is_dir() and name in ("image_folder", "cifar10", "fashion_mnist"):
+        raise DatasetError(f"data root {root} for dataset '{name}' is not a directory; point data.root at the "
+                           "folder that holds the data"
+                           + (f" (the one with '{_CIFAR_FOLDER}' in it)" if name == "cifar10" else ""))
     if needs_root and not root.is_dir():
         if name == "image_folder":
             fix = "point data.root at a folder with one sub-folder of images per class"
@@ -640,7 +659,7 @@ def save_prepared(ds: Dataset, out_dir: Path | str, extra: dict | None = None) -
 def _require(manifest: dict, keys: Sequence[str], path: Path) -> None:
     missing = [k for k in keys if k not in manifest]
     if missing:
-        raise DatasetError(f"{path} lacks the field(s) {', '.join(missing)}; {_PREPARE_HINT} again")
+        raise DatasetError(f"{path} lacks the field(s) {', '.join(missing)}; {_REPREPARE_HINT}")
 
 
 def load_prepared(out_dir: Path | str, verify: bool = True) -> Dataset:
@@ -657,40 +676,46 @@ def load_prepared(out_dir: Path | str, verify: bool = True) -> Dataset:
     try:
         manifest = json.loads(mpath.read_text())
     except (OSError, ValueError) as e:
-        raise DatasetError(f"{mpath} is not readable JSON ({e}); {_PREPARE_HINT} again") from e
+        raise DatasetError(f"{mpath} is not readable JSON ({e}); {_REPREPARE_HINT}") from e
     if not isinstance(manifest, dict):
-        raise DatasetError(f"{mpath} does not hold a JSON object; {_PREPARE_HINT} again")
+        raise DatasetError(f"{mpath} does not hold a JSON object; {_REPREPARE_HINT}")
     _require(manifest, ("dataset", "classes", "input_shape", "n_train", "n_test", "dtype", "files"), mpath)
-    input_shape = tuple(int(s) for s in manifest["input_shape"])
-    classes = tuple(str(c) for c in manifest["classes"])
+    try:
+        input_shape = tuple(int(s) for s in manifest["input_shape"])
+        classes = tuple(str(c) for c in manifest["classes"])
+        counts = {k: int(manifest[k]) for k in ("n_train", "n_test")}
+    except (TypeError, ValueError) as e:
+        raise DatasetError(
+            f"{mpath}: malformed input_shape, classes, n_train or n_test ({e}); {_REPREPARE_HINT}"
+        ) from e
     splits = []
     for fname, n_key in zip(PREPARED_FILES, ("n_train", "n_test"), strict=True):
         path = out_dir / fname
         entry = manifest["files"].get(fname) if isinstance(manifest["files"], dict) else None
         if not isinstance(entry, dict) or "sha256" not in entry:
-            raise DatasetError(f"{mpath} has no sha256 entry for {fname}; {_PREPARE_HINT} again")
+            raise DatasetError(f"{mpath} has no sha256 entry for {fname}; {_REPREPARE_HINT}")
         if not path.is_file():
-            raise DatasetError(f"prepared file {path} is missing; {_PREPARE_HINT} again")
+            raise DatasetError(f"prepared file {path} is missing; {_REPREPARE_HINT}")
         if verify and sha256_file(path) != entry["sha256"]:
             raise DatasetError(
                 f"prepared file {path} does not match the sha256 in {mpath}: it was modified or corrupted; "
-                f"{_PREPARE_HINT} again"
+                f"{_REPREPARE_HINT}"
             )
         try:
             obj = load_torch(path)
-        except Exception as e:  # truncated zip, foreign pickle refused by weights_only, ...
-            raise DatasetError(f"prepared file {path} cannot be loaded ({e}); {_PREPARE_HINT} again") from e
+        except TensorFileError as e:  # truncated zip, foreign pickle refused by weights_only, ...
+            raise DatasetError(f"prepared file {e}; it cannot be loaded, {_REPREPARE_HINT}") from e
         if not isinstance(obj, dict) or not isinstance(obj.get("x"), Tensor) or not isinstance(obj.get("y"), Tensor):
-            raise DatasetError(f"prepared file {path} does not hold {{'x': tensor, 'y': tensor}}; {_PREPARE_HINT}")
+            raise DatasetError(f"prepared file {path} does not hold {{'x': tensor, 'y': tensor}}; {_REPREPARE_HINT}")
         try:
             split = Split(obj["x"], obj["y"])
         except ValueError as e:
-            raise DatasetError(f"prepared file {path}: {e}; {_PREPARE_HINT} again") from e
-        if len(split) != int(manifest[n_key]) or _dtype_name(split.x.dtype) != manifest["dtype"]:
+            raise DatasetError(f"prepared file {path}: {e}; {_REPREPARE_HINT}") from e
+        if len(split) != counts[n_key] or _dtype_name(split.x.dtype) != manifest["dtype"]:
             raise DatasetError(
                 f"prepared file {path} holds {len(split)} {_dtype_name(split.x.dtype)} samples, "
                 "manifest says "
-                f"{manifest[n_key]} {manifest['dtype']}; {_PREPARE_HINT} again"
+                f"{manifest[n_key]} {manifest['dtype']}; {_REPREPARE_HINT}"
             )
         _check_split(split, input_shape, len(classes), f"prepared file {path}")
         splits.append(split)

@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -19,12 +20,26 @@ from typing import Any
 import torch
 
 
+class OutputError(OSError):
+    """An output cannot be created where it was asked for (a parent is a file, no permission, ...)."""
+
+
+def _temp_beside(path: Path, make: Any) -> Any:
+    """``make(prefix=, suffix=, dir=)`` (mkstemp / mkdtemp) beside ``path``; clear :class:`OutputError` if not."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return make(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        blocker = next((p for p in (path.parent, *path.parent.parents) if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a directory" if blocker else (exc.strerror or str(exc))
+        raise OutputError(f"cannot write {path}: {why}; choose another output path") from exc
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _temp_beside(path, tempfile.mkstemp)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -53,9 +68,26 @@ def save_torch(path: str | os.PathLike, obj: Any) -> None:
         torch.save(obj, tmp)
 
 
+class TensorFileError(ValueError):
+    """A file meant to hold tensors is truncated, not a torch file, or holds Python objects besides tensors."""
+
+
 def load_torch(path: str | os.PathLike) -> Any:
-    """Load a tensor file written by :func:`save_torch`; never unpickles arbitrary objects."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """Load a tensor file written by :func:`save_torch`; never unpickles arbitrary objects.
+
+    Raises :class:`TensorFileError` (one line naming ``path``) for a file that is corrupt or holds anything but
+    tensors and plain containers; ``FileNotFoundError`` if it does not exist.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except pickle.UnpicklingError as exc:  # weights_only refused a global (code), or the pickle stream is garbage
+        raise TensorFileError(f"{path} holds Python objects other than tensors, or is corrupt; it was refused "
+                              "unread (files are loaded weights-only, pickled code never runs)") from exc
+    except Exception as exc:  # truncated zip archive, not a torch file at all, ...
+        first = str(exc).split(". ")[0].strip().rstrip(".")
+        raise TensorFileError(f"{path} is truncated or not a PyTorch tensor file ({first})") from exc
 
 
 @contextlib.contextmanager
@@ -65,8 +97,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     A crashed build leaves the previous directory (or none) in place.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp = Path(_temp_beside(path, tempfile.mkdtemp))
     try:
         yield tmp
         old = None

@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from pipeline.config import Params, ParamsError, load_params
+from pipeline.io import OutputError
 
 
 class ParamsUsageError(click.ClickException):
@@ -38,14 +39,15 @@ def params_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def runtime_errors(*kinds: type[Exception]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Turn the given expected runtime errors into a clean ``Error: ...`` and exit code 1."""
+    """Turn the given expected runtime errors (and any :class:`OutputError`) into ``Error: ...`` and exit code 1."""
+    caught = (*kinds, OutputError)
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(*args, **kwargs)
-            except kinds as exc:
+            except caught as exc:
                 raise click.ClickException(str(exc)) from exc
 
         return wrapper
@@ -53,4 +55,39 @@ def runtime_errors(*kinds: type[Exception]) -> Callable[[Callable[..., Any]], Ca
     return deco
 
 
-__all__ = ["Params", "ParamsUsageError", "params_options", "runtime_errors"]
+def check_weights(params: Params) -> None:
+    """Fail fast, before data loading and Ray, if ``model.weights`` is not a loadable resnet18 state_dict.
+
+    The file is loaded weights-only (pickled code never runs). Raises :class:`click.ClickException` (exit 1).
+    """
+    weights = params.model.weights
+    if weights is None:
+        return
+    from pathlib import Path
+
+    import torch
+    from torchvision.models import resnet18
+
+    from pipeline.io import TensorFileError, load_torch
+
+    fix = "point it at a local resnet18 state_dict file (it is never downloaded), or set it to null"
+    if not Path(weights).is_file():
+        raise click.ClickException(f"model.weights: {weights} does not exist; {fix}")
+    try:
+        state = load_torch(weights)
+    except TensorFileError as exc:
+        raise click.ClickException(f"model.weights: {exc}; {fix}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise click.ClickException(f"model.weights: {weights} does not hold a state_dict (names -> tensors); {fix}")
+    try:
+        missing, unexpected = resnet18(weights=None).load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # a tensor of the wrong size
+        raise click.ClickException(f"model.weights: {weights} does not fit resnet18 "
+                                   f"({str(exc).strip().splitlines()[-1].strip()}); {fix}") from None
+    if missing or unexpected:
+        shown = ", ".join(f"{'missing' if k in missing else 'unexpected'} {k!r}" for k in [*missing, *unexpected][:3])
+        raise click.ClickException(f"model.weights: {weights} is not a resnet18 state_dict ({len(missing)} missing, "
+                                   f"{len(unexpected)} unexpected keys, e.g. {shown}); {fix}")
+
+
+__all__ = ["Params", "ParamsUsageError", "check_weights", "params_options", "runtime_errors"]

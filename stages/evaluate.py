@@ -18,7 +18,7 @@ import click
 from pipeline.config import Params, flatten
 from pipeline.datasets import DatasetError
 from pipeline.evaluation import Evaluation, evaluate, load_data, load_pretrained
-from pipeline.io import atomic_dir, write_json, write_text
+from pipeline.io import TensorFileError, atomic_dir, write_json, write_text
 from pipeline.tracking import TrackingError
 from stages._common import params_options, runtime_errors
 
@@ -90,6 +90,28 @@ def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, fil
         return run.info.run_id
 
 
+class ModelError(RuntimeError):
+    """The pretrained model is missing, unreadable or does not fit the data; the message names the file."""
+
+
+def load_model(model_dir: Path) -> tuple[Any, dict[str, Any]]:
+    """The pretrained model and its config; a missing or unreadable one raises :class:`ModelError`."""
+    hint = "run `transfusion pretrain` (or `dvc repro`)"
+    if not (model_dir / "config.json").is_file():
+        raise ModelError(f"no pretrained model in {model_dir}: {hint}")
+    try:
+        return load_pretrained(model_dir)
+    except TensorFileError as exc:
+        raise ModelError(f"pretrained model {exc}; {hint} again") from exc
+    except FileNotFoundError as exc:
+        raise ModelError(f"pretrained model file {exc.filename} is missing; {hint} again") from exc
+    except Exception as exc:  # bad JSON, missing keys, params or weights that do not fit the model
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelError(f"the pretrained model in {model_dir} cannot be loaded ({type(exc).__name__}: "
+                         f"{first}) from {model_dir / 'config.json'} and {model_dir / 'model.pt'}; "
+                         f"{hint} again") from exc
+
+
 @click.command("evaluate")
 @params_options
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
@@ -97,17 +119,19 @@ def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, fil
 @click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("models/pretrain"), show_default=True)
 @click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
-@runtime_errors(DatasetError, TrackingError, FileNotFoundError)
+@runtime_errors(DatasetError, TrackingError, ModelError, FileNotFoundError)
 def evaluate_cmd(params: Params, data_dir: Path, model_dir: Path, no_tracking: bool) -> None:
     """Probe the frozen embeddings of every layer, cluster the learned affinity, draw the figures."""
     if not no_tracking:  # fail fast, before the probes, if the store is unreachable
         from pipeline.tracking import check_reachable, project_root, tracking_uri
 
         check_reachable(tracking_uri(project_root()))
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"no pretrained model in {model_dir}: run `transfusion pretrain` (or `dvc repro`)")
-    model, config = load_pretrained(model_dir)
+    model, config = load_model(model_dir)
     data = load_data(data_dir)
+    if tuple(config["input_shape"]) != data.input_shape:
+        raise ModelError(f"the model in {model_dir} was pretrained on inputs of shape {tuple(config['input_shape'])}"
+                         f" but {data_dir} holds {data.input_shape}; run `transfusion pretrain` again on this data "
+                         "(or `dvc repro`)")
     ev = evaluate(params, data, model, config["params"]["train"]["batch_size"], progress=click.echo)
     ev.metrics["pretrain_mlflow_run_id"] = config.get("mlflow_run_id")
     with atomic_dir(PLOTS) as out:

@@ -22,7 +22,7 @@ from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
 from pipeline.io import atomic_dir, write_json, write_text
 from pipeline.tracking import TrackingError, project_root
-from stages._common import ParamsUsageError, params_options, runtime_errors
+from stages._common import ParamsUsageError, check_weights, params_options, runtime_errors
 
 COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "train.seed", "view_noise",
            "knn_acc", "best_knn_acc", "loss", "epochs", "stopped_early", "seconds", "status")
@@ -76,8 +76,14 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
 def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Sweep depth, batch size and augmentation strength with Ray Tune (each trial a Ray Train run)."""
     from pipeline.datasets import load_prepared
-    from pipeline.sweep import SweepError, check_points, cleanup, finish_tracking, run_sweep
+    from pipeline.sweep import SPACE_KEYS, SweepError, check_points, cleanup, finish_tracking, run_sweep
 
+    try:  # every point of the grid is valid params (e.g. batch vs workers) before any work
+        check_points(params)
+    except ParamsError as exc:
+        axes = ", ".join(f"sweep.{k} (sets {v})" for k, v in SPACE_KEYS.items())
+        raise ParamsUsageError(f"{exc}\n  the point comes from {axes}: change those lists or the base params") from None
+    check_weights(params)
     root = project_root()
     data = load_prepared(data_dir, verify=True)
     try:

@@ -15,7 +15,7 @@ import click
 
 from pipeline.io import atomic_dir, write_json
 from pipeline.theory_experiments import EmpiricalGrid, TheoryGrid, run_all
-from stages._common import ParamsUsageError, params_options
+from stages._common import ParamsUsageError, params_options, runtime_errors
 
 PLOTS = Path("plots/theory")
 METRICS = Path("metrics/theory.json")
@@ -62,6 +62,7 @@ def run(params: Any, plots: Path = PLOTS, metrics: Path = METRICS, progress: Any
 @click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False, path_type=Path), default=METRICS,
               show_default=True, help="Metrics JSON.")
 @click.option("--quiet", is_flag=True, help="No per-run progress lines.")
+@runtime_errors()
 def theory_cmd(params: Any, plots_dir: Path, metrics_path: Path, quiet: bool) -> None:
     """Theorem 2's γ regions per batch size, and the measured counterpart on union-of-subspaces data."""
     try:
