@@ -1,0 +1,135 @@
+"""Faults from outside, on real processes: a training worker killed by pid, a driver killed mid-run.
+
+Each test runs `transfusion pretrain` as its own process with its own local Ray (RAY_TMPDIR: a temp dir of the
+test's, so that everything it leaves behind can be found and stopped without touching any other Ray).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import mlflow
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow]
+
+EPOCH = re.compile(r"\(RayTrainWorker pid=(\d+)\).*\[pretrain\] epoch (\d+)/(\d+)")
+RESUMED = re.compile(r"\[pretrain\] resumed from the checkpoint after epoch (\d+)")
+# 1437 digits at batch 32: ~45 steps, an epoch of a second or two here -- long enough to kill inside one
+RUN = ["-S", "train.batch_size=32", "-S", "model.embed_dim=16", "-S", "train.epochs=6", "-S", "train.knn_every=0"]
+
+
+@pytest.fixture
+def ray_tmp():
+    """A short temp root for the test's own Ray (unix socket paths are limited to ~107 bytes); cleaned after."""
+    tmp = tempfile.mkdtemp(prefix="tff", dir="/tmp")
+    yield tmp
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(tmp in part for part in proc.info["cmdline"] or []):
+                proc.kill()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def start(project, ray_tmp, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=project, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def read_until(proc: subprocess.Popen, pattern: re.Pattern, timeout: float = 300) -> tuple[re.Match, list[str]]:
+    """Read the process's output line by line until ``pattern`` matches; returns the match and the lines read."""
+    lines: list[str] = []
+    deadline = time.time() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        m = pattern.search(line)
+        if m:
+            return m, lines
+        if time.time() > deadline:
+            break
+    raise AssertionError(f"no line matched {pattern.pattern!r}:\n{''.join(lines[-40:])}")
+
+
+def epochs_in_curve(project) -> list[int]:
+    with open(project / "plots/pretrain.csv") as f:
+        return [int(r["epoch"]) for r in csv.DictReader(f)]
+
+
+@pytest.fixture
+def prepared(project):
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "prepare"], cwd=project, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return project
+
+
+@pytest.mark.timeout(900)
+def test_killed_worker_restarts_from_the_last_checkpoint(prepared, ray_tmp):
+    every = 2
+    proc = start(prepared, ray_tmp, "pretrain", *RUN, "-S", f"train.checkpoint_every={every}",
+                 "-S", "ray.max_failures=1")
+    try:
+        m, before = read_until(proc, re.compile(r"\(RayTrainWorker pid=(\d+)\).*\[pretrain\] epoch 3/6"))
+        pid, reached = int(m.group(1)), 3
+        victim = psutil.Process(pid)
+        assert "RayTrainWorker" in " ".join(victim.cmdline()) or "ray::" in victim.name()
+        victim.kill()  # SIGKILL, from outside, by pid
+        m, after = read_until(proc, RESUMED)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = "".join(before + after) + out
+    assert proc.returncode == 0, log
+    resumed_after = int(m.group(1))
+    # at most one checkpoint interval lost: the restart continues from the last checkpoint before the kill
+    assert reached - every <= resumed_after <= reached, log
+    assert resumed_after % every == 0
+    assert epochs_in_curve(prepared) == [1, 2, 3, 4, 5, 6]
+    assert json.loads((prepared / "metrics/pretrain.json").read_text())["epochs"] == 6
+    new_pids = {int(p) for p, e, _ in EPOCH.findall("".join(after) + out)}
+    assert new_pids and pid not in new_pids  # a new worker process finished the run
+
+
+@pytest.mark.timeout(900)
+def test_killed_driver_then_rerun_resumes(prepared, ray_tmp):
+    args = ["pretrain", *RUN, "-S", "train.checkpoint_every=1"]
+    proc = start(prepared, ray_tmp, *args)
+    try:
+        _, lines = read_until(proc, re.compile(r"\[pretrain\] epoch 3/6"))
+        time.sleep(1.0)  # let the epoch-3 checkpoint land
+        proc.kill()  # SIGKILL the driver: no cleanup, no final state
+        proc.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the driver's local Ray goes with it, as with a lost shell
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not (prepared / "models").exists()  # nothing half-written that DVC would accept
+    for p in psutil.process_iter(["cmdline"]):  # no Ray of the killed driver survives to hold the CPUs
+        with contextlib.suppress(psutil.Error):
+            if any(ray_tmp in part for part in p.info["cmdline"] or []):
+                p.kill()
+
+    proc = start(prepared, ray_tmp, *args)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    m = RESUMED.search(out)
+    assert m and int(m.group(1)) >= 2, out  # not from scratch
+    assert epochs_in_curve(prepared) == [1, 2, 3, 4, 5, 6]
+    client = mlflow.MlflowClient(f"sqlite:///{prepared / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("transfusion").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # the same MLflow run, continued
+    steps = [x.step for x in client.get_metric_history(runs[0].info.run_id, "loss")]
+    assert sorted(set(steps)) == [1, 2, 3, 4, 5, 6]
