@@ -11,6 +11,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def invoke(*args: str):
+    """Run the `transfusion` CLI in-process (exceptions propagate, so a bug shows its traceback)."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for every Ray test (start-up costs ~8 s); shut down at the end of the session."""

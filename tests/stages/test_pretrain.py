@@ -8,21 +8,16 @@ import json
 import mlflow
 import pytest
 import torch
-from click.testing import CliRunner
 
-from pipeline.cli import main
 from pipeline.config import load_params
 from pipeline.datasets import load_prepared
 from pipeline.loop import PretrainLoop
+from tests.conftest import invoke
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TINY = ["-S", "train.epochs=3", "-S", "train.batch_size=128", "-S", "data.limit_train=512",
         "-S", "model.embed_dim=32", "-S", "train.knn_every=1"]
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
 @pytest.fixture

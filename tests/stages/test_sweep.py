@@ -12,18 +12,13 @@ import time
 
 import mlflow
 import pytest
-from click.testing import CliRunner
 
-from pipeline.cli import main
+from tests.conftest import invoke
 
 pytestmark = [pytest.mark.slow]
 
 TINY = ["-S", "model.embed_dim=16", "-S", "sweep.depth=[1]", "-S", "sweep.batch_size=[32,64]",
         "-S", "sweep.strength=[0.0,1.0]"]
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
 @pytest.fixture
