@@ -125,7 +125,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 from pipeline.tracking import log_epoch
 
                 log_epoch(spec.tracking_uri, spec.mlflow_run_id, {k: v for k, v in metrics.items()
-                                                                 if k != "epoch"}, step=m.epoch)
+                                                                 if k not in ("epoch", "ended_at")}, step=m.epoch)
         if checkpoint_now and rank == 0:
             # uploaded to storage in the background while training goes on; Ray deletes the temp dir after
             # (synchronously before an injected crash, so that the test knows which checkpoint exists)
