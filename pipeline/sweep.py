@@ -34,7 +34,15 @@ from typing import Any
 from ray import tune
 
 from pipeline.config import Params, ParamsError, flatten, validate_params
-from pipeline.train import HISTORY_FILE, WorkerSpec, _init_ray, _storage, train_loop_per_worker, wants_gpu
+from pipeline.train import (
+    HISTORY_FILE,
+    WorkerSpec,
+    _init_ray,
+    _storage,
+    recover_run_snapshot,
+    train_loop_per_worker,
+    wants_gpu,
+)
 
 TRIAL_CPU = 0.25
 SPACE_KEYS = {"depth": "model.depth", "batch_size": "train.batch_size", "strength": "augment.strength",
@@ -144,8 +152,9 @@ def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
         with open(fixed["count_file"], "a") as f:
             f.write(f"{trial_id} {json.dumps(point, sort_keys=True)}\n")
     storage = fixed["storage"]
-    spec = WorkerSpec(params=params.model_dump(), data_dir=fixed["data"],
-                      run_dir=os.path.join(storage, f"trial-{trial_id}"), use_gpu=fixed["use_gpu"], quiet=True)
+    run_dir = os.path.join(storage, f"trial-{trial_id}")
+    spec = WorkerSpec(params=params.model_dump(), data_dir=fixed["data"], run_dir=run_dir, use_gpu=fixed["use_gpu"],
+                      quiet=True, resume_dir=recover_run_snapshot(None if "://" in storage else run_dir))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=asdict(spec),

@@ -52,6 +52,7 @@ class WorkerSpec:
     mlflow_run_id: str | None = None
     fault: str | None = None
     quiet: bool = False  # no per-epoch progress lines (sweep trials: the driver prints them)
+    resume_dir: str | None = None  # a checkpoint to start from when Ray knows none (see recover_run_snapshot)
 
 
 def _write_status(run_dir: str, status: dict[str, Any]) -> None:
@@ -103,6 +104,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     workers = _placement(rank, world, device)
 
     checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None and spec.resume_dir:  # Ray's own record of the run was lost: ours is the checkpoint
+        checkpoint = ray.train.Checkpoint.from_directory(spec.resume_dir)
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             loop.load_state_dict(torch.load(Path(d) / STATE_FILE, map_location=device, weights_only=True))
@@ -148,6 +151,39 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- driver
+SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train V2's record of a run's checkpoints
+
+
+def recover_run_snapshot(run_dir: str | None) -> str | None:
+    """Make an interrupted run resumable even if Ray's run snapshot was torn by the interruption.
+
+    Ray Train writes ``checkpoint_manager_snapshot.json`` in place; a driver killed during that write leaves it
+    empty or truncated, and the next ``fit`` of the same run then dies in the controller's start-up. If the file
+    is unreadable, it is moved aside (``.corrupt``) and the newest ``checkpoint_*`` directory whose state loads
+    is returned, for the worker to start from. Returns None when nothing needs recovering (or for remote storage).
+    """
+    if not run_dir:
+        return None
+    snapshot = Path(run_dir, SNAPSHOT_FILE)
+    if not snapshot.exists():
+        return None
+    try:
+        json.loads(snapshot.read_text())
+        return None
+    except (ValueError, OSError, UnicodeDecodeError):
+        snapshot.replace(snapshot.with_name(SNAPSHOT_FILE + ".corrupt"))
+    for ckpt in sorted(Path(run_dir).glob("checkpoint_*"), reverse=True):  # names sort by time
+        try:
+            torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+        except Exception:  # a torn checkpoint: try the one before
+            continue
+        _progress(f"[pretrain] Ray's run record {snapshot} was unreadable (torn by an interruption); "
+                  f"resuming from {ckpt.name}")
+        return str(ckpt)
+    _progress(f"[pretrain] Ray's run record {snapshot} was unreadable and no checkpoint loads; starting afresh")
+    return None
+
+
 def run_name(params: Params, manifest: dict[str, Any]) -> str:
     """A stable name from everything that determines the result: the params pretraining reads, the data."""
     keyed = {s: getattr(params, s).model_dump() for s in ("model", "loss", "augment", "train")}
@@ -221,7 +257,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     use_gpu = wants_gpu(params)
     spec = WorkerSpec(params=params.model_dump(), data_dir=str(data_dir.resolve()), run_dir=status_dir,
                       use_gpu=use_gpu, tracking_uri=uri, mlflow_run_id=run_id,
-                      fault=os.environ.get(FAULT_ENV))
+                      fault=os.environ.get(FAULT_ENV), resume_dir=recover_run_snapshot(run_dir))
     _init_ray(params)
     # the controller collects each report when it polls (default every 2 s) and a worker's next report
     # waits for that: with short epochs that idles the workers, so poll faster (propagated by Ray Train)

@@ -422,13 +422,26 @@ def assert_one_clear_paragraph(output: str, needles: tuple[str, ...]) -> None:
         assert needle in text, f"{needle!r} missing from:\n{output}"
 
 
-def assert_no_ray() -> None:
-    ray = sys.modules.get("ray")
-    assert ray is None or not ray.is_initialized(), "bad input must fail before Ray starts"
+@pytest.fixture
+def ray_starts(monkeypatch) -> list[str]:
+    """Every call of the stages' one way into Ray (``_init_ray``) is recorded and refused: bad input must fail
+    before it. (Checking ``ray.is_initialized()`` is not enough: another test's session Ray may be up.)"""
+    import pipeline.sweep
+    import pipeline.train
+
+    calls: list[str] = []
+
+    def refuse(params) -> None:
+        calls.append("ray")
+        raise AssertionError("bad input reached Ray start-up")
+
+    monkeypatch.setattr(pipeline.train, "_init_ray", refuse)
+    monkeypatch.setattr(pipeline.sweep, "_init_ray", refuse)
+    return calls
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_hostile_input(project, case):
+def test_hostile_input(project, case, ray_starts):
     for step in case.setup:
         step(project)
     before = tree(project)
@@ -442,7 +455,7 @@ def test_hostile_input(project, case):
     after = tree(project)
     assert after == before, f"left behind: {sorted(after - before)}, removed: {sorted(before - after)}"
     assert not (project / MARKER).exists(), "an unpickled payload ran"
-    assert_no_ray()
+    assert not ray_starts, "bad input must fail before Ray starts"
 
 
 def test_case_table_is_large_and_unique():
