@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config import Params, flatten
+from pipeline.config import Params, ParamsError, flatten
 from pipeline.datasets import load_prepared
 from pipeline.io import load_torch
 from pipeline.loop import EpochMetrics, PretrainLoop, wants_gpu
@@ -227,8 +227,8 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     data = load_prepared(data_dir, verify=True)  # a corrupt input fails here, before Ray starts
     manifest = json.loads((data_dir / "manifest.json").read_text())
     if params.train.batch_size > len(data.train.y):
-        raise PretrainError(f"train.batch_size ({params.train.batch_size}) exceeds the training set "
-                            f"({len(data.train.y)} samples in {data_dir})")
+        raise ParamsError(f"train.batch_size ({params.train.batch_size}) exceeds the training set "
+                          f"({len(data.train.y)} samples in {data_dir}); lower it or prepare more data")
     name = run_name(params, manifest)
     storage = _storage(params, root)
     run_dir = os.path.join(storage, name) if "://" not in storage else None

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import click
 
-from pipeline.config import Params
+from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
 from pipeline.io import atomic_dir, save_torch, write_json, write_text
 from pipeline.tracking import TrackingError, project_root, set_tags
 from pipeline.train import PretrainError, PretrainResult, cleanup_run, pretrain
-from stages._common import check_weights, params_options, runtime_errors
+from stages._common import ParamsUsageError, check_weights, params_options, runtime_errors
 
 CURVE_COLUMNS = ("epoch", "loss", "lr", "knn_acc", "view_noise", "samples_per_s", "seconds")
 
@@ -81,7 +81,10 @@ def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Pretrain TransFusion on the prepared data with Ray Train (resumes an interrupted run)."""
     check_weights(params)
     root = project_root()
-    res = pretrain(params, data_dir, root, tracking=not no_tracking)
+    try:
+        res = pretrain(params, data_dir, root, tracking=not no_tracking)
+    except ParamsError as exc:  # params that contradict the prepared data: bad usage, like the sweep's check
+        raise ParamsUsageError(str(exc)) from None
     paths = (Path("models/pretrain"), Path("metrics/pretrain.json"), Path("plots/pretrain.csv"))
     summary = write_outputs(params, res, *paths)
     if res.mlflow_run_id:

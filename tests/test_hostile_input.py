@@ -373,7 +373,7 @@ CASES = [
     Case("prepared-labels-out-of-range", ("pretrain",), 1, ("test.pt", "labels span [2, 7]", "3 classes"),
          (prepared, prepared_file("test.pt", lambda p, b: torch_bytes({"x": torch.zeros(6, 3, 4, 4, dtype=torch.uint8),
                                                                        "y": torch.arange(6) + 2}), fix_hash=True))),
-    Case("pretrain-batch-beyond-data", ("pretrain", "--no-tracking"), 1, ("train.batch_size (128)", "12 samples"),
+    Case("pretrain-batch-beyond-data", ("pretrain", "--no-tracking"), 2, ("train.batch_size (128)", "12 samples"),
          (prepared,)),
     # ---------------------------------------------------------------- output paths (exit 1)
     Case("out-under-a-file", ("prepare", "-S", "data.limit_train=50", "-S", "data.limit_test=20",
