@@ -27,7 +27,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +190,6 @@ class SweepTracker(tune.Callback):
     def __init__(self, epochs: int, uri: str | None = None, experiment_id: str | None = None,
                  parent_id: str | None = None) -> None:
         self.epochs, self.uri, self.experiment_id, self.parent_id = epochs, uri, experiment_id, parent_id
-        self.trials: list[Any] = []
         self.status: dict[str, str] = {}
         self.total = 0
         self.children: dict[str, str] = {}
@@ -232,11 +231,9 @@ class SweepTracker(tune.Callback):
     def on_step_end(self, iteration, trials, **info) -> None:
         # statuses as the control loop left them: after an interruption Tune's cleanup marks the stopped trials
         # TERMINATED (on_experiment_end sees that), but the saved experiment state, and a restore, see them unfinished
-        self.trials = trials
         self.status = {t.trial_id: t.status for t in trials}
 
     def on_experiment_end(self, trials, **info) -> None:
-        self.trials = trials
         if not self.status:  # the loop never stepped (a restored sweep that had already ended, or an early Ctrl-C)
             self.status = {t.trial_id: t.status for t in trials}
 
@@ -246,7 +243,6 @@ class SweepTracker(tune.Callback):
         return ids + ["(not started)"] * max(0, self.total - len(self.status))
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
-        self.trials = trials
         _say(f"[sweep] {self._done(trials)} done; trial {trial.trial_id} started: {describe(point_of(trial.config))}")
         self._child(trial)
 
@@ -307,7 +303,6 @@ class SweepResult:
     mlflow_run_id: str | None = None
     seconds: float = 0.0
     resumed: bool = False
-    files: list[str] = field(default_factory=list)
 
 
 def _parent_run(params: Params, root: Path, name: str) -> tuple[str, str, str]:
