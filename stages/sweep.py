@@ -85,13 +85,11 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
         raise ParamsUsageError(f"{exc}\n  the point comes from {axes}: change those lists or the base params") from None
     check_weights(params)
     root = project_root()
-    data = load_prepared(data_dir, verify=True)
-    try:
-        check_points(params, len(data.train.y))
-    except ParamsError as exc:
-        raise ParamsUsageError(str(exc)) from None
+    load_prepared(data_dir, verify=True)
     try:
         result = run_sweep(params, data_dir, root, tracking=not no_tracking)
+    except ParamsError as exc:  # a batch beyond the prepared data: run_sweep checks it before Ray or tracking
+        raise ParamsUsageError(str(exc)) from None
     except SweepError as exc:
         raise click.ClickException(str(exc)) from exc
     sweeps, plots = Path("sweeps"), Path("plots/sweep")
