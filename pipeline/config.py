@@ -223,8 +223,10 @@ class RayConfig(Section):
     num_workers: int = Field(1, ge=1, le=100_000)
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0.0, le=1024.0)
-    storage_path: str = "ray_results"
+    storage_path: str = "ray_results"  # every node must see it (NFS/EFS mount, or s3://...): checkpoints, staged data
     max_failures: int = Field(0, ge=-1)
+    connect_timeout_s: float = Field(30.0, gt=0.0, le=86_400.0)  # wait for ray.address / RAY_ADDRESS to answer
+    resources_timeout_s: float = Field(300.0, gt=0.0, le=604_800.0)  # wait for the workers' resources to be free
 
 
 class Params(Section):

@@ -36,13 +36,6 @@ def build_model(m: ModelConfig, input_shape: tuple[int, ...]) -> TransFusion:
     return TransFusion(backbone, dim, head)
 
 
-def wants_gpu(params: Params) -> bool:
-    """GPU when asked for, or when present and ``train.device: auto`` (the default)."""
-    if params.train.device == "cpu":
-        return False
-    return params.ray.use_gpu or params.train.device == "cuda" or torch.cuda.is_available()
-
-
 def _seed(*parts: int) -> int:
     h = 0
     for p in parts:

@@ -33,15 +33,15 @@ from typing import Any
 
 from ray import tune
 
+from pipeline.cluster import check_request, cluster_gpus, init_ray, use_gpu
 from pipeline.config import Params, ParamsError, flatten, validate_params
+from pipeline.storage import is_uri, join, stage_prepared
 from pipeline.train import (
     HISTORY_FILE,
     WorkerSpec,
-    _init_ray,
-    _storage,
     recover_run_snapshot,
+    storage_location,
     train_loop_per_worker,
-    wants_gpu,
 )
 
 TRIAL_CPU = 0.25
@@ -152,9 +152,10 @@ def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
         with open(fixed["count_file"], "a") as f:
             f.write(f"{trial_id} {json.dumps(point, sort_keys=True)}\n")
     storage = fixed["storage"]
-    run_dir = os.path.join(storage, f"trial-{trial_id}")
-    spec = WorkerSpec(params=params.model_dump(), data_dir=fixed["data"], run_dir=run_dir, use_gpu=fixed["use_gpu"],
-                      quiet=True, resume_dir=recover_run_snapshot(None if "://" in storage else run_dir))
+    run_dir = join(storage, f"trial-{trial_id}")
+    spec = WorkerSpec(params=params.model_dump(), data_dir=fixed["data"], manifest=fixed["manifest"], run_dir=run_dir,
+                      use_gpu=fixed["use_gpu"], quiet=True,
+                      resume_dir=recover_run_snapshot(None if is_uri(storage) else run_dir))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=asdict(spec),
@@ -389,17 +390,19 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
 
     manifest = json.loads((data_dir / "manifest.json").read_text())
     name = sweep_name(params, manifest)
-    storage = _storage(params, root)
+    storage = storage_location(params, root)
     base = base_params(params)
     check_points(params, manifest.get("n_train"))
     s = params.sweep
     uri = exp = parent = None
     if tracking:
         uri, exp, parent = _parent_run(params, root, name)
-    _init_ray(params)
+    init_ray(params)
+    gpu = use_gpu(params, cluster_gpus())
+    check_request(params, gpu=gpu, cpus_per_worker=s.cpus_per_worker, trial_cpu=TRIAL_CPU, what="a sweep trial")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    fixed = {"base": base, "data": str(data_dir.resolve()), "storage": storage, "use_gpu": wants_gpu(params),
-             "count_file": count_file or os.environ.get(COUNT_ENV)}
+    fixed = {"base": base, "data": stage_prepared(data_dir, storage), "manifest": manifest, "storage": storage,
+             "use_gpu": gpu, "count_file": count_file or os.environ.get(COUNT_ENV)}
     sample = tune.grid_search if s.search == "grid" else tune.choice
     space = {k: sample(v) for k, v in axes(params).items()}
     samples = 1 if s.search == "grid" else s.num_samples
@@ -480,8 +483,8 @@ def finish_tracking(root: Path, result: SweepResult, best: dict[str, Any] | None
 
 def cleanup(params: Params, root: Path, result: SweepResult) -> None:
     """Forget a finished sweep, so that a forced rerun sweeps again instead of returning the old trials."""
-    storage = _storage(params, root)
-    if "://" not in storage:
+    storage = storage_location(params, root)
+    if not is_uri(storage):
         shutil.rmtree(Path(storage) / result.name, ignore_errors=True)
         for r in result.rows:
             shutil.rmtree(Path(storage) / f"trial-{r['trial_id']}", ignore_errors=True)

@@ -54,23 +54,102 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
                 "to use the project's sqlite store"
             ) from exc
     elif uri.startswith("sqlite:///"):
-        parent = Path(uri.removeprefix("sqlite:///")).parent
-        if not parent.is_dir():
-            raise TrackingError(f"MLflow tracking store {uri}: directory {parent} does not exist")
+        path = Path(uri.removeprefix("sqlite:///"))
+        if not path.parent.is_dir():
+            raise TrackingError(f"MLflow tracking store {uri}: directory {path.parent} does not exist")
+        _check_sqlite(path, uri)
+
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def _check_sqlite(path: Path, uri: str) -> None:
+    """A store file that is not an SQLite database (or a damaged one) fails here in one paragraph, not deep in
+    SQLAlchemy. A missing or empty file is fine: MLflow creates its tables."""
+    if not path.exists() or (path.is_file() and path.stat().st_size == 0):
+        return
+    fix = (f"move {path} aside (MLflow starts a new store) or point MLFLOW_TRACKING_URI at a working store; "
+           "runs logged in it are lost unless you restore a backup")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except OSError as exc:
+        raise TrackingError(f"MLflow tracking store {uri} cannot be read ({exc.strerror or exc}); {fix}") from None
+    if head != SQLITE_MAGIC:
+        raise TrackingError(f"MLflow tracking store {uri} is not an SQLite database (it starts with {head[:8]!r}); "
+                            f"{fix}")
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+        try:
+            result = con.execute("PRAGMA quick_check").fetchone()
+        finally:
+            con.close()
+    except sqlite3.Error as exc:
+        raise TrackingError(f"MLflow tracking store {uri} is a damaged SQLite database ({exc}); {fix}") from None
+    if result is None or result[0] != "ok":
+        raise TrackingError(f"MLflow tracking store {uri} is a damaged SQLite database (quick_check: "
+                            f"{result[0] if result else 'no answer'}); {fix}")
 
 
 def experiment_id(uri: str, root: Path | None = None, name: str = EXPERIMENT) -> str:
-    """Get or create the project's experiment; local stores get an absolute artifact location."""
+    """Get or create the project's experiment; local stores get an absolute artifact location.
+
+    The first call that touches the store: an MLflow or database error becomes a one-paragraph TrackingError."""
     from mlflow import MlflowClient
 
+    try:
+        client = MlflowClient(uri)
+        exp = client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        location = None
+        if uri.startswith("sqlite:///"):
+            location = ((root or project_root()) / "mlartifacts").as_uri()
+        return client.create_experiment(name, artifact_location=location)
+    except Exception as exc:  # MlflowException, SQLAlchemy's errors, ...: the store is unusable
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise TrackingError(f"MLflow tracking store {uri} cannot be used ({type(exc).__name__}: {first[:400]}); "
+                            "fix or move the store, or point MLFLOW_TRACKING_URI at a working one") from None
+
+
+def create_run(uri: str, root: Path, name: str, tags: Mapping[str, str], params: Mapping[str, Any]) -> str:
+    """A new run in the project's experiment, with its params; returns its id."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Param
+
     client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    location = None
-    if uri.startswith("sqlite:///"):
-        location = ((root or project_root()) / "mlartifacts").as_uri()
-    return client.create_experiment(name, artifact_location=location)
+    run = client.create_run(experiment_id(uri, root), run_name=name, tags=dict(tags))
+    client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in flat_params(params).items()])
+    return run.info.run_id
+
+
+def epoch_logger(uri: str, run_id: str):
+    """A Ray Train callback that logs rank 0's per-epoch metrics to ``run_id``.
+
+    It runs in Ray Train's controller, which Ray places on the driver's node: the tracking store only has to be
+    reachable from where the stage was started (a sqlite file on the head's disk is), never from the workers.
+    """
+    import ray.train
+
+    class EpochLogger(ray.train.UserCallback):
+        def __init__(self) -> None:
+            self.warned = False
+
+        def after_report(self, run_context, metrics, checkpoint) -> None:
+            m = metrics[0] if metrics else {}
+            if "epoch" not in m:
+                return
+            try:
+                log_epoch(uri, run_id, {k: v for k, v in m.items() if k not in ("epoch", "ended_at")},
+                          step=int(m["epoch"]))
+            except Exception as exc:  # tracking must never stop training; say it once
+                if not self.warned:
+                    self.warned = True
+                    print(f"[pretrain] warning: MLflow logging to {uri} failed ({exc}); training goes on")
+
+    return EpochLogger()
 
 
 def git_commit(root: Path) -> str | None:

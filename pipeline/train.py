@@ -24,16 +24,17 @@ from typing import Any
 
 import torch
 
+from pipeline.cluster import check_request, cluster_gpus, init_ray, use_gpu, wait_for_workers
 from pipeline.config import Params, ParamsError, flatten
 from pipeline.datasets import load_prepared
 from pipeline.io import load_torch
-from pipeline.loop import EpochMetrics, PretrainLoop, wants_gpu
+from pipeline.loop import EpochMetrics, PretrainLoop
 from pipeline.step import NonFiniteLossError
+from pipeline.storage import clear_status, fetch_prepared, is_uri, join, read_status, stage_prepared, write_status
 
 FAULT_ENV = "TRANSFUSION_FAULT"  # fault injection for tests: "crash@E" (rank 0 dies after epoch E), "nan@E"
 STATE_FILE = "state.pt"
 HISTORY_FILE = "history.json"  # per-epoch metrics up to the checkpoint, beside STATE_FILE
-STATUS_FILE = "status.json"
 
 
 class PretrainError(RuntimeError):
@@ -45,19 +46,13 @@ class WorkerSpec:
     """Everything a worker needs; plain values so Ray can ship it."""
 
     params: dict[str, Any]
-    data_dir: str
-    run_dir: str
+    data_dir: str  # the prepared data as staged on the run storage (pipeline.storage.stage_prepared)
+    manifest: dict[str, Any]  # the manifest the driver saw: each worker checks its copy against it
+    run_dir: str  # the Ray run directory on the run storage (a path or a URI): the worker's status goes there
     use_gpu: bool
-    tracking_uri: str | None = None
-    mlflow_run_id: str | None = None
     fault: str | None = None
     quiet: bool = False  # no per-epoch progress lines (sweep trials: the driver prints them)
     resume_dir: str | None = None  # a checkpoint to start from when Ray knows none (see recover_run_snapshot)
-
-
-def _write_status(run_dir: str, status: dict[str, Any]) -> None:
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    Path(run_dir, STATUS_FILE).write_text(json.dumps(status))
 
 
 def _progress(line: str) -> None:
@@ -99,7 +94,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(params.ray.cpus_per_worker)))
     device = ray.train.torch.get_device() if spec.use_gpu else torch.device("cpu")
-    data = load_prepared(Path(spec.data_dir), verify=False)
+    data = fetch_prepared(spec.data_dir, spec.manifest)  # the copy the driver staged, or a clear error
     loop = PretrainLoop(params, data, device, rank=rank, world_size=world)
     workers = _placement(rank, world, device)
 
@@ -124,11 +119,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 knn = f" knn {m.knn_acc:.4f}" if m.knn_acc is not None else ""
                 _progress(f"[pretrain] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
                           f"eps {m.view_noise:.4f} {m.samples_per_s:,.0f} samples/s")
-            if spec.mlflow_run_id:
-                from pipeline.tracking import log_epoch
-
-                log_epoch(spec.tracking_uri, spec.mlflow_run_id, {k: v for k, v in metrics.items()
-                                                                 if k not in ("epoch", "ended_at")}, step=m.epoch)
         if checkpoint_now and rank == 0:
             # uploaded to storage in the background while training goes on; Ray deletes the temp dir after
             # (synchronously before an injected crash, so that the test knows which checkpoint exists)
@@ -146,7 +136,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         loop.fit(report, crash_at_epoch=crash_at)
     except NonFiniteLossError as exc:  # every rank sees the same all-reduced loss and stops alike
         if rank == 0:
-            _write_status(spec.run_dir, {"error": "non_finite", "message": str(exc), "epoch": loop.epoch})
+            write_status(spec.run_dir, {"error": "non_finite", "message": str(exc), "epoch": loop.epoch})
         return
 
 
@@ -193,9 +183,10 @@ def run_name(params: Params, manifest: dict[str, Any]) -> str:
     return f"pretrain-{digest}"
 
 
-def _storage(params: Params, root: Path) -> str:
+def storage_location(params: Params, root: Path) -> str:
+    """``ray.storage_path`` as Ray wants it: a URI as is, a path made absolute against the project root."""
     path = params.ray.storage_path
-    return path if "://" in path else str((root / path).resolve())
+    return path if is_uri(path) else str((root / path).resolve())
 
 
 @dataclass
@@ -207,18 +198,12 @@ class PretrainResult:
     n_classes: int
 
 
-def _init_ray(params: Params) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = params.ray.address or os.environ.get("RAY_ADDRESS") or None
-    ray.init(address=address, log_to_driver=True, configure_logging=False)
-
-
 def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = True) -> PretrainResult:
-    """Run (or resume) distributed pretraining; returns the final state. Raises PretrainError on failure."""
-    import mlflow
+    """Run (or resume) distributed pretraining; returns the final state.
+
+    Raises :class:`ParamsError` (a request the cluster can never satisfy), :class:`ClusterError` (unreachable
+    cluster, resources never free), :class:`PretrainError` (training failed or diverged).
+    """
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -230,35 +215,23 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
         raise ParamsError(f"train.batch_size ({params.train.batch_size}) exceeds the training set "
                           f"({len(data.train.y)} samples in {data_dir}); lower it or prepare more data")
     name = run_name(params, manifest)
-    storage = _storage(params, root)
-    run_dir = os.path.join(storage, name) if "://" not in storage else None
-    status_dir = run_dir or str(root / ".transfusion" / name)
-    status_path = Path(status_dir, STATUS_FILE)
-    if status_path.exists():
-        status_path.unlink()
-
-    uri = run_id = None
+    storage = storage_location(params, root)
+    run_dir = join(storage, name)
+    state_dir = root / ".transfusion" / name  # the driver's own state (the MLflow run id)
+    clear_status(run_dir)
+    uri = None
     if tracking:
         uri = trk.tracking_uri(root)
-        trk.check_reachable(uri)
-        exp = trk.experiment_id(uri, root)
-        id_file = Path(status_dir, "mlflow_run_id")
-        if id_file.exists():  # resuming: continue the same MLflow run
-            run_id = id_file.read_text().strip()
-        else:
-            mlflow.set_tracking_uri(uri)
-            run = mlflow.MlflowClient(uri).create_run(exp, run_name=name, tags=trk.stage_tags("pretrain", root))
-            run_id = run.info.run_id
-            mlflow.MlflowClient(uri).log_batch(run_id, params=[
-                mlflow.entities.Param(k, v) for k, v in trk.flat_params(flatten(params)).items()])
-            Path(status_dir).mkdir(parents=True, exist_ok=True)
-            id_file.write_text(run_id)
+        trk.check_reachable(uri)  # before Ray: an unreachable or corrupt store fails in a second
 
-    use_gpu = wants_gpu(params)
-    spec = WorkerSpec(params=params.model_dump(), data_dir=str(data_dir.resolve()), run_dir=status_dir,
-                      use_gpu=use_gpu, tracking_uri=uri, mlflow_run_id=run_id,
-                      fault=os.environ.get(FAULT_ENV), resume_dir=recover_run_snapshot(run_dir))
-    _init_ray(params)
+    init_ray(params)
+    gpu = use_gpu(params, cluster_gpus())
+    check_request(params, gpu=gpu)
+    wait_for_workers(params, gpu=gpu)
+    run_id = _mlflow_run(params, root, name, uri, state_dir) if uri else None
+    spec = WorkerSpec(params=params.model_dump(), data_dir=stage_prepared(data_dir, storage), manifest=manifest,
+                      run_dir=run_dir, use_gpu=gpu, fault=os.environ.get(FAULT_ENV),
+                      resume_dir=recover_run_snapshot(None if is_uri(run_dir) else run_dir))
     # the controller collects each report when it polls (default every 2 s) and a worker's next report
     # waits for that: with short epochs that idles the workers, so poll faster (propagated by Ray Train)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
@@ -266,38 +239,71 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
         train_loop_per_worker,
         train_loop_config=asdict(spec),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=params.ray.num_workers, use_gpu=use_gpu,
+            num_workers=params.ray.num_workers, use_gpu=gpu,
             resources_per_worker={"CPU": params.ray.cpus_per_worker},
         ),
         run_config=ray.train.RunConfig(
             name=name, storage_path=storage,
             failure_config=ray.train.FailureConfig(max_failures=params.ray.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            callbacks=[trk.epoch_logger(uri, run_id)] if run_id else [],
         ),
     )
-    system = None
-    if tracking:
-        system = _SystemMetrics(uri, run_id)
+    system = _SystemMetrics(uri, run_id) if run_id else None
     try:
         result = trainer.fit()
     except Exception as exc:
         _end_run(uri, run_id, "FAILED")
-        raise PretrainError(f"pretraining failed: {exc}; rerun the stage to resume from the last checkpoint "
-                            f"in {storage}/{name}") from exc
+        raise PretrainError(f"pretraining failed: {failure_message(exc)}; rerun the stage to resume from the last "
+                            f"checkpoint in {run_dir}") from exc
     finally:
         if system:
             system.stop()
-    if status_path.exists():
-        status = json.loads(status_path.read_text())
+    status = read_status(run_dir)
+    if status:
         _end_run(uri, run_id, "FAILED")
         raise PretrainError(f"pretraining stopped: {status['message']}; the last good checkpoint is kept in "
-                            f"{storage}/{name} (lower train.lr, or check the data for NaN)")
+                            f"{run_dir} (lower train.lr, or check the data for NaN)")
     if result.checkpoint is None:
         raise PretrainError("pretraining finished without a checkpoint")
     with result.checkpoint.as_directory() as d:
         state = load_torch(Path(d) / STATE_FILE)
     return PretrainResult(state=state, run_name=name, mlflow_run_id=run_id, input_shape=data.input_shape,
                           n_classes=len(data.classes))
+
+
+def _mlflow_run(params: Params, root: Path, name: str, uri: str, state_dir: Path) -> str:
+    """The pretraining run's MLflow run: created once, continued when the Ray run resumes."""
+    from pipeline import tracking as trk
+
+    id_file = state_dir / "mlflow_run_id"
+    if id_file.exists():
+        return id_file.read_text().strip()
+    run_id = trk.create_run(uri, root, name, trk.stage_tags("pretrain", root), flatten(params))
+    state_dir.mkdir(parents=True, exist_ok=True)
+    id_file.write_text(run_id)
+    return run_id
+
+
+def failure_message(exc: BaseException) -> str:
+    """One paragraph from Ray Train's failure: each failed rank's own error, not Ray's wrapping and traceback."""
+    failures = getattr(exc, "worker_failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {rank}: {_root_message(e)}" for rank, e in sorted(failures.items()))
+    cause = getattr(exc, "controller_failure", None)
+    return _root_message(cause if cause is not None else exc)
+
+
+def _root_message(exc: BaseException) -> str:
+    """The innermost error's message, on one line, without Ray's traceback text."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    inner = getattr(exc, "cause", None)  # RayTaskError keeps the user's exception here
+    if isinstance(inner, BaseException):
+        exc = inner
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    text = lines[-1] if lines else type(exc).__name__
+    return text if len(text) < 2000 else text[:2000] + "..."
 
 
 def _end_run(uri: str | None, run_id: str | None, status: str) -> None:
@@ -331,7 +337,7 @@ class _SystemMetrics:
 
 def cleanup_run(params: Params, root: Path, name: str) -> None:
     """Forget a finished run so a forced rerun trains afresh (Ray would return the old result)."""
-    storage = _storage(params, root)
-    if "://" not in storage:
+    storage = storage_location(params, root)
+    if not is_uri(storage):
         shutil.rmtree(os.path.join(storage, name), ignore_errors=True)
     shutil.rmtree(root / ".transfusion" / name, ignore_errors=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from pipeline.cluster import ClusterError
 from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
 from pipeline.io import atomic_dir, save_torch, write_json, write_text
@@ -76,7 +77,7 @@ def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
               show_default=True, help="Prepared data (output of `prepare`).")
 @click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
-@runtime_errors(DatasetError, PretrainError, TrackingError)
+@runtime_errors(DatasetError, PretrainError, TrackingError, ClusterError)
 def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Pretrain TransFusion on the prepared data with Ray Train (resumes an interrupted run)."""
     check_weights(params)

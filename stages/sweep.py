@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from pipeline.cluster import ClusterError
 from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
 from pipeline.io import atomic_dir, write_json, write_text
@@ -72,7 +73,7 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
               show_default=True)
 @click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
-@runtime_errors(DatasetError, TrackingError, ValueError)
+@runtime_errors(DatasetError, TrackingError, ClusterError, ValueError)
 def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Sweep depth, batch size and augmentation strength with Ray Tune (each trial a Ray Train run)."""
     from pipeline.datasets import load_prepared

@@ -1,0 +1,123 @@
+"""The Ray cluster as the stages meet it: connect (bounded), what it has, and fail fast when it cannot serve a run.
+
+- :func:`init_ray` connects to ``ray.address`` / ``RAY_ADDRESS`` (or starts a local Ray). An address that does not
+  answer is retried for ``ray.connect_timeout_s`` and then ends in a one-paragraph :class:`ClusterError` (exit 1),
+  instead of Ray's own retries for minutes.
+- :func:`use_gpu` decides GPU training from the *cluster's* resources (workers may have GPUs the driver lacks).
+- :func:`check_request` refuses (exit 2, :class:`ParamsError`) a request the cluster can never satisfy, even at the
+  largest size its autoscaler can reach, naming what was asked and what exists (``pipeline.resources``).
+- :func:`wait_for_workers` reserves the workers' resources (a placement group) for at most
+  ``ray.resources_timeout_s``: a busy cluster ends in a :class:`ClusterError` naming the wait, never a silent hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+from pipeline.config import Params, ParamsError
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster cannot be reached, or cannot give the resources in time; the message says what to do."""
+
+
+def address_of(params: Params) -> str | None:
+    return params.ray.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``host:port`` of an explicit address (``ray://h:p``, ``h:p``); None for ``auto``/``local``."""
+    if address in ("auto", "local"):
+        return None
+    parts = urlsplit(address if "://" in address else f"gcs://{address}")
+    if parts.hostname is None or parts.port is None:
+        return None
+    return parts.hostname, parts.port
+
+
+def _probe(host: str, port: int, timeout: float) -> None:
+    """Wait until ``host:port`` accepts a TCP connection, for at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, max(0.1, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise ClusterError(
+                    f"cannot reach the Ray cluster at {host}:{port} ({exc.strerror or exc}) after {timeout:g} s "
+                    "(ray.connect_timeout_s); start the cluster (`ray start --head`), fix ray.address / RAY_ADDRESS, "
+                    "or unset them to run on a local Ray") from None
+            time.sleep(0.5)
+
+
+def init_ray(params: Params) -> None:
+    """Connect to the configured cluster, or start a local Ray; bounded by ``ray.connect_timeout_s``."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address_of(params)
+    if address:
+        target = _host_port(address)
+        if target:
+            _probe(*target, params.ray.connect_timeout_s)
+    try:
+        ray.init(address=address, log_to_driver=True, configure_logging=False)
+    except ConnectionError as exc:  # e.g. "auto" with no cluster running
+        raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {str(exc).splitlines()[0]}; start "
+                           "it, or unset ray.address / RAY_ADDRESS to run on a local Ray") from None
+
+
+def cluster_gpus() -> float:
+    """GPUs the cluster has now or can reach (autoscaler); 0 on a CPU-only cluster."""
+    from pipeline.resources import cluster_from_ray
+
+    return sum(n.resources.get("GPU", 0.0) * n.max_count for n in cluster_from_ray())
+
+
+def use_gpu(params: Params, gpus: float) -> bool:
+    """Train on GPUs when asked (``ray.use_gpu``, ``train.device: cuda``), or when the cluster has GPUs and
+    ``train.device: auto``. Decided from the cluster, not from the driver's node."""
+    if params.train.device == "cpu":
+        return False
+    return params.ray.use_gpu or params.train.device == "cuda" or gpus > 0
+
+
+def check_request(params: Params, *, gpu: bool, cpus_per_worker: float | None = None, trial_cpu: float = 0.0,
+                  what: str = "pretraining") -> None:
+    """Raise :class:`ParamsError` if ``ray.num_workers`` workers (plus a trial's own bundle) can never fit."""
+    from pipeline.resources import cluster_from_ray, infeasible
+
+    reason = infeasible(cluster_from_ray(), num_workers=params.ray.num_workers,
+                        cpus_per_worker=cpus_per_worker or params.ray.cpus_per_worker, gpu=gpu,
+                        trial_cpu=trial_cpu, what=what)
+    if reason:
+        raise ParamsError(reason)
+
+
+def wait_for_workers(params: Params, *, gpu: bool) -> None:
+    """Reserve the workers' bundles for at most ``ray.resources_timeout_s``, then release them for Ray Train.
+
+    Ray Train V2 waits for a worker group's resources and retries the wait forever; this puts a bound on it.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle: dict[str, Any] = {"CPU": params.ray.cpus_per_worker, **({"GPU": 1} if gpu else {})}
+    group = placement_group([bundle] * params.ray.num_workers, strategy="PACK")
+    timeout = params.ray.resources_timeout_s
+    try:
+        if not group.wait(timeout_seconds=timeout):
+            free = ray.available_resources()
+            have = ", ".join(f"{free.get(k, 0):g} {k}" for k in ("CPU", "GPU"))
+            raise ClusterError(
+                f"waited {timeout:g} s (ray.resources_timeout_s) for {params.ray.num_workers} worker(s) of {bundle} "
+                f"(ray.num_workers, ray.cpus_per_worker, ray.use_gpu) and the cluster never had them free (free now: "
+                f"{have}); wait for other jobs to finish, raise ray.resources_timeout_s, or ask for fewer resources")
+    finally:
+        remove_placement_group(group)
