@@ -7,7 +7,8 @@ per-epoch metrics (online kNN accuracy, loss, measured view noise ε) to Tune, a
 hopeless trials early.
 
 Resources: a trial's function holds ``TRIAL_CPU`` and its workers ``ray.num_workers × sweep.cpus_per_worker``;
-``max_concurrent_trials`` follows from the cluster's CPUs unless ``sweep.max_concurrent_trials`` is set
+``max_concurrent_trials`` follows from packing trials onto the cluster's nodes (CPUs and GPUs, at the largest size its
+autoscaler can reach) unless ``sweep.max_concurrent_trials`` is set
 (two 1-CPU workers under a 1-CPU trial never start on 2 cores).
 
 Tracking and progress come from one driver-side Tune callback (:class:`SweepTracker`): a progress line per
@@ -35,10 +36,13 @@ from ray import tune
 
 from pipeline.cluster import check_request, cluster_gpus, init_ray, use_gpu
 from pipeline.config import Params, ParamsError, flatten, validate_params
+from pipeline.resources import NodeType, TrialShape, cluster_from_ray, trials_at_once
 from pipeline.storage import is_uri, join, stage_prepared
 from pipeline.train import (
+    FAULT_ENV,
     HISTORY_FILE,
     WorkerSpec,
+    read_status,
     recover_run_snapshot,
     storage_location,
     train_loop_per_worker,
@@ -76,13 +80,14 @@ def grid_points(params: Params) -> list[dict[str, Any]]:
     return [dict(zip(a, combo, strict=True)) for combo in itertools.product(*a.values())]
 
 
-def trial_params(base: dict[str, Any], point: dict[str, Any]) -> Params:
-    """The base params with one point of the space applied (validated: e.g. batch vs workers)."""
+def trial_params(base: dict[str, Any], point: dict[str, Any], source: str | None = None) -> Params:
+    """The base params with one point of the space applied (validated: e.g. batch vs workers); errors name
+    ``source`` (default: the sweep point)."""
     raw = json.loads(json.dumps(base))
     for dotted, value in point.items():
         section, key = dotted.split(".")
         raw[section][key] = value
-    return validate_params(raw, source=f"sweep point {point}")
+    return validate_params(raw, source=source or f"sweep point {point}")
 
 
 def base_params(params: Params) -> dict[str, Any]:
@@ -112,7 +117,7 @@ def point_of(config: dict[str, Any]) -> dict[str, Any]:
 
 def describe(point: dict[str, Any]) -> str:
     """``"depth 1, batch_size 32, strength 0.5"`` for progress lines."""
-    return ", ".join(f"{k.split('.')[1]} {v}" for k, v in point.items())
+    return ", ".join(f"{k.split('.')[-1]} {v}" for k, v in point.items())
 
 
 def sweep_name(params: Params, manifest: dict[str, Any]) -> str:
@@ -123,38 +128,63 @@ def sweep_name(params: Params, manifest: dict[str, Any]) -> str:
         section, key = dotted.split(".")
         keyed[section].pop(key, None)
     keyed["ray"] = {"num_workers": params.ray.num_workers}
-    keyed["data"] = {n: f["sha256"] for n, f in sorted(manifest["files"].items())}
-    return "sweep-" + hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+    return stable_name("sweep", keyed, manifest)
 
 
-def max_concurrent(params: Params, cluster_cpus: float) -> int:
-    """``sweep.max_concurrent_trials`` if set, else as many trials as the cluster's CPUs hold (at least 1)."""
+def stable_name(prefix: str, keyed: dict[str, Any], manifest: dict[str, Any]) -> str:
+    """``<prefix>-<digest>`` of ``keyed`` (what determines a job's result) and the data's file digests."""
+    keyed = {**keyed, "data": {n: f["sha256"] for n, f in sorted(manifest["files"].items())}}
+    return f"{prefix}-" + hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def max_concurrent(params: Params, nodes: list[NodeType], gpu: bool, n_trials: int) -> int:
+    """``sweep.max_concurrent_trials`` if set, else as many trials as the cluster holds at the largest size its
+    autoscaler can reach, packing each trial's bundles (its own ``TRIAL_CPU``, ``ray.num_workers`` workers of
+    ``sweep.cpus_per_worker`` CPUs and a GPU each when training on GPUs) onto the nodes: the minimum over CPUs and
+    GPUs, never more than the trials there are, at least 1 (Tune queues the rest while the cluster scales up)."""
     if params.sweep.max_concurrent_trials is not None:
         return params.sweep.max_concurrent_trials
-    per_trial = TRIAL_CPU + params.ray.num_workers * params.sweep.cpus_per_worker
-    return max(1, int(cluster_cpus // per_trial))
+    shape = TrialShape(params.ray.num_workers, params.sweep.cpus_per_worker, gpu, TRIAL_CPU)
+    return max(1, trials_at_once(nodes, shape, cap=max(1, n_trials)))
 
 
 # ------------------------------------------------------------------------------------------------- trial
-def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
-    """One Tune trial: a Ray Train run of the pretraining loop on this point of the space.
+class TrialFailed(RuntimeError):
+    """A trial's training ended with an error its worker reported (e.g. a non-finite loss): the message is the
+    one-line reason. Raised from the trial function, so that Tune marks the trial ERROR (MLflow: FAILED)."""
 
-    ``config`` holds the point (``{"model.depth": 1, ...}``); ``fixed`` what every trial shares.
+
+@dataclass
+class TrialRun:
+    result: Any  # the Ray Train ``Result`` (``.checkpoint`` holds the final state)
+    seconds: float  # wall time of the Train run: what its workers (and their GPUs) were held for
+
+
+def trial_fault(spec: str | None, labels: dict[str, Any]) -> str | None:
+    """The fault to inject into this trial (tests): ``TRANSFUSION_FAULT`` (read on the driver) is ``KIND@EPOCH`` for
+    every trial, or ``KIND@EPOCH:key=value,...`` for the trials whose labels (point, row) match every key=value."""
+    if not spec:
+        return None
+    fault, _, where = spec.partition(":")
+    wanted = dict(part.split("=", 1) for part in where.split(",") if "=" in part)
+    return fault if all(str(labels.get(k)) == v for k, v in wanted.items()) else None
+
+
+def fit_trial(params: Params, fixed: dict[str, Any], trial_id: str, fault: str | None = None) -> TrialRun:
+    """Inside a Tune trial: a Ray Train run (``trial-<trial_id>`` on the storage) of the pretraining loop on
+    ``params``, its rank-0 metrics passed to Tune per epoch. Raises :class:`TrialFailed` with the reason when the
+    worker left an error status (a diverged run returns normally from ``fit``, so the status is the only record).
+
+    ``fixed``: what every trial of the job shares (staged data, manifest, storage, use_gpu).
     """
     import ray.train
     from ray.train.torch import TorchTrainer
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    point = point_of(config)
-    params = trial_params(fixed["base"], point)
-    trial_id = tune.get_context().get_trial_id()
-    if fixed.get("count_file"):
-        with open(fixed["count_file"], "a") as f:
-            f.write(f"{trial_id} {json.dumps(point, sort_keys=True)}\n")
     storage = fixed["storage"]
-    run_dir = join(storage, f"trial-{trial_id}")
+    run_dir = f"{storage.rstrip('/')}/trial-{trial_id}"
     spec = WorkerSpec(params=params.model_dump(), data_dir=fixed["data"], manifest=fixed["manifest"], run_dir=run_dir,
-                      use_gpu=fixed["use_gpu"], quiet=True,
+                      use_gpu=fixed["use_gpu"], fault=fault, quiet=True,
                       resume_dir=recover_run_snapshot(None if is_uri(storage) else run_dir))
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -168,7 +198,67 @@ def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
         ),
     )
-    trainer.fit()
+    start = time.time()
+    result = trainer.fit()
+    seconds = time.time() - start
+    status = read_status(run_dir)  # kept with the run: a restored trial whose run had diverged fails again
+    if status:
+        reason = " ".join(str(status.get("message") or status).split())
+        if status.get("error"):
+            reason = f"{status['error']}: {reason}"
+        if status.get("epoch") is not None:
+            reason += f" (last good epoch {status['epoch']})"
+        raise TrialFailed(reason)
+    return TrialRun(result=result, seconds=seconds)
+
+
+def log_trial_start(fixed: dict[str, Any], trial_id: str, labels: dict[str, Any]) -> None:
+    """Tests: each trial start appends ``<trial id> <labels>`` to ``fixed["count_file"]``."""
+    if fixed.get("count_file"):
+        with open(fixed["count_file"], "a") as f:
+            f.write(f"{trial_id} {json.dumps(labels, sort_keys=True)}\n")
+
+
+def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
+    """One Tune trial: a Ray Train run of the pretraining loop on this point of the space.
+
+    ``config`` holds the point (``{"model.depth": 1, ...}``); ``fixed`` what every trial shares.
+    """
+    point = point_of(config)
+    trial_id = tune.get_context().get_trial_id()
+    log_trial_start(fixed, trial_id, point)
+    fit_trial(trial_params(fixed["base"], point), fixed, trial_id, trial_fault(fixed.get("fault"), point))
+
+
+def error_reason(error: BaseException | None) -> str:
+    """One line saying why a trial failed: a :class:`TrialFailed`'s message, else the innermost error's first line
+    (Ray wraps the trial's exception: ``RayTaskError.cause``, ``__cause__``)."""
+    if error is None:
+        return ""
+    seen, chain = error, []
+    while isinstance(seen, BaseException) and len(chain) < 8:
+        if type(seen) is TrialFailed:
+            return " ".join(str(seen).split())[:500]
+        chain.append(seen)
+        seen = getattr(seen, "cause", None) or seen.__cause__
+    last = chain[-1]
+    lines = [ln.strip() for ln in str(last).splitlines() if ln.strip()]
+    return f"{type(last).__name__}: {lines[0] if lines else ''}"[:500]
+
+
+def _trial_error(trial) -> BaseException | None:
+    """The error Tune recorded for a trial: its pickle in the trial's local directory (written before the callbacks
+    run; the copy on the storage comes later), else the storage's."""
+    import cloudpickle
+
+    path = trial.pickled_error_file
+    try:
+        if path and os.path.exists(path):
+            with open(path, "rb") as f:
+                return cloudpickle.load(f)
+        return trial.get_pickled_error()
+    except Exception:  # an error that cannot be unpickled here: the reason falls back to Tune's text
+        return RuntimeError(Path(trial.error_file).read_text() if trial.error_file else "unknown error")
 
 
 # ------------------------------------------------------------------------------------ progress, tracking
@@ -183,10 +273,22 @@ class SweepTracker(tune.Callback):
     MLflow (when ``uri``): ``parent_id`` is the sweep's run; each trial gets a child run (tags
     ``mlflow.parentRunId``, ``trial_id``; params = its point) found again by those tags when a restored sweep
     restarts the trial; per-epoch metrics are logged with step = epoch; the child ends FINISHED (tag
-    ``stopped_early`` when ASHA cut it) or FAILED.
+    ``stopped_early`` when ASHA cut it) or FAILED (tag ``error``: the one-line reason).
+
+    Other Tune jobs of Train trials (``pipeline.tables``) subclass it: ``PREFIX`` of the progress lines, ``STAGE``
+    tag of the children, :meth:`labels` (what identifies a trial: its params in MLflow).
     """
 
     METRICS = ("loss", "knn_acc", "view_noise", "samples_per_s", "lr")
+    PREFIX = "[sweep]"
+    STAGE = "sweep-trial"
+
+    def labels(self, config: dict[str, Any]) -> dict[str, Any]:
+        """What identifies a trial (its MLflow params, its progress line): the sweep's point."""
+        return point_of(config)
+
+    def epochs_of(self, trial) -> int:
+        return self.epochs
 
     def __init__(self, epochs: int, uri: str | None = None, experiment_id: str | None = None,
                  parent_id: str | None = None) -> None:
@@ -219,10 +321,11 @@ class SweepTracker(tune.Callback):
             else:
                 from mlflow.entities import Param
 
-                tags = {"mlflow.parentRunId": self.parent_id, "stage": "sweep-trial", "trial_id": tid}
+                tags = {"mlflow.parentRunId": self.parent_id, "stage": self.STAGE, "trial_id": tid}
                 run = client.create_run(self.experiment_id, run_name=f"trial-{tid}", tags=tags)
                 self.children[tid] = run.info.run_id
-                client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in point_of(trial.config).items()])
+                params = [Param(k, str(v)[:6000]) for k, v in self.labels(trial.config).items()]
+                client.log_batch(run.info.run_id, params=params)
         return self.children[tid]
 
     def _done(self, trials) -> str:
@@ -244,14 +347,16 @@ class SweepTracker(tune.Callback):
         return ids + ["(not started)"] * max(0, self.total - len(self.status))
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
-        _say(f"[sweep] {self._done(trials)} done; trial {trial.trial_id} started: {describe(point_of(trial.config))}")
+        _say(f"{self.PREFIX} {self._done(trials)} done; trial {trial.trial_id} started: "
+             f"{describe(self.labels(trial.config))}")
         self._child(trial)
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         epoch = int(result.get("epoch", 0))
         self.last_epoch[trial.trial_id] = epoch
         knn = result.get("knn_acc")
-        _say(f"[sweep] trial {trial.trial_id} epoch {epoch}/{self.epochs}: loss {result.get('loss', math.nan):.4f}"
+        _say(f"{self.PREFIX} trial {trial.trial_id} epoch {epoch}/{self.epochs_of(trial)}: "
+             f"loss {result.get('loss', math.nan):.4f}"
              + (f" knn {knn:.4f}" if knn is not None else "")
              + f" eps {result.get('view_noise', math.nan):.4f}")
         child = self._child(trial)
@@ -269,9 +374,10 @@ class SweepTracker(tune.Callback):
 
     def _end(self, trials, trial, status: str) -> None:
         epoch = self.last_epoch.get(trial.trial_id, 0)
-        early = status == "FINISHED" and epoch < self.epochs
-        what = "failed" if status == "FAILED" else f"stopped early at epoch {epoch}" if early else "finished"
-        _say(f"[sweep] trial {trial.trial_id} {what} ({self._done(trials)} done)")
+        early = status == "FINISHED" and epoch < self.epochs_of(trial)
+        reason = error_reason(_trial_error(trial)) if status == "FAILED" else ""
+        what = f"failed: {reason}" if status == "FAILED" else f"stopped early at epoch {epoch}" if early else "finished"
+        _say(f"{self.PREFIX} trial {trial.trial_id} {what} ({self._done(trials)} done)")
         child = self._child(trial)
         if child:
             client = self._client()
@@ -281,6 +387,8 @@ class SweepTracker(tune.Callback):
             logged = {m.step for m in client.get_metric_history(child, "loss")}
             self._log_epochs(child, [h for h in history if int(h["epoch"]) not in logged])
             client.set_tag(child, "stopped_early", str(early))
+            if reason:
+                client.set_tag(child, "error", reason)
             client.set_terminated(child, status)
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
@@ -306,8 +414,10 @@ class SweepResult:
     resumed: bool = False
 
 
-def _parent_run(params: Params, root: Path, name: str) -> tuple[str, str, str]:
-    """(uri, experiment id, parent run id): the sweep's MLflow run, created once and found again on resume."""
+def _parent_run(params: Params, root: Path, name: str, stage: str = "sweep",
+                logged: dict[str, Any] | None = None) -> tuple[str, str, str]:
+    """(uri, experiment id, parent run id): the job's MLflow run (tags ``stage``, ``<stage>: name``; params
+    ``logged``, by default the sweep's), created once and found again on resume."""
     import mlflow
     from mlflow.entities import Param
 
@@ -322,10 +432,11 @@ def _parent_run(params: Params, root: Path, name: str) -> tuple[str, str, str]:
         run_id = id_file.read_text().strip()
         client.update_run(run_id, status="RUNNING")
         return uri, exp, run_id
-    run = client.create_run(exp, run_name=name, tags={**trk.stage_tags("sweep", root), "sweep": name})
-    flat = {**flatten(params.sweep, "sweep."),
-            **{k: v for k, v in flatten(base_params(params)).items() if k.split(".")[0] in ("model", "loss", "augment",
-                                                                                            "train")}}
+    run = client.create_run(exp, run_name=name, tags={**trk.stage_tags(stage, root), stage: name})
+    flat = logged if logged is not None else {
+        **flatten(params.sweep, "sweep."),
+        **{k: v for k, v in flatten(base_params(params)).items() if k.split(".")[0] in ("model", "loss", "augment",
+                                                                                        "train")}}
     client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in trk.flat_params(flat).items()])
     id_file.parent.mkdir(parents=True, exist_ok=True)
     id_file.write_text(run.info.run_id)
@@ -349,9 +460,11 @@ def _checkpoint_history(checkpoint_path: Any) -> list[dict[str, Any]] | None:
         return None
 
 
-def _rows(grid, epochs: int) -> list[dict[str, Any]]:
-    """One row per trial. The history comes from the trial's last checkpoint, which holds every epoch also across
-    a resume (Tune's own table of a restored trial starts at the resumed epoch), else from Tune's results."""
+def _rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
+    """One row per trial (``labels(config)``: the columns that identify it; ``error``: why it failed, or "").
+
+    The history comes from the trial's last checkpoint, which holds every epoch also across a resume (Tune's own
+    table of a restored trial starts at the resumed epoch), else from Tune's results."""
     keep = ("epoch", *SweepTracker.METRICS, "seconds")
     rows = []
     for result in grid:
@@ -368,7 +481,7 @@ def _rows(grid, epochs: int) -> list[dict[str, Any]]:
         knn = [h["knn_acc"] for h in history if isinstance(h.get("knn_acc"), float) and not math.isnan(h["knn_acc"])]
         rows.append({
             "trial_id": Path(result.path).name.removeprefix("trial-"),
-            **point_of(result.config),
+            **labels(result.config),
             "view_noise": float(last.get("view_noise", math.nan)),
             "knn_acc": float(last.get("knn_acc", math.nan)),
             "best_knn_acc": max(knn, default=math.nan),
@@ -377,15 +490,61 @@ def _rows(grid, epochs: int) -> list[dict[str, Any]]:
             "stopped_early": bool(history) and result.error is None and epoch < epochs,
             "seconds": float(sum(h.get("seconds", 0.0) for h in history)),
             "status": "ERROR" if result.error else "TERMINATED",
+            "error": error_reason(result.error),
             "history": history,
         })
     return rows
 
 
+def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, tracker: SweepTracker, concurrent: int,
+             announce: str, what: str = "sweep", scheduler=None, num_samples: int = 1):
+    """Run, or resume, one Tune job of Train trials (the sweep, the paper's tables) under ``<storage>/<name>``.
+
+    Returns ``(ResultGrid, resumed, seconds)``. Raises :class:`SweepError` (the parent run KILLED, unfinished
+    children KILLED) if the job was interrupted, and (the parent FAILED) if every trial failed.
+    """
+    path = join(storage, name)
+    resumed = tune.Tuner.can_restore(path)
+    if resumed:
+        _say(f"{tracker.PREFIX} resuming {path}")
+        tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True, param_space=space)
+        # the restored run config holds an unpickled copy of the first run's tracker: use this run's instead
+        tuner._local_tuner.get_run_config().callbacks = [tracker]
+    else:
+        _say(announce)
+        tuner = tune.Tuner(
+            trainable,
+            param_space=space,
+            tune_config=tune.TuneConfig(metric="knn_acc", mode="max", scheduler=scheduler, num_samples=num_samples,
+                                        max_concurrent_trials=concurrent,
+                                        trial_dirname_creator=lambda t: f"trial-{t.trial_id}"),
+            run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0, callbacks=[tracker]),
+        )
+    start = time.time()
+    grid = tuner.fit()
+    unfinished = tracker.unfinished()
+    if unfinished or not tracker.status:
+        tracker.kill_unfinished()
+        _end_parent(tracker, "KILLED")
+        total = max(tracker.total, len(tracker.status))
+        raise SweepError(f"the {what} was interrupted with {len(unfinished)} of {total} trials unfinished; rerun "
+                         f"the stage to resume it from {path}")
+    if all(r.error for r in grid):
+        _end_parent(tracker, "FAILED")
+        raise SweepError(f"every trial of the {what} failed: " + "; ".join(error_reason(r.error) for r in grid)[:2000])
+    return grid, resumed, time.time() - start
+
+
+def _end_parent(tracker: SweepTracker, status: str) -> None:
+    if tracker.uri and tracker.parent_id:
+        import mlflow
+
+        mlflow.MlflowClient(tracker.uri).set_terminated(tracker.parent_id, status)
+
+
 def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = True,
               count_file: str | None = None) -> SweepResult:
     """Run (or resume) the sweep. Raises :class:`SweepError` if it was interrupted or every trial failed."""
-    import ray
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     manifest = json.loads((data_dir / "manifest.json").read_text())
@@ -403,6 +562,7 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     fixed = {"base": base, "data": stage_prepared(data_dir, storage), "manifest": manifest, "storage": storage,
              "use_gpu": gpu, "count_file": count_file or os.environ.get(COUNT_ENV)}
+    fixed["fault"] = os.environ.get(FAULT_ENV)  # tests; read here: trials run in Ray's processes, not the driver's
     sample = tune.grid_search if s.search == "grid" else tune.choice
     space = {k: sample(v) for k, v in axes(params).items()}
     samples = 1 if s.search == "grid" else s.num_samples
@@ -410,47 +570,14 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
                                reduction_factor=2) if s.asha else FIFOScheduler())
     trainable = tune.with_resources(tune.with_parameters(_trial, fixed=fixed), {"CPU": TRIAL_CPU})
     tracker = SweepTracker(s.epochs, uri, exp, parent)
-    path = os.path.join(storage, name)
-    concurrent = max_concurrent(params, ray.cluster_resources().get("CPU", 1.0))
-    resumed = tune.Tuner.can_restore(path)
-    if resumed:
-        _say(f"[sweep] resuming {path}")
-        tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True, param_space=space)
-        # the restored run config holds an unpickled copy of the first run's tracker: use this run's instead
-        tuner._local_tuner.get_run_config().callbacks = [tracker]
-    else:
-        n = len(grid_points(params)) if s.search == "grid" else samples
-        _say(f"[sweep] {name}: {n} trials ({s.search}), {s.epochs} epochs each, up to {concurrent} at a time"
-             + (", ASHA early stopping" if s.asha else ""))
-        tuner = tune.Tuner(
-            trainable,
-            param_space=space,
-            tune_config=tune.TuneConfig(metric="knn_acc", mode="max", scheduler=scheduler, num_samples=samples,
-                                        max_concurrent_trials=concurrent,
-                                        trial_dirname_creator=lambda t: f"trial-{t.trial_id}"),
-            run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0, callbacks=[tracker]),
-        )
-    start = time.time()
-    grid = tuner.fit()
-    unfinished = tracker.unfinished()
-    if unfinished or not tracker.status:
-        tracker.kill_unfinished()
-        if uri:
-            import mlflow
-
-            mlflow.MlflowClient(uri).set_terminated(parent, "KILLED")
-        total = max(tracker.total, len(tracker.status))
-        raise SweepError(f"the sweep was interrupted with {len(unfinished)} of {total} trials unfinished; rerun the "
-                         f"stage to resume it from {path}")
+    n = len(grid_points(params)) if s.search == "grid" else samples
+    concurrent = max_concurrent(params, cluster_from_ray(), gpu, n)
+    announce = (f"[sweep] {name}: {n} trials ({s.search}), {s.epochs} epochs each, up to {concurrent} at a time"
+                + (", ASHA early stopping" if s.asha else ""))
+    grid, resumed, seconds = tune_job(trainable, space, name=name, storage=storage, tracker=tracker,
+                                      concurrent=concurrent, announce=announce, scheduler=scheduler,
+                                      num_samples=samples)
     rows = _rows(grid, s.epochs)
-    if all(r["status"] == "ERROR" for r in rows):
-        errors = "; ".join(str(r.error).splitlines()[0] for r in grid if r.error)[:2000]
-        if uri:
-            import mlflow
-
-            mlflow.MlflowClient(uri).set_terminated(parent, "FAILED")
-        raise SweepError(f"every trial of the sweep failed: {errors}")
-    seconds = time.time() - start
     _say(f"[sweep] {len(rows)} trials in {seconds:.0f} s")
     return SweepResult(rows=rows, name=name, mlflow_run_id=parent, seconds=seconds, resumed=resumed)
 

@@ -26,7 +26,7 @@ from pipeline.tracking import TrackingError, project_root
 from stages._common import ParamsUsageError, check_weights, params_options, runtime_errors
 
 COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "train.seed", "view_noise",
-           "knn_acc", "best_knn_acc", "loss", "epochs", "stopped_early", "seconds", "status")
+           "knn_acc", "best_knn_acc", "loss", "epochs", "stopped_early", "seconds", "status", "error")
 CURVE_COLUMNS = ("trial_id", "epoch", "loss", "knn_acc", "view_noise", "samples_per_s")
 
 

@@ -61,15 +61,26 @@ def test_an_invalid_point_names_the_point_and_the_key():
         trial_params(base_params(p), {"train.batch_size": 15})
 
 
-@pytest.mark.parametrize(("overrides", "cpus", "expected"), [
-    ((), 2.0, 2),                      # 0.25 + 1 x 0.5 per trial
-    (("ray.num_workers=2",), 2.0, 1),  # 0.25 + 2 x 0.5
-    (("ray.num_workers=2",), 64.0, 51),
-    ((), 0.5, 1),                      # never 0
-    (("sweep.max_concurrent_trials=3",), 64.0, 3),
+def _nodes(*specs: tuple[int, float, float]) -> list:
+    """(count, CPUs, GPUs) per node type."""
+    from pipeline.resources import NodeType
+
+    return [NodeType(f"t{i}", {"CPU": c, "GPU": g}, n) for i, (n, c, g) in enumerate(specs)]
+
+
+@pytest.mark.parametrize(("overrides", "nodes", "gpu", "n_trials", "expected"), [
+    ((), [(1, 2, 0)], False, 8, 2),                            # 0.25 + 1 x 0.5 per trial, two fit 2 CPUs
+    (("ray.num_workers=2",), [(1, 2, 0)], False, 8, 1),        # 0.25 + 2 x 0.5
+    (("ray.num_workers=2",), [(1, 64, 0)], False, 100, 51),
+    (("ray.num_workers=2",), [(1, 64, 0)], False, 8, 8),       # never more than the trials there are
+    ((), [(1, 0.5, 0)], False, 8, 1),                          # never 0: Tune queues the rest
+    (("sweep.max_concurrent_trials=3",), [(1, 64, 0)], False, 8, 3),
+    # GPUs bound it, not CPUs: 2 workers of (0.5 CPU, 1 GPU) per trial on a 64-CPU node with 4 GPUs
+    (("ray.num_workers=2",), [(1, 64, 4)], True, 100, 2),
+    (("ray.num_workers=2",), [(4, 8, 1), (1, 4, 0)], True, 100, 2),  # 4 one-GPU nodes, trial functions on the CPU node
 ])
-def test_max_concurrent_from_the_cluster(overrides, cpus, expected):
-    assert max_concurrent(params(*overrides), cpus) == expected
+def test_max_concurrent_packs_trials_onto_the_nodes(overrides, nodes, gpu, n_trials, expected):
+    assert max_concurrent(params(*overrides), _nodes(*nodes), gpu, n_trials) == expected
 
 
 def test_sweep_name_ignores_swept_keys_and_follows_the_rest():

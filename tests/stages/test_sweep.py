@@ -81,7 +81,7 @@ def check_sweep(project, rows, epochs):
         assert sorted({m.step for m in history}) == list(range(1, int(r["epochs"]) + 1))
         assert max(history, key=lambda m: m.step).value == pytest.approx(float(r["knn_acc"]))
     # a finished sweep is forgotten so that `dvc repro -f` sweeps again
-    assert not any((project / "ray_results").iterdir())
+    assert [p.name for p in (project / "ray_results").iterdir()] == ["prepared-data"]  # the staged data stays
     assert not (project / ".transfusion").exists() or not any((project / ".transfusion").iterdir())
 
 
@@ -98,6 +98,33 @@ def test_four_trial_sweep_with_asha_end_to_end(prepared, ray_session, monkeypatc
         ("32", "0.0"), ("32", "1.0"), ("64", "0.0"), ("64", "1.0")}
     assert {r["model.depth"] for r in rows} == {"1"}
     check_sweep(prepared, rows, epochs=3)
+
+
+@pytest.mark.timeout(300)
+def test_a_diverged_trial_is_failed_with_its_reason(prepared, ray_session, monkeypatch, capsys):
+    """A NaN at epoch 2 of 2 in one of two trials: that trial is ERROR / FAILED with the reason, not stopped early."""
+    monkeypatch.setenv("TRANSFUSION_FAULT", "nan@2:train.batch_size=32")  # only the batch-32 trial diverges
+    result = invoke("sweep", "-S", "model.embed_dim=16", "-S", "sweep.depth=[1]", "-S", "sweep.batch_size=[32,64]",
+                    "-S", "sweep.strength=[1.0]", "-S", "sweep.epochs=2")
+    assert result.exit_code == 0, result.output
+    assert "swept 2 trials (1 failed)" in result.output
+    rows = {r["train.batch_size"]: r for r in read_csv(prepared / "sweeps/results.csv")}
+    bad, good = rows["32"], rows["64"]
+    assert bad["status"] == "ERROR" and bad["stopped_early"] == "False" and bad["epochs"] == "1"
+    reason = bad["error"]  # the worker's status: kind, message, the last epoch that trained
+    assert reason.startswith("non_finite: non-finite loss") and reason.endswith("(last good epoch 1)")
+    assert good["status"] == "TERMINATED" and good["error"] == "" and good["epochs"] == "2"
+    assert json.loads((prepared / "sweeps/best.json").read_text())["trial_id"] == good["trial_id"]
+    assert f"trial {bad['trial_id']} failed: {reason}" in result.output + capsys.readouterr().out
+    client, parents, children = sweep_runs(prepared)
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert parents[0].data.metrics["trials_failed"] == 1
+    by_trial = {c.data.tags["trial_id"]: c for c in children}
+    failed, finished = by_trial[bad["trial_id"]], by_trial[good["trial_id"]]
+    assert failed.info.status == "FAILED" and failed.data.tags["error"] == reason
+    assert failed.data.tags["stopped_early"] == "False"
+    assert [m.step for m in client.get_metric_history(failed.info.run_id, "loss")] == [1]  # the epoch before the NaN
+    assert finished.info.status == "FINISHED" and "error" not in finished.data.tags
 
 
 def test_bad_sweep_point_is_a_usage_error_before_any_work(prepared):
