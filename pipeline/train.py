@@ -254,8 +254,10 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
         result = trainer.fit()
     except Exception as exc:
         _end_run(uri, run_id, "FAILED")
-        raise PretrainError(f"pretraining failed: {failure_message(exc)}; rerun the stage to resume from the last "
-                            f"checkpoint in {run_dir}") from exc
+        message = failure_message(exc)
+        if "prepared data" not in message:  # a worker that cannot read the data has nothing to resume
+            message += f"; rerun the stage to resume from the last checkpoint in {run_dir}"
+        raise PretrainError(f"pretraining failed: {message}") from exc
     finally:
         if system:
             system.stop()

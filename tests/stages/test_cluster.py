@@ -1,5 +1,7 @@
-"""A real two-node Ray cluster on this machine (`ray start --head` + `ray start --address`, loopback, distinct ports
-and temp dirs): the `pretrain` stage runs on it through RAY_ADDRESS with one worker per node."""
+"""A real two-node Ray cluster on this machine that looks like a real one: `ray start --head` + `ray start --address`
+on loopback with distinct ports, temp dirs and working directories, the worker node in its own mount namespace where
+the project directory does not exist (it is checked out on the head only). The nodes share what the deploy recipes
+share: the installed code and one storage mount. `pretrain` runs on it through RAY_ADDRESS with one worker per node."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import contextlib
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -72,12 +75,28 @@ def wait_for_nodes(address: str, n: int, env: dict, timeout: float = 120) -> Non
     raise AssertionError(f"the cluster did not reach {n} alive nodes (last: {alive!r})")
 
 
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 @pytest.fixture
-def two_node_cluster():
-    """Head and worker node, 1 CPU each, on 127.0.0.1; yields (address, env for clients); torn down after."""
+def two_node_cluster(project):
+    """Head and worker node, 1 CPU each, on 127.0.0.1, each with its own temp dir and working directory; the worker
+    node runs in its own mount namespace where the project directory is an empty tmpfs, as on a real cluster where
+    the project is checked out on the head only. What both see: the installed code, and ``shared`` (the stand-in for
+    the NFS/EFS mount of the deploy recipes). Yields (address, env for clients, shared dir); torn down after."""
+    if not _unshare_works():  # pragma: no cover - needs root (CI and the dev machines run as root)
+        pytest.fail("`unshare -m` is not permitted here: the multi-node test needs a private mount namespace")
     tmp = tempfile.mkdtemp(prefix="tfc", dir="/tmp")  # short: Ray's unix sockets live under it
+    shared = tempfile.mkdtemp(prefix="tfc-shared-", dir="/tmp")
+    worker_home = tempfile.mkdtemp(prefix="tfc-worker-", dir="/tmp")
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
+    for key in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI"):  # the worker node knows nothing of the driver's settings
+        env.pop(key, None)
     gcs, dash, client, *rest = free_ports(13)
     common = ["--block", "--num-cpus=1", "--node-ip-address=127.0.0.1", "--disable-usage-stats"]
 
@@ -92,37 +111,76 @@ def two_node_cluster():
         head = subprocess.Popen(
             ["ray", "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
              f"--ray-client-server-port={client}", f"--temp-dir={tmp}", *common, *node_ports(0, 23000)],
-            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            env=env, cwd=project, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         started.append(head)
         address = f"127.0.0.1:{gcs}"
         wait_for_nodes(address, 1, env)
-        worker = subprocess.Popen(
-            ["ray", "start", f"--address={address}", *common, *node_ports(1, 23400)],
-            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        start_worker = " ".join(["ray", "start", f"--address={address}", *common, *node_ports(1, 23400)])
+        hide = f"mount -t tmpfs -o size=1m tfc-hidden {project} && cd {worker_home} && exec {start_worker}"
+        worker = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", hide],
+                                  env={**env, "TMPDIR": worker_home}, start_new_session=True,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         started.append(worker)
         wait_for_nodes(address, 2, env)
-        yield address, env
+        yield address, env, shared
     finally:
         stop_processes(started, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
+        stop_processes([], worker_home)
+        for d in (tmp, shared, worker_home):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _pretrain(project, env, *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
+    cli = [sys.executable, "-m", "pipeline.cli"]
+    start = time.time()
+    out = subprocess.run(
+        [*cli, "pretrain", "-S", "ray.num_workers=2", "-S", "ray.cpus_per_worker=1", "-S", "train.epochs=2",
+         "-S", "train.batch_size=64", "-S", "model.embed_dim=16", "-S", "ray.resources_timeout_s=120", *overrides],
+        cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    return out, time.time() - start
 
 
 @pytest.mark.timeout(900)
-def test_pretrain_runs_on_a_two_node_cluster_one_worker_per_node(project, two_node_cluster):
-    address, env = two_node_cluster
-    env = {**env, "RAY_ADDRESS": address}
+def test_pretrain_on_two_nodes_that_share_only_the_storage(project, two_node_cluster):
+    address, env, shared = two_node_cluster
+    env = {**env, "RAY_ADDRESS": address, "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}",
+           "MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK": "true"}
     cli = [sys.executable, "-m", "pipeline.cli"]
     out = subprocess.run([*cli, "prepare", "-S", "data.limit_train=256"], cwd=project, env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    out = subprocess.run(
-        [*cli, "pretrain", "-S", "ray.num_workers=2", "-S", "ray.cpus_per_worker=1", "-S", "train.epochs=2",
-         "-S", "train.batch_size=64", "-S", "model.embed_dim=16"],
-        cwd=project, env=env, capture_output=True, text=True, timeout=600)
+
+    # 1. Ray's storage inside the project (the default, ray_results/): the worker node cannot see the staged data
+    out, seconds = _pretrain(project, env)
+    log = out.stdout + out.stderr
+    assert out.returncode == 1, log
+    error = next(line for line in out.stderr.splitlines() if line.startswith("Error: "))  # click's one paragraph
+    assert "cannot see the prepared data at" in error and str(project / "ray_results") in error, error
+    assert "ray.storage_path must be storage that every node sees" in error, error
+    assert re.search(r"rank [01]: node [0-9a-f]{12} ", error) and "Traceback" not in error, error
+    print(f"not shared: clear error after {seconds:.0f} s")
+
+    # 2. Ray's storage on the shared mount: trains with one worker per node
+    out, seconds = _pretrain(project, env, "-S", f"ray.storage_path={shared}/ray_results")
     log = out.stdout + out.stderr
     assert out.returncode == 0, log
-    # 1 CPU per node: one worker on each (a local Ray started by mistake would have one node)
-    assert "[pretrain] 2 worker(s) on 2 node(s)" in log, log
+    assert "[pretrain] 2 worker(s) on 2 node(s)" in log, log  # 1 CPU per node: one worker on each
     with open(project / "plots/pretrain.csv") as f:
         assert [int(r["epoch"]) for r in csv.DictReader(f)] == [1, 2]
     assert json.loads((project / "metrics/pretrain.json").read_text())["epochs"] == 2
+    print(f"shared: trained in {seconds:.0f} s")
+
+    # the tracking store (on the head's disk only) is complete: every epoch, the model, FINISHED
+    import mlflow
+
+    client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("transfusion")
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.stage = 'pretrain'",
+                              order_by=["attributes.start_time DESC"])
+    # one run: the failed attempt's run (FAILED, no epochs) is continued by the rerun of the same pretraining
+    assert [r.info.status for r in runs] == ["FINISHED"]
+    done = runs[0]
+    assert [m.step for m in client.get_metric_history(done.info.run_id, "loss")] == [1, 2]
+    assert [m.step for m in client.get_metric_history(done.info.run_id, "knn_acc")] == [1, 2]
+    artifacts = {a.path for a in client.list_artifacts(done.info.run_id)}
+    assert {"model", "config.json", "pretrain.json", "pretrain.csv"} <= artifacts, artifacts

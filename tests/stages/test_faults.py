@@ -138,7 +138,7 @@ def test_killed_driver_then_rerun_resumes(prepared, ray_tmp):
 
     # a kill can land while Ray rewrites its run record (seen in CI: an empty file, and the rerun's controller died
     # on it); make that worst case certain: the rerun must still resume from our checkpoints
-    (run_dir,) = [d for d in (prepared / "ray_results").iterdir() if d.is_dir()]
+    (run_dir,) = [d for d in (prepared / "ray_results").iterdir() if d.name.startswith("pretrain-")]
     (run_dir / SNAPSHOT_FILE).write_text("")
 
     proc = start(prepared, ray_tmp, *args)
