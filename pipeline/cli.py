@@ -10,6 +10,7 @@ from stages.prepare import prepare
 from stages.pretrain import pretrain_cmd
 from stages.report import report_cmd
 from stages.sweep import sweep_cmd
+from stages.tables import tables_cmd
 from stages.theory import theory_cmd
 from stages.ui import ui_cmd
 
@@ -26,6 +27,7 @@ main.add_command(pretrain_cmd)
 main.add_command(evaluate_cmd)
 main.add_command(report_cmd)
 main.add_command(sweep_cmd)
+main.add_command(tables_cmd)
 main.add_command(theory_cmd)
 main.add_command(ui_cmd)
 

@@ -22,6 +22,8 @@ from pipeline.losses import LOSS_NAMES, SELF_SUPERVISED_ONLY
 from pipeline.model import ACTIVATIONS, BLOCK_NORMS
 from pipeline.probes import PROBES
 
+BATCHNORM_BACKBONES = ("resnet18_cifar", "resnet18")  # gradient caching is refused with these
+
 DatasetName = Literal[DATASET_NAMES]  # type: ignore[valid-type]
 BackboneName = Literal[BACKBONE_NAMES]  # type: ignore[valid-type]
 LossName = Literal[LOSS_NAMES]  # type: ignore[valid-type]
@@ -218,6 +220,64 @@ class TheoryConfig(Section):
         return self
 
 
+ROW_SECTIONS = ("model", "loss", "augment", "train")  # what a row of the tables job may override
+
+
+class TableRow(Section):
+    """One row of the paper's Tables 1-2: a named configuration, and the params it overrides on the file's base."""
+
+    name: str = Field(min_length=1, max_length=200)
+    table: Literal[1, 2]  # 1: self-supervised, 2: supervised
+    paper: str | None = None  # the paper's row it stands beside (default: the paper's row of the same name, if any)
+    params: dict[str, Any] = Field(default_factory=dict)  # dotted overrides, e.g. {"loss.name": infonce}
+
+
+def _paper_rows() -> list[TableRow]:
+    """The paper's rows: Table 1 (self-supervised, the paper's augmentation), Table 2 (supervised, none)."""
+    ssl, sup = {"train.mode": "self_supervised"}, {"train.mode": "supervised", "augment.strength": 0.0}
+    rows = [("InfoNCE", 1, ssl, "infonce", 0), ("DCL", 1, ssl, "dcl", 0), ("BarlowTwins", 1, ssl, "barlow_twins", 0),
+            ("TransFusion 1-Layer", 1, ssl, "jsd", 1), ("TransFusion 9-Layer", 1, ssl, "jsd", 9),
+            ("SupCon", 2, sup, "supcon", 0), ("TransFusion 1-Layer", 2, sup, "jsd", 1),
+            ("TransFusion 9-Layer", 2, sup, "jsd", 9)]
+    return [TableRow(name=n, table=t, params={**base, "loss.name": loss, "model.depth": depth})
+            for n, t, base, loss, depth in rows]
+
+
+class TablesConfig(Section):
+    """``transfusion tables``: the paper's Tables 1-2 as one Tune job, an explicit list of rows (not a grid).
+
+    Each row's params are applied to the file's ``model``/``loss``/``augment``/``train``; the rows share the data,
+    the cluster (``ray``) and the probes (``probe``). Whether a row's resolved params are valid (e.g. a loss that
+    needs self-supervised mode) is checked by ``pipeline.tables.resolve_rows`` before any work.
+    """
+
+    rows: list[TableRow] = Field(default_factory=_paper_rows, min_length=1)
+    max_concurrent_trials: int | None = Field(None, ge=1)  # None: as many as the cluster holds
+
+    @model_validator(mode="after")
+    def _rows(self) -> TablesConfig:
+        sections = {"model": ModelConfig, "loss": LossConfig, "augment": AugmentConfig, "train": TrainConfig}
+        problems, seen = [], set()
+        for i, row in enumerate(self.rows):
+            where = f"tables.rows[{i}] ({row.name!r})"
+            if (row.table, row.name) in seen:
+                problems.append(f"{where}: a second row named {row.name!r} in table {row.table}; names are unique "
+                                "within a table")
+            seen.add((row.table, row.name))
+            for key in row.params:
+                section, _, field = key.partition(".")
+                if section not in sections:
+                    problems.append(f"{where}: params key {key!r}: a row overrides only "
+                                    f"{', '.join(s + '.*' for s in ROW_SECTIONS)} (the data, the cluster and the "
+                                    "probes are the job's)")
+                elif field not in sections[section].model_fields:
+                    problems.append(f"{where}: params key {key!r}: unknown key; allowed keys in {section}: "
+                                    f"{', '.join(sections[section].model_fields)}")
+        if problems:
+            raise ValueError("\n  ".join(problems))
+        return self
+
+
 class RayConfig(Section):
     address: str | None = None
     num_workers: int = Field(1, ge=1, le=100_000)
@@ -241,6 +301,9 @@ class Params(Section):
     probe: ProbeConfig
     sweep: SweepConfig
     theory: TheoryConfig
+    # optional (the paper's rows by default); read only by `transfusion tables`, so left out of the params every
+    # other stage records (model_dump, MLflow, REPORT.md)
+    tables: TablesConfig = Field(default_factory=TablesConfig, exclude=True)
 
     @model_validator(mode="after")
     def _cross_section(self) -> Params:
@@ -263,6 +326,13 @@ class Params(Section):
             )
         if self.ray.use_gpu and self.train.device == "cpu":
             problems.append("ray.use_gpu: true conflicts with train.device: cpu")
+        if self.train.grad_cache_chunk is not None and self.model.backbone in BATCHNORM_BACKBONES:
+            problems.append(
+                f"train.grad_cache_chunk: gradient caching is not exact with the BatchNorm backbone "
+                f"{self.model.backbone}: its chunks would put the two views of an image in different BatchNorm "
+                "batches and update the running statistics in both passes; set train.grad_cache_chunk: null "
+                "or use a backbone without BatchNorm (pixels, mlp, cnn_small)"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -443,5 +513,6 @@ def flatten(params: BaseModel | Mapping[str, Any], prefix: str = "") -> dict[str
 __all__ = [
     "AugmentConfig", "DataConfig", "LossConfig", "ModelConfig", "Params", "ParamsError", "ProbeConfig", "RayConfig",
     "SweepConfig",
-    "SyntheticConfig", "TheoryConfig", "TrainConfig", "apply_overrides", "flatten", "load_params", "validate_params",
+    "SyntheticConfig", "TableRow", "TablesConfig",
+    "TheoryConfig", "TrainConfig", "apply_overrides", "flatten", "load_params", "validate_params",
 ]

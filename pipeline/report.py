@@ -31,9 +31,11 @@ PAPER_TABLE_2 = [
     ("TransFusion 9-Layer", 128, (0.9489, 0.9432, 0.9487, 0.9487), 380),
     ("ResNet-18", 128, (0.935, None, None, None), None),
 ]
+PAPER_TABLES = {1: ("Table 1 (self-supervised)", PAPER_TABLE_1), 2: ("Table 2 (supervised)", PAPER_TABLE_2)}
+NA = "n/a"  # a number we could not compute (a failed run); "-" is a cell the paper leaves empty
 
 
-def _fmt(v: Any, digits: int = 4) -> str:
+def fmt_cell(v: Any, digits: int = 4) -> str:
     if v is None:
         return "-"
     if isinstance(v, str):
@@ -43,9 +45,10 @@ def _fmt(v: Any, digits: int = 4) -> str:
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
-def _row(name: str, batch: Any, accs: tuple, minutes: Any) -> str:
-    cells = " | ".join(_fmt(a) for a in accs)
-    return f"| {name} | {batch} | {cells} | {_fmt(minutes, 1)} |"
+def table_row(name: str, batch: Any, accs: tuple, minutes: Any, *extra: str) -> str:
+    """One Markdown row of the paper's layout (``HEADER``), plus ``extra`` cells for added columns."""
+    cells = " | ".join(fmt_cell(a) for a in accs)
+    return f"| {name} | {batch} | {cells} | {fmt_cell(minutes, 1)} |" + "".join(f" {e} |" for e in extra)
 
 
 def our_accuracies(probes: Mapping[str, Any], representation: str, fraction: str = "1") -> tuple:
@@ -67,13 +70,10 @@ def render(params: Mapping[str, Any], pretrain: Mapping[str, Any], evaluation: M
     data, train = params["data"], params["train"]
     minutes = pretrain.get("train_seconds", 0.0) / 60
     supervised = train["mode"] == "supervised"
-    ours = _row(f"**{model_name(params)}, ours on {data['dataset']}**", train["batch_size"],
+    ours = table_row(f"**{model_name(params)}, ours on {data['dataset']}**", train["batch_size"],
                 our_accuracies(probes, "backbone"), minutes)
-    raw = _row(f"raw input ({data['dataset']}), same probes", "-", our_accuracies(probes, "input"), None)
-    if supervised:
-        table, caption = PAPER_TABLE_2, "Table 2 (supervised)"
-    else:
-        table, caption = PAPER_TABLE_1, "Table 1 (self-supervised)"
+    raw = table_row(f"raw input ({data['dataset']}), same probes", "-", our_accuracies(probes, "input"), None)
+    caption, table = PAPER_TABLES[2 if supervised else 1]
     lines = [
         "# TransFusion pipeline report",
         "",
@@ -81,7 +81,7 @@ def render(params: Mapping[str, Any], pretrain: Mapping[str, Any], evaluation: M
         f"backbone `{params['model']['backbone']}`, depth {params['model']['depth']}, loss `{params['loss']['name']}`, "
         f"{pretrain.get('epochs')} epochs, global batch {train['batch_size']}, augmentation "
         f"`{params['augment']['preset']}` at strength {params['augment']['strength']} "
-        f"(measured view noise ε = {_fmt(pretrain.get('view_noise'))}).",
+        f"(measured view noise ε = {fmt_cell(pretrain.get('view_noise'))}).",
         "",
         f"## Linear and non-linear probes, in the layout of the paper's {caption}",
         "",
@@ -93,7 +93,7 @@ def render(params: Mapping[str, Any], pretrain: Mapping[str, Any], evaluation: M
         RULE,
         ours,
         raw,
-        *(_row(f"paper: {n}", b, a, t) for n, b, a, t in table),
+        *(table_row(f"paper: {n}", b, a, t) for n, b, a, t in table),
         "",
         "## Every representation, every label fraction",
         "",
@@ -102,20 +102,21 @@ def render(params: Mapping[str, Any], pretrain: Mapping[str, Any], evaluation: M
     ]
     for rep, by_probe in probes.items():
         for probe, by_frac in by_probe.items():
-            lines.append(f"| {rep} | {probe} | " + " | ".join(_fmt(by_frac.get(f)) for f in _fractions(probes)) + " |")
+            cells = " | ".join(fmt_cell(by_frac.get(f)) for f in _fractions(probes))
+            lines.append(f"| {rep} | {probe} | {cells} |")
     spectral = evaluation.get("spectral", {})
     lines += [
         "",
         "## Cluster quality of the learned affinity",
         "",
         f"Spectral clustering of the `{spectral.get('affinity')}` affinity of a test batch: "
-        f"NMI {_fmt(spectral.get('nmi'))}, ARI {_fmt(spectral.get('ari'))}.",
+        f"NMI {fmt_cell(spectral.get('nmi'))}, ARI {fmt_cell(spectral.get('ari'))}.",
         "",
         "| layer | sharpness (def. 2, worst pair) | contrast (mean same / mean different) |",
         "|---|---|---|",
     ]
     for layer, s in evaluation.get("sharpness", {}).items():
-        lines.append(f"| {layer} | {_fmt(s)} | {_fmt(evaluation.get('contrast', {}).get(layer))} |")
+        lines.append(f"| {layer} | {fmt_cell(s)} | {fmt_cell(evaluation.get('contrast', {}).get(layer))} |")
     lines += ["", "## Figures", ""]
     for caption_, path in figures.items():
         lines += [f"**{caption_}**", "", f"![{caption_}]({path})", ""]
