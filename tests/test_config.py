@@ -75,6 +75,10 @@ BAD = [
     (["ray.num_workers=3"], ["train.batch_size", "multiple of ray.num_workers"]),
     (["ray.num_workers=0"], ["ray.num_workers", "greater than or equal to 1"]),
     (["ray.use_gpu=true", "train.device=cpu"], ["ray.use_gpu", "train.device"]),
+    (["model.backbone=resnet18_cifar", "model.embed_dim=null", "train.grad_cache_chunk=8"],
+     ["train.grad_cache_chunk", "resnet18_cifar", "BatchNorm", "two views", "running statistics", "null"]),
+    (["model.backbone=resnet18", "model.embed_dim=null", "train.grad_cache_chunk=64"],
+     ["train.grad_cache_chunk", "resnet18", "BatchNorm"]),
     (["train.warmup_epochs=50"], ["train.warmup_epochs", "train.epochs"]),
     (["loss.temperature=-0.1"], ["loss.temperature", "greater than 0"]),
     (["model.weights=w.pt"], ["model.weights", "resnet18"]),
@@ -91,6 +95,13 @@ def test_bad_params_name_the_key_and_the_allowed_values(overrides, needles):
     msg = str(info.value)
     for needle in needles:
         assert needle in msg, f"{needle!r} missing from: {msg}"
+
+
+def test_grad_cache_is_fine_without_batchnorm():
+    raw = apply_overrides(default_raw(), ["train.grad_cache_chunk=8"])  # cnn_small: GroupNorm, caching is exact
+    assert validate_params(raw).train.grad_cache_chunk == 8
+    raw = apply_overrides(default_raw(), ["model.backbone=resnet18_cifar", "model.embed_dim=null"])
+    assert validate_params(raw).train.grad_cache_chunk is None
 
 
 def test_every_problem_is_listed_at_once():

@@ -277,6 +277,9 @@ CASES = [
          ("data.image_size", "image_folder")),
     Case("conflict-warmup", ("pretrain", "-S", "train.warmup_epochs=40"), 2,
          ("train.warmup_epochs (40)", "train.epochs (40)")),
+    Case("conflict-grad-cache-batchnorm", ("pretrain", "-S", "model.backbone=resnet18_cifar", "-S",
+                                           "model.embed_dim=null", "-S", "train.grad_cache_chunk=8"), 2,
+         ("train.grad_cache_chunk", "resnet18_cifar", "BatchNorm batches", "running statistics")),
     # ---------------------------------------------------------------- params: sweep / theory sections (exit 2)
     Case("sweep-search", ("sweep", "-S", "sweep.search=bayes"), 2, ("sweep.search", "grid", "random")),
     Case("sweep-batch-range", ("sweep", "-S", "sweep.batch_size=[16, 1]"), 2,
