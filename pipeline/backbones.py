@@ -4,12 +4,18 @@ Every backbone maps (n, *input_shape) -> (n, embed_dim). Names:
 - ``pixels``: flatten only (paper Fig. 4 runs the blocks directly on 784-d pixels); embed_dim = prod(shape).
 - ``mlp``: Flatten → Linear → ReLU → Linear → LayerNorm.
 - ``cnn_small``: three 3×3 conv layers with GroupNorm, global average pool, Linear, LayerNorm; for 8×8
-  digits and 32×32 images. GroupNorm rather than BatchNorm: a sample's embedding does not depend on how
-  the batch is split over workers, so distributed training equals single-process training exactly.
+  digits and 32×32 images. GroupNorm: a sample's embedding never depends on the rest of its batch, which also
+  makes gradient caching exact.
 - ``resnet18_cifar``: torchvision ResNet-18 with the CIFAR stem (3×3 conv, stride 1, no max-pool), fc
   replaced by Flatten + LayerNorm(512) as in Appendix E; the paper's Tables 1-2 backbone.
 - ``resnet18``: torchvision ResNet-18 (ImageNet stem), fc → Flatten + LayerNorm(512); optional weights
   from a local file (``model.weights``), loaded with ``weights_only=True``; never downloaded.
+
+Distributed training equals single-process training on the global batch for every backbone: the BatchNorm
+ones (resnet18_cifar, resnet18) get global BatchNorm when the world size is > 1 (``pipeline.batchnorm``,
+applied by ``PretrainLoop``: statistics over all 2B rows of all workers, running statistics identical on
+every rank; the modules built here stay plain ``nn.BatchNorm2d``, so checkpoints load into them). Gradient
+caching is refused with BatchNorm (``train.grad_cache_chunk``), where it cannot be exact.
 """
 
 from __future__ import annotations
