@@ -34,7 +34,7 @@ from typing import Any
 
 from ray import tune
 
-from pipeline.cluster import check_request, cluster_gpus, init_ray, use_gpu
+from pipeline.cluster import address_of, check_request, cluster_gpus, init_ray, local_nodes, use_gpu
 from pipeline.config import Params, ParamsError, flatten, validate_params
 from pipeline.resources import NodeType, TrialShape, cluster_from_ray, trials_at_once
 from pipeline.storage import is_uri, join, stage_prepared
@@ -257,8 +257,9 @@ def _trial_error(trial) -> BaseException | None:
             with open(path, "rb") as f:
                 return cloudpickle.load(f)
         return trial.get_pickled_error()
-    except Exception:  # an error that cannot be unpickled here: the reason falls back to Tune's text
-        return RuntimeError(Path(trial.error_file).read_text() if trial.error_file else "unknown error")
+    except Exception:  # an error that cannot be unpickled here: Tune's text, whose last line is the exception
+        lines = Path(trial.error_file).read_text().strip().splitlines() if trial.error_file else []
+        return RuntimeError(lines[-1] if lines else "unknown error")
 
 
 # ------------------------------------------------------------------------------------ progress, tracking
@@ -556,9 +557,13 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     uri = exp = parent = None
     if tracking:
         uri, exp, parent = _parent_run(params, root, name)
+    request = {"cpus_per_worker": s.cpus_per_worker, "trial_cpu": TRIAL_CPU, "what": "a sweep trial"}
+    if address_of(params) is None:  # a local Ray: this machine is the cluster, known before Ray starts
+        local = local_nodes()
+        check_request(params, gpu=use_gpu(params, cluster_gpus(local)), nodes=local, **request)
     init_ray(params)
     gpu = use_gpu(params, cluster_gpus())
-    check_request(params, gpu=gpu, cpus_per_worker=s.cpus_per_worker, trial_cpu=TRIAL_CPU, what="a sweep trial")
+    check_request(params, gpu=gpu, **request)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     fixed = {"base": base, "data": stage_prepared(data_dir, storage), "manifest": manifest, "storage": storage,
              "use_gpu": gpu, "count_file": count_file or os.environ.get(COUNT_ENV)}
