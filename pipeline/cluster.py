@@ -15,10 +15,13 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pipeline.config import Params, ParamsError
+
+if TYPE_CHECKING:
+    from pipeline.resources import NodeType
 
 
 class ClusterError(RuntimeError):
@@ -73,11 +76,24 @@ def init_ray(params: Params) -> None:
                            "it, or unset ray.address / RAY_ADDRESS to run on a local Ray") from None
 
 
-def cluster_gpus() -> float:
-    """GPUs the cluster has now or can reach (autoscaler); 0 on a CPU-only cluster."""
+def local_nodes() -> list[NodeType]:
+    """The one node a local Ray would start on (no ``ray.address`` / ``RAY_ADDRESS``): this machine's usable CPUs
+    and CUDA GPUs, known before Ray starts (Ray may count fewer CPUs under a cgroup quota; the check after start
+    uses Ray's own count)."""
+    import torch
+
+    from pipeline.resources import NodeType
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return [NodeType("local", {"CPU": float(cpus), "GPU": float(torch.cuda.device_count())}, 1)]
+
+
+def cluster_gpus(nodes: list[NodeType] | None = None) -> float:
+    """GPUs the cluster (default: the connected Ray cluster) has now or can reach (autoscaler); 0 on a CPU-only
+    cluster."""
     from pipeline.resources import cluster_from_ray
 
-    return sum(n.resources.get("GPU", 0.0) * n.max_count for n in cluster_from_ray())
+    return sum(n.get("GPU") * n.max_count for n in (cluster_from_ray() if nodes is None else nodes))
 
 
 def use_gpu(params: Params, gpus: float) -> bool:
@@ -89,11 +105,12 @@ def use_gpu(params: Params, gpus: float) -> bool:
 
 
 def check_request(params: Params, *, gpu: bool, cpus_per_worker: float | None = None, trial_cpu: float = 0.0,
-                  what: str = "pretraining") -> None:
-    """Raise :class:`ParamsError` if ``ray.num_workers`` workers (plus a trial's own bundle) can never fit."""
+                  what: str = "pretraining", nodes: list[NodeType] | None = None) -> None:
+    """Raise :class:`ParamsError` if ``ray.num_workers`` workers (plus a trial's own bundle) can never fit on
+    ``nodes`` (default: the connected cluster at the largest size it can reach)."""
     from pipeline.resources import cluster_from_ray, infeasible
 
-    reason = infeasible(cluster_from_ray(), num_workers=params.ray.num_workers,
+    reason = infeasible(cluster_from_ray() if nodes is None else nodes, num_workers=params.ray.num_workers,
                         cpus_per_worker=cpus_per_worker or params.ray.cpus_per_worker, gpu=gpu,
                         trial_cpu=trial_cpu, what=what)
     if reason:

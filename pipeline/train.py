@@ -24,7 +24,15 @@ from typing import Any
 
 import torch
 
-from pipeline.cluster import check_request, cluster_gpus, init_ray, use_gpu, wait_for_workers
+from pipeline.cluster import (
+    address_of,
+    check_request,
+    cluster_gpus,
+    init_ray,
+    local_nodes,
+    use_gpu,
+    wait_for_workers,
+)
 from pipeline.config import Params, ParamsError, flatten
 from pipeline.datasets import load_prepared
 from pipeline.io import load_torch
@@ -224,6 +232,9 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
         uri = trk.tracking_uri(root)
         trk.check_reachable(uri)  # before Ray: an unreachable or corrupt store fails in a second
 
+    if address_of(params) is None:  # a local Ray: this machine is the cluster, known before Ray starts
+        local = local_nodes()
+        check_request(params, gpu=use_gpu(params, cluster_gpus(local)), nodes=local)
     init_ray(params)
     gpu = use_gpu(params, cluster_gpus())
     check_request(params, gpu=gpu)

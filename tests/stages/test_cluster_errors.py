@@ -1,0 +1,119 @@
+"""What a new user meets when the cluster cannot serve the run: a clear error and an exit code, never a hang.
+
+Each case is the real CLI, as in the issue that found them: a request the cluster can never satisfy exits 2 before
+Ray starts (for a local Ray) or before training; an unreachable RAY_ADDRESS and resources that never come free end
+after their params-bounded wait with exit 1; a corrupt tracking store is one paragraph.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import invoke
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CPUS = len(os.sched_getaffinity(0))
+
+
+@pytest.fixture
+def prepared(project):
+    assert invoke("prepare", "-S", "data.limit_train=256").exit_code == 0
+    return project
+
+
+@pytest.fixture
+def ray_starts(monkeypatch) -> list[str]:
+    import pipeline.sweep
+    import pipeline.train
+
+    calls: list[str] = []
+
+    def refuse(params) -> None:
+        calls.append("ray")
+        raise AssertionError("an impossible request reached Ray start-up")
+
+    monkeypatch.setattr(pipeline.train, "init_ray", refuse)
+    monkeypatch.setattr(pipeline.sweep, "init_ray", refuse)
+    return calls
+
+
+def one_paragraph(output: str) -> str:
+    (error,) = [line for line in output.splitlines() if line.startswith("Error: ")]
+    assert "Traceback" not in output, output
+    return error
+
+
+@pytest.mark.parametrize(("overrides", "needles"), [
+    (["-S", "ray.num_workers=16"], ["16 workers (ray.num_workers)", f"{CPUS} CPUs", "more than the whole cluster"]),
+    (["-S", "ray.cpus_per_worker=64"], ["64 CPUs each (ray.cpus_per_worker)", "no node has 64 CPUs"]),
+])
+def test_a_request_this_machine_can_never_satisfy_exits_2_before_ray(prepared, ray_starts, monkeypatch, overrides,
+                                                                      needles):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    result = invoke("pretrain", *overrides)
+    assert result.exit_code == 2, result.output
+    error = one_paragraph(result.output)
+    for needle in needles:
+        assert needle in error, error
+    assert ray_starts == [] and not (prepared / "models").exists()
+
+
+def test_a_sweep_trial_that_can_never_fit_exits_2_before_ray(prepared, ray_starts, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    result = invoke("sweep", "-S", f"sweep.cpus_per_worker={CPUS * 4}")
+    assert result.exit_code == 2, result.output
+    assert "sweep.cpus_per_worker" in one_paragraph(result.output)
+    assert ray_starts == [] and not (prepared / "sweeps").exists()
+
+
+def test_an_unreachable_ray_address_ends_after_the_connect_timeout(prepared):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "pretrain", "-S", "ray.connect_timeout_s=3"],
+                         cwd=prepared, env=env, capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - start
+    assert out.returncode == 1, out.stdout + out.stderr
+    error = one_paragraph(out.stderr)
+    assert f"cannot reach the Ray cluster at 127.0.0.1:{port}" in error and "ray.connect_timeout_s" in error, error
+    assert 3 <= seconds < 60, seconds  # the bound, plus the CLI's start-up
+    assert not (prepared / "models").exists()
+
+
+def test_a_garbage_tracking_store_is_one_paragraph(prepared):
+    store = prepared / "mlflow.db"
+    store.write_bytes(os.urandom(4096))
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "pretrain"], cwd=prepared, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    error = one_paragraph(out.stderr)
+    assert "is not an SQLite database" in error and str(store) in error, error
+    assert not (prepared / "ray_results").exists()  # before Ray
+
+
+def test_resources_that_never_come_free_end_after_the_resources_timeout(prepared, ray_session):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    hog = placement_group([{"CPU": ray_session.cluster_resources()["CPU"]}])  # another job holds every CPU
+    assert hog.wait(timeout_seconds=60)
+    try:
+        start = time.monotonic()
+        result = invoke("pretrain", "-S", "ray.resources_timeout_s=3", "-S", "train.epochs=1")
+        seconds = time.monotonic() - start
+    finally:
+        remove_placement_group(hog)
+    assert result.exit_code == 1, result.output
+    error = one_paragraph(result.output)
+    assert "waited 3 s (ray.resources_timeout_s) for 1 worker(s)" in error, error
+    assert seconds < 60, seconds
+    assert not (prepared / "models").exists()
