@@ -1,0 +1,54 @@
+"""The cluster helpers without a cluster: addresses, the GPU decision, Ray Train's failures in one paragraph."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.cluster import _host_port, local_nodes, use_gpu
+from pipeline.config import load_params
+from pipeline.datasets import DatasetError
+from pipeline.train import failure_message
+from tests.conftest import ROOT
+
+
+def params(*overrides: str):
+    return load_params(ROOT / "params.yaml", overrides)
+
+
+@pytest.mark.parametrize(("address", "expected"), [
+    ("127.0.0.1:6379", ("127.0.0.1", 6379)),
+    ("ray://head.example.com:10001", ("head.example.com", 10001)),
+    ("auto", None),
+    ("local", None),
+    ("head-without-port", None),
+])
+def test_explicit_addresses_are_probed_others_left_to_ray(address, expected):
+    assert _host_port(address) == expected
+
+
+@pytest.mark.parametrize(("overrides", "gpus", "expected"), [
+    ((), 0, False),                                           # auto on a CPU-only cluster
+    ((), 8, True),                                            # auto: the *cluster's* GPUs, not the driver's
+    (("train.device=cpu",), 8, False),
+    (("train.device=cuda",), 0, True),                        # asked for: check_request then says none exist
+    (("ray.use_gpu=true",), 0, True),
+])
+def test_gpu_training_is_decided_from_the_cluster(overrides, gpus, expected):
+    assert use_gpu(params(*overrides), gpus) is expected
+
+
+def test_the_local_node_is_this_machine():
+    (node,) = local_nodes()
+    assert node.get("CPU") >= 1 and node.max_count == 1
+
+
+def test_worker_failures_become_one_line_per_rank():
+    from ray.train import ControllerError, WorkerGroupError
+
+    exc = WorkerGroupError("Rank 1 Error Snippet: ...\nTraceback ...", {
+        1: DatasetError("node 0123456789ab (b) cannot see the prepared data at /x"),
+        0: RuntimeError("first line\nlast line"),
+    })
+    assert failure_message(exc) == ("rank 0: last line; rank 1: node 0123456789ab (b) cannot see the prepared data "
+                                    "at /x")
+    assert failure_message(ControllerError(ValueError("scheduling failed"))) == "scheduling failed"
