@@ -4,6 +4,16 @@ Ray-free on purpose: the Ray Train worker (``pipeline.train``) and the benchmark
 All randomness derives from ``(train.seed, epoch, step, rank)``: the epoch's permutation of the training
 set is the same on every worker, each worker augments its shard with its own generator, and a run
 resumed from a checkpoint draws exactly the numbers an uninterrupted run would have drawn.
+
+Several workers (``world_size > 1``): BatchNorm becomes global BatchNorm (``pipeline.batchnorm``: statistics
+over the whole global batch, running statistics identical on every rank), and rank 0's parameters and
+buffers are broadcast to every rank at start, so ranks never start apart whatever their seeds.
+
+On CUDA: the uint8 training set lives on the GPU and is indexed there by the epoch's permutation (moved to
+the device once per epoch; indexing a pinned host tensor would give pageable memory and a synchronous copy);
+the step's loss and the view noise stay 0-d device tensors and are synced once per epoch, where the
+non-finite check then happens (``defer_sync``), before the epoch is reported or checkpointed. On CPU the
+loss is checked at every step, as before; ``defer_sync=True`` selects the deferred path on CPU too (tests).
 """
 
 from __future__ import annotations
@@ -15,16 +25,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from pipeline.augment import BatchAugment, view_noise
 from pipeline.backbones import build_backbone
+from pipeline.batchnorm import convert_batchnorm
 from pipeline.config import ModelConfig, Params
 from pipeline.datasets import Dataset, to_float
 from pipeline.knn import knn_accuracy
 from pipeline.losses import make_loss
 from pipeline.model import TransFusion, TransFusionHead
 from pipeline.optim import build_optimizer, warmup_cosine
-from pipeline.step import GlobalBatchStep, NonFiniteLossError
+from pipeline.step import GlobalBatchStep, NonFiniteLossError, broadcast_from_rank0
 
 KNN_BANK, KNN_QUERIES = 5000, 2000
 
@@ -34,6 +47,15 @@ def build_model(m: ModelConfig, input_shape: tuple[int, ...]) -> TransFusion:
     backbone, dim = build_backbone(m.backbone, tuple(input_shape), m.embed_dim, m.hidden_dim, m.weights)
     head = TransFusionHead(dim, m.depth, m.activation, m.block_norm, truncate_last=m.head == "truncated")
     return TransFusion(backbone, dim, head)
+
+
+def _view_noise_tensor(v1: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
+    """:func:`pipeline.augment.view_noise` as a 0-d float64 tensor on the views' device (no host sync).
+
+    ``eps = 1 - (1/B) Σ_i cos(flatten(v1_i), flatten(v2_i))``; v1, v2 (B, ...).
+    """
+    a, b = v1.reshape(v1.shape[0], -1).double(), v2.reshape(v2.shape[0], -1).double()  # (B, D)
+    return 1.0 - F.cosine_similarity(a, b, dim=1, eps=1e-12).clamp(-1.0, 1.0).mean()
 
 
 def _seed(*parts: int) -> int:
@@ -61,7 +83,8 @@ class EpochMetrics:
 class PretrainLoop:
     """Owns the model, optimizer, schedule and data of one worker. ``fit`` runs the remaining epochs."""
 
-    def __init__(self, params: Params, data: Dataset, device: torch.device, rank: int = 0, world_size: int = 1):
+    def __init__(self, params: Params, data: Dataset, device: torch.device, rank: int = 0, world_size: int = 1,
+                 defer_sync: bool | None = None):
         t = params.train
         self.params, self.data, self.device, self.rank, self.world = params, data, device, rank, world_size
         self.batch = t.batch_size  # global images per step
@@ -72,6 +95,10 @@ class PretrainLoop:
         self.steps_per_epoch = n // t.batch_size  # drop the last partial batch: the fused batch size is fixed
         torch.manual_seed(t.seed)
         self.model = build_model(params.model, data.input_shape).to(device)
+        if world_size > 1:
+            convert_batchnorm(self.model)  # global BN: same parameters, buffers and state_dict keys
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                broadcast_from_rank0(self.model)
         self.optimizer = build_optimizer(t.optimizer, self.model, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = warmup_cosine(self.optimizer, total_steps=t.epochs * self.steps_per_epoch,
                                        warmup_steps=t.warmup_epochs * self.steps_per_epoch)
@@ -81,11 +108,14 @@ class PretrainLoop:
         cuda = device.type == "cuda"
         self.step = GlobalBatchStep(self.model, loss_fn, grad_cache_chunk=t.grad_cache_chunk,
                                     autocast_dtype=torch.bfloat16 if cuda else None)
-        self.x_train = data.train.x.pin_memory() if cuda else data.train.x
-        self.y_train = data.train.y
+        self.defer_sync = cuda if defer_sync is None else defer_sync
+        self.y_train = data.train.y  # (N,) on the host: the kNN monitor's labels
+        self.x_dev = data.train.x.to(device)  # (N, ...) uint8 on CUDA: the steps index it there
+        self.y_dev = data.train.y.to(device)  # (N,)
         self.epoch = 0  # completed epochs
         self.history: list[dict[str, Any]] = []
         self.poison_epoch: int | None = None  # fault injection: NaN inputs in this epoch (tests of the guard)
+        self.poison_step: tuple[int, int] | None = None  # fault injection: NaN inputs at (epoch index, step)
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -101,34 +131,46 @@ class PretrainLoop:
 
     # ------------------------------------------------------------------ one epoch
     def _local_batch(self, perm: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """perm (N,) on the device -> this worker's inputs x (b, ...) float32 and ids (b,), on the device."""
         idx = perm[step * self.batch : (step + 1) * self.batch]  # (B,) the global batch
         mine = idx[self.rank * self.local : (self.rank + 1) * self.local]  # (b,) this worker's shard
-        x = to_float(self.x_train[mine].to(self.device, non_blocking=True))
+        x = to_float(self.x_dev[mine])  # (b, ...)
         if self.params.train.mode == "self_supervised":  # positive = the other view of the same image
-            ids = torch.arange(self.rank * self.local, (self.rank + 1) * self.local)
+            ids = torch.arange(self.rank * self.local, (self.rank + 1) * self.local, device=self.device)
         else:  # positive = same label
-            ids = self.y_train[mine]
-        return x, ids.to(self.device)
+            ids = self.y_dev[mine]
+        return x, ids
 
     def train_epoch(self) -> EpochMetrics:
         t = self.params.train
         epoch = self.epoch
         self.model.train()
+        # drawn on the host (the same permutation on every device), moved once per epoch
         perm = torch.randperm(len(self.y_train), generator=torch.Generator().manual_seed(_seed(t.seed, epoch)))
+        perm = perm.to(self.device)  # (N,)
         gen = torch.Generator(self.device).manual_seed(_seed(t.seed, epoch, self.rank, 7))
-        losses, noises = [], []
+        losses, noises = [], []  # floats, or 0-d device tensors with defer_sync
         start = time.perf_counter()
         for s in range(self.steps_per_epoch):
             x, ids = self._local_batch(perm, s)
-            if self.poison_epoch == epoch + 1:
+            if self.poison_epoch == epoch + 1 or (self.poison_step is not None and self.poison_step == (epoch, s)):
                 x = x * float("nan")
             with torch.no_grad():
                 v1, v2 = self.augment(x, gen), self.augment(x, gen)
-            loss = self.step(torch.cat([v1, v2]), torch.cat([ids, ids]))
+            if self.defer_sync:
+                losses.append(self.step.lazy(torch.cat([v1, v2]), torch.cat([ids, ids])))
+                noises.append(_view_noise_tensor(v1, v2))
+            else:
+                losses.append(self.step(torch.cat([v1, v2]), torch.cat([ids, ids])))
+                noises.append(view_noise(v1, v2))
             self.optimizer.step()
             self.scheduler.step()
-            losses.append(loss)
-            noises.append(view_noise(v1, v2))
+        if self.defer_sync:  # the epoch's one host sync; the check the per-step path makes, before any report
+            losses, noises = torch.stack(losses).tolist(), torch.stack(noises).tolist()
+            bad = [i for i, v in enumerate(losses) if not math.isfinite(v)]
+            if bad:
+                raise NonFiniteLossError(f"non-finite loss ({losses[bad[0]]}) at epoch {epoch + 1}, step {bad[0] + 1}"
+                                         f" ({len(bad)} of {len(losses)} steps); the epoch was not reported")
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start

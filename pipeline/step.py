@@ -15,6 +15,21 @@ must see the *global* batch, not each worker's shard. Each worker:
 No DistributedDataParallel: its gradient *averaging* and forward hooks fit a per-sample loss, not a loss
 over the gathered batch; one explicit coalesced all-reduce (sum) is simpler and exact.
 
+The differentiable all-gather is our own (:class:`_AllGatherRows`): ``torch.distributed.nn.functional.all_gather``
+is deprecated in torch 2.14 (FutureWarning, "use torch.distributed._functional_collectives.all_gather_single").
+Forward: ``all_gather_single`` (``all_gather_into_tensor`` on torch < 2.14, where the former is missing), W × (2b, m)
+-> (2bW, m) rank-major. Backward, g (2bW, m) -> (2b, m), the sum over ranks of each rank's gradient of this
+rank's rows: ``reduce_scatter_single`` on NCCL; on gloo an all-reduce of g and this rank's slice (older gloo
+has no reduce-scatter).
+
+BatchNorm backbones: with several workers their BN must be global (``pipeline.batchnorm``), which
+``PretrainLoop`` arranges. Gradient caching is refused with BatchNorm (ValueError here, exit 2 in the params
+check): chunks would put the two views of an image in different BN batches and the running statistics
+would be updated in both passes.
+
+Host syncs: ``__call__`` returns the loss as a float after checking it (one sync per step); :meth:`lazy`
+returns it as a 0-d tensor without a sync and without the check, for a caller that checks once per epoch.
+
 Gradient caching (Gao et al., 2021) for batches larger than memory: embed in chunks without a graph,
 compute the loss and ∂L/∂z on the full (global) batch, then re-embed chunk by chunk with a graph and
 back-propagate the cached ∂L/∂z. Peak activation memory grows with the chunk, not the batch; gradients
@@ -29,10 +44,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
-from torch import Tensor
+from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from pipeline.batchnorm import has_batchnorm
 from pipeline.model import TransFusion
 
 LossFn = Callable[..., Tensor]
@@ -53,6 +68,50 @@ def _distributed() -> tuple[int, int]:
     return 1, 0
 
 
+# torch 2.14 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of the *_single names
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _reduce_scatter_works(t: Tensor) -> bool:
+    """Use a reduce-scatter in the gather's backward: NCCL with CUDA tensors (gloo: all-reduce + slice)."""
+    return t.is_cuda and "nccl" in str(dist.get_backend())
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """Differentiable all-gather along dim 0: z (n, ...) on each of W ranks -> (W n, ...) rank-major."""
+
+    @staticmethod
+    def forward(ctx, z: Tensor, reduce_scatter: bool) -> Tensor:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        z = z.contiguous()
+        out = z.new_empty((world * z.shape[0], *z.shape[1:]))  # (W n, ...)
+        _all_gather_single(out, z)
+        ctx.world, ctx.rank, ctx.n, ctx.reduce_scatter = world, rank, z.shape[0], reduce_scatter
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, None]:
+        # ∂L/∂z_rank = Σ_ranks g_r[rows of this rank]: every rank's loss share depends on these rows
+        if ctx.reduce_scatter:
+            g = g.contiguous()
+            dz = g.new_empty((ctx.n, *g.shape[1:]))  # (n, ...)
+            _reduce_scatter_single(dz, g)
+            return dz, None
+        total = g.clone(memory_format=torch.contiguous_format)  # (W n, ...), all_reduce works in place
+        dist.all_reduce(total)
+        return total[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n], None
+
+
+def all_gather_rows(z: Tensor, reduce_scatter: bool | None = None) -> Tensor:
+    """Differentiable all-gather over the default group. z (n, ...) -> (W n, ...), rank r's rows at [r n, (r+1) n).
+
+    ``reduce_scatter``: the backward's collective; None chooses (reduce-scatter on NCCL, else all-reduce + slice).
+    """
+    rs = _reduce_scatter_works(z) if reduce_scatter is None else reduce_scatter
+    return _AllGatherRows.apply(z, rs)
+
+
 def gather_views(z: Tensor, world_size: int) -> Tensor:
     """Differentiable all-gather of local two-view rows into the global two-view layout.
 
@@ -60,9 +119,10 @@ def gather_views(z: Tensor, world_size: int) -> Tensor:
     """
     if world_size == 1:
         return z
-    parts = dist_fn.all_gather(z)  # W x (2b, ...), gradients flow back
     b = z.shape[0] // 2
-    return torch.cat([p[:b] for p in parts] + [p[b:] for p in parts])
+    parts = all_gather_rows(z)  # (W 2b, ...) rank-major, gradients flow back
+    parts = parts.view(world_size, 2, b, *z.shape[1:])  # (W, 2, b, ...)
+    return parts.transpose(0, 1).reshape(2 * world_size * b, *z.shape[1:])  # (2 W b, ...) view-major
 
 
 def gather_ids(ids: Tensor, world_size: int) -> Tensor:
@@ -92,13 +152,30 @@ def allreduce_grads(params: Sequence[torch.nn.Parameter]) -> None:
         g.copy_(reduced)
 
 
+def broadcast_from_rank0(module: nn.Module) -> None:
+    """Copy rank 0's parameters and buffers into every rank, in place (one broadcast per dtype)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            flat = _flatten_dense_tensors([t.detach() for t in group])
+            dist.broadcast(flat, src=0)
+            for t, value in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+                t.copy_(value)
+
+
 class GlobalBatchStep:
     """Computes the gradient of the global-batch loss into ``model``'s ``.grad`` and returns the loss.
 
     ``__call__(x, ids)``: x (2b, ...) this worker's two views ``[view1; view2]``, ids (2b,) their ids
     (image index for self-supervised, label for supervised). Returns the global loss (a float, equal on
     every worker). Raises :class:`NonFiniteLossError` (on every worker alike) before touching ``.grad``
-    if the loss is not finite.
+    if the loss is not finite. :meth:`lazy` does the same step but returns the loss as a 0-d tensor on
+    the device, without a host sync and without the check (the caller checks, e.g. once per epoch).
+
+    Raises ValueError at construction for ``grad_cache_chunk`` with a BatchNorm model (see the module doc).
     """
 
     def __init__(
@@ -111,6 +188,12 @@ class GlobalBatchStep:
     ) -> None:
         self.model = model
         self.loss_fn = loss_fn
+        if grad_cache_chunk is not None and has_batchnorm(model):
+            raise ValueError(
+                f"grad_cache_chunk={grad_cache_chunk} with a BatchNorm model: gradient caching would put the two "
+                "views of an image in different BatchNorm batches and update the running statistics twice; "
+                "use a backbone without BatchNorm or no gradient caching"
+            )
         self.chunk = grad_cache_chunk
         self.autocast_dtype = autocast_dtype
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -130,6 +213,13 @@ class GlobalBatchStep:
         return sum(self.loss_fn(q, k, ids_all, rows=r) for r in local_rows(rank, b, world_size))
 
     def __call__(self, x: Tensor, ids: Tensor) -> float:
+        return float(self._run(x, ids, check=True))
+
+    def lazy(self, x: Tensor, ids: Tensor) -> Tensor:
+        """The step without a host sync: the global loss as a detached 0-d tensor, not checked for finiteness."""
+        return self._run(x, ids, check=False)
+
+    def _run(self, x: Tensor, ids: Tensor, check: bool) -> Tensor:
         world_size, rank = _distributed()
         if x.shape[0] % 2 or ids.shape[0] != x.shape[0]:
             raise ValueError(f"expected two views [view1; view2] and matching ids, got {x.shape[0]} rows")
@@ -139,14 +229,14 @@ class GlobalBatchStep:
             with self._autocast(x.device):
                 z = self.model.backbone(x)  # (2b, m)
             loss = self._head_loss(_upcast(z), ids, world_size, rank)
-            total = self._check(loss, world_size)
+            total = self._total(loss, world_size, check)
             loss.backward()
         else:
             with torch.no_grad(), self._autocast(x.device):
                 z = _upcast(torch.cat([self.model.backbone(c) for c in x.split(self.chunk)]))
             z.requires_grad_(True)
             loss = self._head_loss(z, ids, world_size, rank)
-            total = self._check(loss, world_size)
+            total = self._total(loss, world_size, check)
             loss.backward()  # head grads and ∂L/∂z (summed over workers by the all-gather)
             dz = z.grad
             for c, g in zip(x.split(self.chunk), dz.split(self.chunk), strict=True):
@@ -158,11 +248,13 @@ class GlobalBatchStep:
         return total
 
     @staticmethod
-    def _check(loss: Tensor, world_size: int) -> float:
+    def _total(loss: Tensor, world_size: int, check: bool) -> Tensor:
+        """The global loss (sum of the workers' shares), 0-d; with ``check`` raise if it is not finite."""
         total = loss.detach().clone()
         if world_size > 1:
             dist.all_reduce(total)
-        value = float(total)
-        if not math.isfinite(value):
-            raise NonFiniteLossError(f"non-finite loss ({value}); the step was not applied")
-        return value
+        if check:
+            value = float(total)
+            if not math.isfinite(value):
+                raise NonFiniteLossError(f"non-finite loss ({value}); the step was not applied")
+        return total
