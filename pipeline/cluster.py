@@ -138,3 +138,26 @@ def wait_for_workers(params: Params, *, gpu: bool) -> None:
                 f"{have}); wait for other jobs to finish, raise ray.resources_timeout_s, or ask for fewer resources")
     finally:
         remove_placement_group(group)
+
+
+def connect(params: Params, root: Any = None, *, tracking: bool = True, cpus_per_worker: float | None = None,
+            trial_cpu: float = 0.0, what: str = "pretraining") -> bool:
+    """What every Ray stage does first, cheapest check first; returns whether the workers train on GPUs.
+
+    1. the tracking store (``root``'s, or ``MLFLOW_TRACKING_URI``) answers and is sound, before Ray starts;
+    2. for a local Ray, the request fits this machine (exit 2 before Ray starts);
+    3. connect (bounded by ``ray.connect_timeout_s``);
+    4. the request fits the cluster at the largest size it can reach (exit 2).
+    """
+    if tracking:
+        from pipeline.tracking import check_reachable, tracking_uri
+
+        check_reachable(tracking_uri(root))
+    request = {"cpus_per_worker": cpus_per_worker, "trial_cpu": trial_cpu, "what": what}
+    if address_of(params) is None:
+        local = local_nodes()
+        check_request(params, gpu=use_gpu(params, cluster_gpus(local)), nodes=local, **request)
+    init_ray(params)
+    gpu = use_gpu(params, cluster_gpus())
+    check_request(params, gpu=gpu, **request)
+    return gpu

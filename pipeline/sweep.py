@@ -34,7 +34,7 @@ from typing import Any
 
 from ray import tune
 
-from pipeline.cluster import address_of, check_request, cluster_gpus, init_ray, local_nodes, use_gpu
+from pipeline.cluster import connect
 from pipeline.config import Params, ParamsError, flatten, validate_params
 from pipeline.resources import NodeType, TrialShape, cluster_from_ray, trials_at_once
 from pipeline.storage import is_uri, join, stage_prepared
@@ -554,17 +554,8 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     base = base_params(params)
     check_points(params, manifest.get("n_train"))
     s = params.sweep
-    if tracking:  # an unreachable or corrupt store fails before Ray starts
-        from pipeline.tracking import check_reachable, tracking_uri
-
-        check_reachable(tracking_uri(root))
-    request = {"cpus_per_worker": s.cpus_per_worker, "trial_cpu": TRIAL_CPU, "what": "a sweep trial"}
-    if address_of(params) is None:  # a local Ray: this machine is the cluster, known before Ray starts
-        local = local_nodes()
-        check_request(params, gpu=use_gpu(params, cluster_gpus(local)), nodes=local, **request)
-    init_ray(params)
-    gpu = use_gpu(params, cluster_gpus())
-    check_request(params, gpu=gpu, **request)
+    gpu = connect(params, root, tracking=tracking, cpus_per_worker=s.cpus_per_worker, trial_cpu=TRIAL_CPU,
+                  what="a sweep trial")
     uri = exp = parent = None
     if tracking:  # the parent run only once the cluster can serve the sweep
         uri, exp, parent = _parent_run(params, root, name)

@@ -259,7 +259,7 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     Raises :class:`ParamsError` for bad rows (before Ray and tracking) and :class:`pipeline.sweep.SweepError` if the
     job was interrupted or every row failed.
     """
-    from pipeline.cluster import check_request, cluster_gpus, init_ray, use_gpu
+    from pipeline.cluster import connect
     from pipeline.resources import cluster_from_ray
     from pipeline.storage import stage_prepared
     from pipeline.train import FAULT_ENV, storage_location
@@ -268,15 +268,13 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     rows = resolve_rows(params, manifest.get("n_train"))
     name = job_name(params, manifest)
     storage = storage_location(params, root)
+    gpu = connect(params, root, tracking=tracking, trial_cpu=TRIAL_CPU, what="a tables row")
     uri = exp = parent = None
-    if tracking:
+    if tracking:  # the parent run only once the cluster can serve the job
         logged = {**{k: v for k, v in flatten(params).items() if k.split(".")[0] in ("model", "loss", "augment",
                                                                                         "train", "probe")},
                   **{f"tables.{r.table}.{r.name}": json.dumps(r.overrides, sort_keys=True) for r in rows}}
         uri, exp, parent = _parent_run(params, root, name, stage=STAGE, logged=logged)
-    init_ray(params)
-    gpu = use_gpu(params, cluster_gpus())
-    check_request(params, gpu=gpu, trial_cpu=TRIAL_CPU, what="a tables row")
     unit = hours_unit(gpu)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     fixed = {"base": base_params(params), "data": stage_prepared(data_dir, storage), "manifest": manifest,

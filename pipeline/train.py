@@ -24,15 +24,7 @@ from typing import Any
 
 import torch
 
-from pipeline.cluster import (
-    address_of,
-    check_request,
-    cluster_gpus,
-    init_ray,
-    local_nodes,
-    use_gpu,
-    wait_for_workers,
-)
+from pipeline.cluster import connect, wait_for_workers
 from pipeline.config import Params, ParamsError, flatten
 from pipeline.datasets import load_prepared
 from pipeline.io import load_torch
@@ -227,18 +219,9 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     run_dir = join(storage, name)
     state_dir = root / ".transfusion" / name  # the driver's own state (the MLflow run id)
     clear_status(run_dir)
-    uri = None
-    if tracking:
-        uri = trk.tracking_uri(root)
-        trk.check_reachable(uri)  # before Ray: an unreachable or corrupt store fails in a second
-
-    if address_of(params) is None:  # a local Ray: this machine is the cluster, known before Ray starts
-        local = local_nodes()
-        check_request(params, gpu=use_gpu(params, cluster_gpus(local)), nodes=local)
-    init_ray(params)
-    gpu = use_gpu(params, cluster_gpus())
-    check_request(params, gpu=gpu)
+    gpu = connect(params, root, tracking=tracking)
     wait_for_workers(params, gpu=gpu)
+    uri = trk.tracking_uri(root) if tracking else None
     run_id = _mlflow_run(params, root, name, uri, state_dir) if uri else None
     spec = WorkerSpec(params=params.model_dump(), data_dir=stage_prepared(data_dir, storage), manifest=manifest,
                       run_dir=run_dir, use_gpu=gpu, fault=os.environ.get(FAULT_ENV),

@@ -429,8 +429,7 @@ def assert_one_clear_paragraph(output: str, needles: tuple[str, ...]) -> None:
 def ray_starts(monkeypatch) -> list[str]:
     """Every call of the stages' one way into Ray (``init_ray``) is recorded and refused: bad input must fail
     before it. (Checking ``ray.is_initialized()`` is not enough: another test's session Ray may be up.)"""
-    import pipeline.sweep
-    import pipeline.train
+    import pipeline.cluster
 
     calls: list[str] = []
 
@@ -438,8 +437,7 @@ def ray_starts(monkeypatch) -> list[str]:
         calls.append("ray")
         raise AssertionError("bad input reached Ray start-up")
 
-    monkeypatch.setattr(pipeline.train, "init_ray", refuse)
-    monkeypatch.setattr(pipeline.sweep, "init_ray", refuse)
+    monkeypatch.setattr(pipeline.cluster, "init_ray", refuse)  # the stages' one way into Ray
     return calls
 
 

@@ -30,8 +30,7 @@ def prepared(project):
 
 @pytest.fixture
 def ray_starts(monkeypatch) -> list[str]:
-    import pipeline.sweep
-    import pipeline.train
+    import pipeline.cluster
 
     calls: list[str] = []
 
@@ -39,8 +38,7 @@ def ray_starts(monkeypatch) -> list[str]:
         calls.append("ray")
         raise AssertionError("an impossible request reached Ray start-up")
 
-    monkeypatch.setattr(pipeline.train, "init_ray", refuse)
-    monkeypatch.setattr(pipeline.sweep, "init_ray", refuse)
+    monkeypatch.setattr(pipeline.cluster, "init_ray", refuse)  # the stages' one way into Ray
     return calls
 
 
