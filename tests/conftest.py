@@ -40,3 +40,19 @@ def project(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
     monkeypatch.delenv("TRANSFUSION_FAULT", raising=False)
     return tmp_path
+
+
+@pytest.fixture
+def ray_starts(monkeypatch) -> list[str]:
+    """Every call of the stages' one way into Ray (``pipeline.cluster.init_ray``) is recorded and refused: bad input
+    must fail before it. (Checking ``ray.is_initialized()`` is not enough: another test's session Ray may be up.)"""
+    import pipeline.cluster
+
+    calls: list[str] = []
+
+    def refuse(params) -> None:
+        calls.append("ray")
+        raise AssertionError("bad input reached Ray start-up")
+
+    monkeypatch.setattr(pipeline.cluster, "init_ray", refuse)
+    return calls

@@ -425,22 +425,6 @@ def assert_one_clear_paragraph(output: str, needles: tuple[str, ...]) -> None:
         assert needle in text, f"{needle!r} missing from:\n{output}"
 
 
-@pytest.fixture
-def ray_starts(monkeypatch) -> list[str]:
-    """Every call of the stages' one way into Ray (``init_ray``) is recorded and refused: bad input must fail
-    before it. (Checking ``ray.is_initialized()`` is not enough: another test's session Ray may be up.)"""
-    import pipeline.cluster
-
-    calls: list[str] = []
-
-    def refuse(params) -> None:
-        calls.append("ray")
-        raise AssertionError("bad input reached Ray start-up")
-
-    monkeypatch.setattr(pipeline.cluster, "init_ray", refuse)  # the stages' one way into Ray
-    return calls
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_hostile_input(project, case, ray_starts):
     for step in case.setup:

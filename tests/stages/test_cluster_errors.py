@@ -28,20 +28,6 @@ def prepared(project):
     return project
 
 
-@pytest.fixture
-def ray_starts(monkeypatch) -> list[str]:
-    import pipeline.cluster
-
-    calls: list[str] = []
-
-    def refuse(params) -> None:
-        calls.append("ray")
-        raise AssertionError("an impossible request reached Ray start-up")
-
-    monkeypatch.setattr(pipeline.cluster, "init_ray", refuse)  # the stages' one way into Ray
-    return calls
-
-
 def one_paragraph(output: str) -> str:
     (error,) = [line for line in output.splitlines() if line.startswith("Error: ")]
     assert "Traceback" not in output, output
