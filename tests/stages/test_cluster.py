@@ -172,6 +172,7 @@ def test_pretrain_on_two_nodes_that_share_only_the_storage(project, two_node_clu
 
     # the tracking store (on the head's disk only) is complete: every epoch, the model, FINISHED
     import mlflow
+    import mlflow.pytorch
 
     client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
     exp = client.get_experiment_by_name("transfusion")
@@ -183,4 +184,6 @@ def test_pretrain_on_two_nodes_that_share_only_the_storage(project, two_node_clu
     assert [m.step for m in client.get_metric_history(done.info.run_id, "loss")] == [1, 2]
     assert [m.step for m in client.get_metric_history(done.info.run_id, "knn_acc")] == [1, 2]
     artifacts = {a.path for a in client.list_artifacts(done.info.run_id)}
-    assert {"model", "config.json", "pretrain.json", "pretrain.csv"} <= artifacts, artifacts
+    assert {"config.json", "pretrain.json", "pretrain.csv"} <= artifacts, artifacts
+    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
+    assert mlflow.pytorch.load_model(f"runs:/{done.info.run_id}/model") is not None
