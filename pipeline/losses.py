@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
 
 import torch
@@ -124,8 +125,8 @@ def pairwise_cosine(q: Tensor, k: Tensor, rows: slice | None = None) -> Tensor:
     return qn @ kn.T  # (r, n)
 
 
-def _prepare(q: Tensor, k: Tensor, ids: Tensor, rows: slice | None) -> tuple[Tensor, Tensor, Tensor, int]:
-    """Validate inputs; return A (r, n), Y (r, n) 0/1 in A's dtype, diagonal mask (r, n) bool, and n."""
+def _check_inputs(q: Tensor, k: Tensor, ids: Tensor) -> int:
+    """Validate shapes; return n."""
     if q.dim() != 2 or k.dim() != 2 or q.shape != k.shape:
         raise ValueError(f"q and k must both be (n, d), got {tuple(q.shape)} and {tuple(k.shape)}")
     n = q.shape[0]
@@ -133,37 +134,7 @@ def _prepare(q: Tensor, k: Tensor, ids: Tensor, rows: slice | None) -> tuple[Ten
         raise ValueError(f"ids must have shape ({n},) to match q, got {tuple(ids.shape)}")
     if n < 2:
         raise ValueError(f"a contrastive loss needs at least 2 samples, got {n}")
-    start, stop = _row_range(rows, n)
-    a = pairwise_cosine(q, k, rows)  # (r, n)
-    y = target_affinity(ids, rows, dtype=a.dtype)  # (r, n)
-    diag = _diag_mask(n, start, stop, q.device)  # (r, n)
-    return a, y, diag, n
-
-
-def _row_normalize(y: Tensor) -> Tensor:
-    """Ŷ = Y / sum_j Y_ij, (r, n); rows with no positive stay all-zero."""
-    return y / y.sum(dim=1, keepdim=True).clamp_min(1.0)
-
-
-def _normalize_offdiag(s: Tensor, diag: Tensor, eps: float = EPS) -> Tensor:
-    """``Normalize(S)``: (S_ij + eps) / sum_{l != i} (S_il + eps) off the diagonal, 0 on it. (r, n)."""
-    s = (s + eps).masked_fill(diag, 0.0)  # (r, n)
-    return s / s.sum(dim=1, keepdim=True)
-
-
-def _safe_log(x: Tensor, where: Tensor) -> Tensor:
-    """log(x) where ``where`` holds, 0 elsewhere, without NaN gradients from log(0)."""
-    return torch.log(torch.where(where, x, torch.ones_like(x)))
-
-
-def _kl_rows(p: Tensor, log_q: Tensor) -> Tensor:
-    """Per-row KL ``sum_j p_ij (log p_ij - log q_ij)`` with 0 log 0 = 0. (r, n) -> (r,).
-
-    ``log_q`` must be finite wherever p > 0. NaN in ``p`` propagates (a NaN loss must not read as 0).
-    """
-    pos = ~(p <= 0)  # True for p > 0 and for NaN
-    terms = p * (_safe_log(p, pos) - torch.where(pos, log_q, torch.zeros_like(log_q)))
-    return torch.where(pos, terms, torch.zeros_like(terms)).sum(dim=1)
+    return n
 
 
 def _check_temperature(temperature: float) -> None:
@@ -171,14 +142,152 @@ def _check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
-def _reduce(per_row: Tensor, n: int) -> Tensor:
-    """Sum of the per-row losses of this slice divided by the total number of rows n -> scalar."""
-    return per_row.sum() / n
+def _positive_pairs(ids: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The ones of Y[start:stop] (eq. 1) as index lists, without building the (r, n) matrix.
+
+    ids: (n,) int. Returns ``(pos_row, pos_col, npos)``: pos_row (P,) local row in 0..r-1 (sorted), pos_col
+    (P,) column in 0..n-1 (ascending within a row), npos (r,) int64 = |P(i)| = number of positives of each
+    row. Memory is O(n + P) with P = sum_i |P(i)| (P = r in the self-supervised layout).
+    """
+    r = stop - start
+    sorted_ids, order = torch.sort(ids, stable=True)  # (n,), (n,)
+    classes, counts = torch.unique_consecutive(sorted_ids, return_counts=True)  # (C,), (C,)
+    first = counts.cumsum(0) - counts  # (C,) where each class starts in `order`
+    cls = torch.searchsorted(classes, ids[start:stop])  # (r,) class index of each row
+    size = counts[cls]  # (r,) members of the row's class, the row itself included
+    local = torch.arange(r, device=ids.device)
+    rep = torch.repeat_interleave(local, size)  # (sum size,) local row of each candidate pair
+    within = torch.arange(rep.numel(), device=ids.device) - torch.repeat_interleave(size.cumsum(0) - size, size)
+    col = order[first[cls][rep] + within]  # (sum size,) the class members, ascending
+    keep = col != rep + start  # drop the diagonal
+    return rep[keep], col[keep], size - 1
+
+
+def _by_row_blocks(a: Tensor, fn: Callable[[Tensor], Tensor], block: int = 256) -> Tensor:
+    """``fn`` (b, n) -> (b,) applied to blocks of ``block`` rows of a (r, n): (r,). Temporaries stay (block, n)."""
+    if a.shape[0] == 0:
+        return a.new_zeros(0)
+    return torch.cat([fn(a[i : i + block]) for i in range(0, a.shape[0], block)])
+
+
+def _affinity(qn: Tensor, kn: Tensor, start: int) -> tuple[Tensor, Tensor]:
+    """``A = qn @ kn.T`` (r, n), a fresh buffer, and the view of its diagonal entries (i, start + i)."""
+    a = qn @ kn.T  # (r, n)
+    return a, a.diagonal(offset=start)  # (r,) view
 
 
 # --------------------------------------------------------------------------------------------------
-# JSD losses (TransFusion)
+# JSD and KL losses on a normalised affinity: one fused autograd Function
 # --------------------------------------------------------------------------------------------------
+
+_LOG2 = math.log(2.0)
+
+
+class _NormalizedAffinityLoss(torch.autograd.Function):
+    """Fused forward / backward of ``jsd``, ``jsd_appendix_e``, ``kl_squared`` and ``kl_relu``.
+
+    Inputs: qn (r, d) and kn (n, d) unit rows, the positives of :func:`_positive_pairs` (P,), (P,), (r,),
+    ``start``, n and the kind. Output: the scalar ``sum_{i in rows} L_i / n``. With A = qn knᵀ (r, n), its
+    diagonal (i, start + i) set to 0, f(a) = a² (``kl_relu``: max(a, 0)), ε = 1e-10 and, for each row i::
+
+        S_ij = f(A_ij) + ε  (j != i),  T_i = sum_{j != i} S_ij + δ ε,  P_ij = S_ij / T_i
+
+    (δ = 1 for ``jsd_appendix_e``, whose S'_ii = ε / T_i stays in the row; δ = 0 otherwise). Every one of these
+    losses depends on a negative j (Y_ij = 0, j != i) only through the row sum T_i, so it is computed from T
+    (one reduction over A) and the P positives alone. With Ŷ_ij = 1/|P(i)| on the positives::
+
+        jsd:            L_i = sum_pos [Ŷ log(2Ŷ/(P+Ŷ)) + P log(2P/(P+Ŷ))] + log 2 · (1 - sum_pos P)
+        jsd_appendix_e: L_i = sum_pos [-log(1+P) + P log(P/(1+P))]      (the Y log Y/(S'+Y) + S' log S'/(S'+Y)
+                                                                        of Appendix E; 0 where Y = 0)
+        kl_*:           L_i = sum_pos Ŷ log(Ŷ/P)
+
+    (the negatives of jsd each give P log(P/M) = P log 2 with M = P/2). Rows without a positive give 0.
+
+    Gradient (derived by hand, checked by gradcheck). Write g_ij = ∂L_i/∂P_ij with the row-sum dependence
+    of P held apart::
+
+        jsd:            g = log(2P/(P+Ŷ)) on positives, log 2 on negatives   (the ±(Ŷ+P)/2M terms cancel)
+        jsd_appendix_e: g = log(P/(1+P)) on positives, 0 elsewhere (the diagonal's S'_ii included)
+        kl_*:           g = -Ŷ/P on positives, 0 elsewhere
+
+    Through P_ij = S_ij / T_i: ∂L_i/∂S_ij = (g_ij - ḡ_i) / T_i with ḡ_i = sum_l P_il g_il, and through S::
+
+        ∂L/∂A_ij = w_i f'(A_ij) (g_ij - ḡ_i) / T_i     (j != i; 0 on the diagonal)
+                 = f'(A_ij) c_i + [j positive] w_i f'(A_ij) (g_ij - g_neg) / T_i,  c_i = w_i (g_neg - ḡ_i) / T_i
+
+    with w_i = ∂out/n (0 for rows without a positive), g_neg the negatives' constant g (log 2 or 0),
+    f'(a) = 2a (``kl_relu``: [a > 0], as clamp_min's gradient). So the (r, n) gradient is one scaled copy of
+    A (or of its sign) plus P sparse corrections; ∂qn = G kn and ∂kn = Gᵀ qn. Forward: one n×n buffer (A,
+    kept for backward) plus one reduction pass; backward: one more n×n buffer (G).
+    """
+
+    @staticmethod
+    def forward(ctx, qn, kn, pos_row, pos_col, npos, start, n, kind):  # noqa: D102
+        a, diag = _affinity(qn, kn, start)  # (r, n)
+        diag.zero_()  # the diagonal is never a positive, never a negative, never normalised over
+        relu = kind == "kl_relu"
+        if relu:
+            row_sum = _by_row_blocks(a, lambda x: x.clamp_min(0.0).sum(dim=1))  # (r,)
+        else:
+            row_sum = torch.linalg.vector_norm(a, dim=1).square()  # (r,) sum_j A_ij², no temporary
+        total = row_sum + (n - 1 + (kind == "jsd_appendix_e")) * EPS  # (r,) T_i
+        a_pos = a[pos_row, pos_col]  # (P,)
+        f_pos = a_pos.clamp_min(0.0) if relu else a_pos.square()
+        p = (f_pos + EPS) / total[pos_row]  # (P,) P at the positives
+        has_pos = npos > 0  # (r,)
+        y_hat = 1.0 / npos.clamp_min(1).to(a.dtype)[pos_row]  # (P,) Ŷ at the positives
+
+        def per_row_sum(x: Tensor) -> Tensor:  # (P,) -> (r,)
+            return torch.zeros_like(total).index_add_(0, pos_row, x)
+
+        if kind == "jsd":
+            mix = p + y_hat  # 2M
+            g = torch.log(2.0 * p / mix)  # (P,)
+            terms = y_hat * torch.log(2.0 * y_hat / mix) + p * g
+            p_neg = 1.0 - per_row_sum(p)  # (r,) the negatives' share of P
+            per_row = per_row_sum(terms) + _LOG2 * p_neg
+            g_bar = _LOG2 * p_neg + per_row_sum(p * g)
+            g_neg = _LOG2
+        elif kind == "jsd_appendix_e":
+            g = torch.log(p) - torch.log1p(p)  # (P,) log(P / (1 + P))
+            per_row = per_row_sum(p * g - torch.log1p(p))
+            g_bar = per_row_sum(p * g)
+            g_neg = 0.0
+        else:  # kl_squared, kl_relu
+            g = -y_hat / p
+            per_row = per_row_sum(y_hat * (torch.log(y_hat) - torch.log(p)))
+            g_bar = per_row_sum(p * g)  # = -1 on rows with a positive
+            g_neg = 0.0
+        per_row = torch.where(has_pos, per_row, torch.zeros_like(per_row))
+        coef = torch.where(has_pos, (g_neg - g_bar) / total, torch.zeros_like(total))  # (r,) c_i / w
+        fprime_pos = (a_pos > 0).to(a.dtype) if relu else 2.0 * a_pos
+        corr = fprime_pos * (g - g_neg) / total[pos_row]  # (P,)
+        ctx.save_for_backward(qn, kn, a, coef, pos_row, pos_col, corr)
+        ctx.relu, ctx.n = relu, n
+        return per_row.sum() / n
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):  # noqa: D102
+        qn, kn, a, coef, pos_row, pos_col, corr = ctx.saved_tensors
+        w = grad_out / ctx.n
+        if ctx.relu:
+            grad = torch.sign(a).clamp_min_(0.0).mul_((coef * w)[:, None])  # (r, n) [A > 0] c_i
+        else:
+            grad = torch.mul(a, (2.0 * w) * coef[:, None])  # (r, n) 2 A_ij c_i
+        grad.index_put_((pos_row, pos_col), corr * w, accumulate=True)
+        grad_q = grad @ kn if ctx.needs_input_grad[0] else None  # (r, d)
+        grad_k = grad.T @ qn if ctx.needs_input_grad[1] else None  # (n, d)
+        return grad_q, grad_k, None, None, None, None, None, None
+
+
+def _normalized_loss(kind: str, q: Tensor, k: Tensor, ids: Tensor, rows: slice | None) -> Tensor:
+    n = _check_inputs(q, k, ids)
+    start, stop = _row_range(rows, n)
+    qn = F.normalize(q[start:stop], dim=1)  # (r, d)
+    kn = F.normalize(k, dim=1)  # (n, d)
+    pos_row, pos_col, npos = _positive_pairs(ids, start, stop)
+    return _NormalizedAffinityLoss.apply(qn, kn, pos_row, pos_col, npos, start, n, kind)
 
 
 def jsd(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None) -> Tensor:
@@ -194,16 +303,11 @@ def jsd(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None) -> Tens
     i.e. ``D(Ŷ_i || M_i) + D(P_i || M_i)`` (twice the Jensen-Shannon divergence), so 0 <= L_i <= 2 log 2.
     Normalize uses the 1e-10 of Appendix E (see module docstring), the only epsilon. Rows without a positive
     contribute 0. Returns ``sum_{i in rows} L_i / n``.
+
+    Computed by the fused :class:`_NormalizedAffinityLoss` (analytic gradient, two n×n buffers): a negative
+    j contributes P_ij log 2, so ``L_i = sum_pos [...] + log 2 · (1 - sum_pos P_ij)``.
     """
-    a, y, diag, n = _prepare(q, k, ids, rows)
-    p = _normalize_offdiag(a.square(), diag)  # (r, n)
-    y_hat = _row_normalize(y)  # (r, n)
-    m = (p + y_hat) / 2  # (r, n)
-    log_m = _safe_log(m, m > 0)  # (r, n)
-    per_row = _kl_rows(y_hat, log_m) + _kl_rows(p, log_m)  # (r,)
-    has_pos = y.sum(dim=1) > 0  # (r,)
-    per_row = torch.where(has_pos, per_row, torch.zeros_like(per_row))
-    return _reduce(per_row, n)
+    return _normalized_loss("jsd", q, k, ids, rows)
 
 
 def jsd_appendix_e(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None) -> Tensor:
@@ -220,18 +324,103 @@ def jsd_appendix_e(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = No
     divides by the total number of rows n, also when only ``rows`` are computed. A row without a positive
     gives 0. Unlike :func:`jsd` the value can be negative: a row with m positives holding all of S' (1/m
     each) gives ``-m log(1 + 1/m) - log(1 + m)`` (-2 log 2 for m = 1).
+
+    Computed by the fused :class:`_NormalizedAffinityLoss`: where Y = 0 both terms vanish, so only the
+    positives and the row sums of S enter.
     """
-    a, y, diag, n = _prepare(q, k, ids, rows)
-    aff = a.square().masked_fill(diag, 0.0)  # (r, n)
-    aff = (aff + EPS) / (aff + EPS).sum(dim=1, keepdim=True)  # (r, n), diagonal = EPS / row-sum
-    log_mix = (aff + y).log()  # (r, n), > 0 everywhere thanks to EPS
-    loss = F.kl_div(log_mix, y, reduction="sum") + F.kl_div(log_mix, aff, reduction="sum")
-    return loss / n
+    return _normalized_loss("jsd_appendix_e", q, k, ids, rows)
 
 
 # --------------------------------------------------------------------------------------------------
 # KL losses of Appendices A/B
 # --------------------------------------------------------------------------------------------------
+
+
+def kl_relu(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None) -> Tensor:
+    """KL-ReLU of Appendix B: ``L_i = D(Ŷ_i || Normalize(A_+)_i)``, a scalar.
+
+    A_+ = max(A, 0); Normalize excludes the diagonal and uses the 1e-10 of Appendix E (so a positive with
+    A_ij <= 0 costs about log(1e10) instead of infinity). Rows without a positive contribute 0.
+    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_NormalizedAffinityLoss`.
+    """
+    return _normalized_loss("kl_relu", q, k, ids, rows)
+
+
+def kl_squared(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None) -> Tensor:
+    """KL-Squared of Appendix B: ``L_i = D(Ŷ_i || Normalize(A ∘ A)_i)``, a scalar.
+
+    Same conventions as :func:`kl_relu`. Rows without a positive contribute 0.
+    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_NormalizedAffinityLoss`.
+    """
+    return _normalized_loss("kl_squared", q, k, ids, rows)
+
+
+# --------------------------------------------------------------------------------------------------
+# softmax losses (KL-Softmax, InfoNCE, SupCon, DCL): one fused autograd Function
+# --------------------------------------------------------------------------------------------------
+
+
+class _SoftmaxAffinityLoss(torch.autograd.Function):
+    """Fused forward / backward of ``kl_softmax``, ``infonce``, ``supcon`` and ``dcl``.
+
+    Inputs as :class:`_NormalizedAffinityLoss` plus τ. With logits Z = (qn/τ) knᵀ (r, n), the denominator set
+    D(i) = {j != i} (``dcl``: the negatives only, j != i and j not in P(i)) and Ŷ_ij = 1/|P(i)| on the
+    positives::
+
+        lse_i = log sum_{j in D(i)} exp(Z_ij)
+        L_i   = lse_i - sum_pos Ŷ_ij Z_ij  (+ sum_pos Ŷ log Ŷ = -log|P(i)| for ``kl_softmax``)
+
+    which is eq. (9) / eq. (10) / DCL / D(Ŷ_i || σ(Z_i)); rows without a positive give 0. Gradient::
+
+        ∂L/∂Z_ij = w_i (σ_ij - Ŷ_ij),   σ_ij = exp(Z_ij - lse_i) for j in D(i), 0 elsewhere
+
+    with w_i = ∂out/n (0 without a positive); ∂qn = (∂L/∂Z) kn / τ, ∂kn = (∂L/∂Z)ᵀ qn / τ. Forward: one n×n
+    buffer, Z, turned in place into E_ij = exp(Z_ij - max_l Z_il) (the excluded entries set to -inf first,
+    so E = 0 there), kept for backward with its row sums (σ = E / sum_l E_il). Backward: one more buffer,
+    ∂L/∂Z = w σ - w Ŷ (a scaled copy of E plus the P positives).
+    """
+
+    @staticmethod
+    def forward(ctx, qn, kn, pos_row, pos_col, npos, start, n, kind, temperature):  # noqa: D102
+        z, diag = _affinity(qn / temperature, kn, start)  # (r, n) logits
+        z_pos = z[pos_row, pos_col]  # (P,)
+        diag.fill_(float("-inf"))
+        if kind == "dcl":
+            z.index_put_((pos_row, pos_col), z_pos.new_full((), float("-inf")))
+        row_max = z.amax(dim=1)  # (r,) finite: every row has an entry in D(i)
+        expz = z.sub_(row_max[:, None]).exp_()  # (r, n) in place: exp(Z_ij - max_i), 0 outside D(i)
+        sum_exp = expz.sum(dim=1)  # (r,)
+        lse = row_max + torch.log(sum_exp)  # (r,)
+        has_pos = npos > 0  # (r,)
+        y_hat = 1.0 / npos.clamp_min(1).to(z.dtype)  # (r,)
+        pos_mean = torch.zeros_like(lse).index_add_(0, pos_row, z_pos) * y_hat  # (r,)
+        per_row = lse - pos_mean
+        if kind == "kl_softmax":
+            per_row = per_row + torch.log(y_hat)
+        per_row = torch.where(has_pos, per_row, torch.zeros_like(per_row))
+        ctx.save_for_backward(qn, kn, expz, sum_exp, pos_row, pos_col, has_pos, y_hat)
+        ctx.n, ctx.temperature = n, temperature
+        return per_row.sum() / n
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):  # noqa: D102
+        qn, kn, expz, sum_exp, pos_row, pos_col, has_pos, y_hat = ctx.saved_tensors
+        scale = torch.where(has_pos, grad_out / (ctx.n * ctx.temperature), torch.zeros_like(sum_exp))  # (r,)
+        grad = torch.mul(expz, (scale / sum_exp)[:, None])  # (r, n) w σ / τ
+        grad.index_put_((pos_row, pos_col), -(scale * y_hat)[pos_row], accumulate=True)
+        grad_q = grad @ kn if ctx.needs_input_grad[0] else None  # (r, d)
+        grad_k = grad.T @ qn if ctx.needs_input_grad[1] else None  # (n, d)
+        return grad_q, grad_k, None, None, None, None, None, None, None
+
+
+def _softmax_loss(kind: str, q: Tensor, k: Tensor, ids: Tensor, rows: slice | None, temperature: float) -> Tensor:
+    n = _check_inputs(q, k, ids)
+    start, stop = _row_range(rows, n)
+    qn = F.normalize(q[start:stop], dim=1)  # (r, d)
+    kn = F.normalize(k, dim=1)  # (n, d)
+    pos_row, pos_col, npos = _positive_pairs(ids, start, stop)
+    return _SoftmaxAffinityLoss.apply(qn, kn, pos_row, pos_col, npos, start, n, kind, temperature)
 
 
 def kl_softmax(
@@ -241,54 +430,15 @@ def kl_softmax(
 
     σ is the softmax over j != i (diagonal excluded), Ŷ the row-normalised target. Equals SupCon (eq. 10)
     minus the entropy constant ``log |P(i)|`` per row (Appendix A). Rows without a positive contribute 0.
-    Returns ``sum_{i in rows} L_i / n``.
+    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`.
     """
     _check_temperature(temperature)
-    a, y, diag, n = _prepare(q, k, ids, rows)
-    logits = (a / temperature).masked_fill(diag, float("-inf"))  # (r, n)
-    log_sigma = F.log_softmax(logits, dim=1).masked_fill(diag, 0.0)  # (r, n), finite
-    per_row = _kl_rows(_row_normalize(y), log_sigma)  # (r,), 0 for rows without a positive
-    return _reduce(per_row, n)
-
-
-def kl_relu(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None) -> Tensor:
-    """KL-ReLU of Appendix B: ``L_i = D(Ŷ_i || Normalize(A_+)_i)``, a scalar.
-
-    A_+ = max(A, 0); Normalize excludes the diagonal and uses the 1e-10 of Appendix E (so a positive with
-    A_ij <= 0 costs about log(1e10) instead of infinity). Rows without a positive contribute 0.
-    Returns ``sum_{i in rows} L_i / n``.
-    """
-    a, y, diag, n = _prepare(q, k, ids, rows)
-    p = _normalize_offdiag(a.clamp_min(0.0), diag)  # (r, n)
-    per_row = _kl_rows(_row_normalize(y), _safe_log(p, ~diag))  # (r,)
-    return _reduce(per_row, n)
-
-
-def kl_squared(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None) -> Tensor:
-    """KL-Squared of Appendix B: ``L_i = D(Ŷ_i || Normalize(A ∘ A)_i)``, a scalar.
-
-    Same conventions as :func:`kl_relu`. Rows without a positive contribute 0.
-    Returns ``sum_{i in rows} L_i / n``.
-    """
-    a, y, diag, n = _prepare(q, k, ids, rows)
-    p = _normalize_offdiag(a.square(), diag)  # (r, n)
-    per_row = _kl_rows(_row_normalize(y), _safe_log(p, ~diag))  # (r,)
-    return _reduce(per_row, n)
+    return _softmax_loss("kl_softmax", q, k, ids, rows, temperature)
 
 
 # --------------------------------------------------------------------------------------------------
 # baselines
 # --------------------------------------------------------------------------------------------------
-
-
-def _supcon_rows(a: Tensor, y: Tensor, diag: Tensor, temperature: float) -> Tensor:
-    """Per-row eq. (10), (r,): ``-1/|P(i)| sum_p A_ip/τ + log sum_{a != i} exp(A_ia/τ)``, 0 if P(i) = {}."""
-    logits = a / temperature  # (r, n)
-    lse = logits.masked_fill(diag, float("-inf")).logsumexp(dim=1)  # (r,)
-    pos_mean = (_row_normalize(y) * logits).sum(dim=1)  # (r,)
-    has_pos = y.sum(dim=1) > 0  # (r,)
-    per_row = lse - pos_mean
-    return torch.where(has_pos, per_row, torch.zeros_like(per_row))
 
 
 def infonce(
@@ -298,17 +448,18 @@ def infonce(
 
     p = the unique positive of row i. Requires exactly one positive per row (the self-supervised two-view
     layout), checked on the whole batch; raises ValueError otherwise. Returns ``sum_{i in rows} L_i / n``.
+    Fused: :class:`_SoftmaxAffinityLoss`.
     """
     _check_temperature(temperature)
     if ids.dim() == 1:
-        counts = (ids[:, None] == ids[None, :]).sum(dim=1) - 1  # (n,) positives per row
+        _, inverse, size = torch.unique(ids, return_inverse=True, return_counts=True)
+        counts = size[inverse] - 1  # (n,) positives per row
         if not bool((counts == 1).all()):
             raise ValueError(
                 "infonce needs exactly one positive per row (self-supervised two-view ids); got rows with "
                 f"{sorted(set(counts.tolist()))} positives — use supcon for supervised batches"
             )
-    a, y, diag, n = _prepare(q, k, ids, rows)
-    return _reduce(_supcon_rows(a, y, diag, temperature), n)
+    return _softmax_loss("infonce", q, k, ids, rows, temperature)
 
 
 def supcon(
@@ -319,11 +470,10 @@ def supcon(
         L_i = -1/|P(i)| sum_{p in P(i)} log( exp(A_ip/τ) / sum_{a != i} exp(A_ia/τ) )
 
     P(i) = {j != i : ids[j] == ids[i]}. Rows with empty P(i) contribute 0.
-    Returns ``sum_{i in rows} L_i / n``.
+    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`.
     """
     _check_temperature(temperature)
-    a, y, diag, n = _prepare(q, k, ids, rows)
-    return _reduce(_supcon_rows(a, y, diag, temperature), n)
+    return _softmax_loss("supcon", q, k, ids, rows, temperature)
 
 
 def dcl(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, temperature: float = 0.1) -> Tensor:
@@ -333,20 +483,12 @@ def dcl(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, tempera
 
     (the positives are removed from the denominator). Rows with empty P(i) contribute 0. Every row needs at
     least one negative, i.e. the batch must hold at least two distinct ids (ValueError otherwise).
-    Returns ``sum_{i in rows} L_i / n``.
+    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`.
     """
     _check_temperature(temperature)
     if ids.dim() == 1 and ids.numel() > 0 and ids.unique().numel() < 2:
         raise ValueError("dcl needs at least one negative per row: the batch holds a single id")
-    a, y, diag, n = _prepare(q, k, ids, rows)
-    logits = a / temperature  # (r, n)
-    not_neg = (y > 0) | diag  # (r, n)
-    lse_neg = logits.masked_fill(not_neg, float("-inf")).logsumexp(dim=1)  # (r,)
-    pos_mean = (_row_normalize(y) * logits).sum(dim=1)  # (r,)
-    has_pos = y.sum(dim=1) > 0  # (r,)
-    per_row = lse_neg - pos_mean
-    per_row = torch.where(has_pos, per_row, torch.zeros_like(per_row))
-    return _reduce(per_row, n)
+    return _softmax_loss("dcl", q, k, ids, rows, temperature)
 
 
 def barlow_twins(

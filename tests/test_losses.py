@@ -88,8 +88,11 @@ def ref_target(ids: list[int]) -> list[list[float]]:
     return [[1.0 if (ids[i] == ids[j] and i != j) else 0.0 for j in range(n)] for i in range(n)]
 
 
-def ref_row_loss(name: str, A: list[list[float]], ids: list[int], i: int, tau: float) -> float:
-    """Per-row loss of row i (all losses but barlow_twins), written straight from the formulas."""
+def ref_row_loss(name: str, A: list, ids: list[int], i: int, tau: float, log=math.log, exp=math.exp):
+    """Per-row loss of row i (all losses but barlow_twins), written straight from the formulas.
+
+    A holds floats (with math.log / math.exp) or 0-dim tensors (with torch's, for the loop gradients).
+    """
     n = len(ids)
     Y = ref_target(ids)
     others = [j for j in range(n) if j != i]
@@ -105,8 +108,8 @@ def ref_row_loss(name: str, A: list[list[float]], ids: list[int], i: int, tau: f
         for j in range(n):
             mix = aff[j] + Y[i][j]
             if Y[i][j] > 0:
-                total += Y[i][j] * math.log(Y[i][j] / mix)
-            total += aff[j] * math.log(aff[j] / mix)
+                total += Y[i][j] * log(Y[i][j] / mix)
+            total += aff[j] * log(aff[j] / mix)
         return total
 
     if npos == 0:
@@ -119,26 +122,26 @@ def ref_row_loss(name: str, A: list[list[float]], ids: list[int], i: int, tau: f
             p = A[i][j] ** 2 / tot
             m = (p + yhat[j]) / 2
             if yhat[j] > 0:
-                total += yhat[j] * math.log(yhat[j] / m)
+                total += yhat[j] * log(yhat[j] / m)
             if p > 0:
-                total += p * math.log(p / m)
+                total += p * log(p / m)
         return total
 
     if name in ("kl_relu", "kl_squared"):
         f = (lambda a: max(a, 0.0)) if name == "kl_relu" else (lambda a: a * a)
         tot = sum(f(A[i][j]) + EPS for j in others)
-        return sum(yhat[j] * math.log(yhat[j] / ((f(A[i][j]) + EPS) / tot)) for j in positives)
+        return sum(yhat[j] * log(yhat[j] / ((f(A[i][j]) + EPS) / tot)) for j in positives)
 
-    denom_all = sum(math.exp(A[i][a] / tau) for a in others)
+    denom_all = sum(exp(A[i][a] / tau) for a in others)
     if name == "kl_softmax":
-        return sum(yhat[j] * math.log(yhat[j] / (math.exp(A[i][j] / tau) / denom_all)) for j in positives)
+        return sum(yhat[j] * log(yhat[j] / (exp(A[i][j] / tau) / denom_all)) for j in positives)
     if name in ("supcon", "infonce"):
         if name == "infonce":
             assert npos == 1
-        return -sum(math.log(math.exp(A[i][p] / tau) / denom_all) for p in positives) / npos
+        return -sum(log(exp(A[i][p] / tau) / denom_all) for p in positives) / npos
     if name == "dcl":
-        denom_neg = sum(math.exp(A[i][a] / tau) for a in others if a not in positives)
-        return -sum(A[i][p] / tau for p in positives) / npos + math.log(denom_neg)
+        denom_neg = sum(exp(A[i][a] / tau) for a in others if a not in positives)
+        return -sum(A[i][p] / tau for p in positives) / npos + log(denom_neg)
     raise AssertionError(name)
 
 
@@ -194,6 +197,130 @@ def call(name: str, q, k, ids, rows=None, tau: float = 0.1, lam: float = 5e-3) -
     if name == "barlow_twins":
         hyper["barlow_lambda"] = lam
     return LOSSES[name](q, k, ids, rows=rows, **hyper)
+
+
+# --------------------------------------------------------------------------------------------------
+# today's vectorised implementation before the fused autograd Functions (issue 12), kept verbatim as a
+# second reference: it builds the full (r, n) P, Ŷ, M, log M ... and lets autograd differentiate them
+# --------------------------------------------------------------------------------------------------
+
+
+def _pre_prepare(q, k, ids, rows):
+    """A (r, n), Y (r, n), diagonal mask (r, n) and n, as the pre-fusion ``_prepare``."""
+    n = q.shape[0]
+    start, stop = rows.indices(n)[:2] if rows is not None else (0, n)
+    stop = max(start, stop)
+    a = pairwise_cosine(q, k, rows)
+    y = target_affinity(ids, rows, dtype=a.dtype)
+    diag = torch.arange(start, stop)[:, None] == torch.arange(n)[None, :]
+    return a, y, diag, n
+
+
+def _pre_row_normalize(y):
+    return y / y.sum(dim=1, keepdim=True).clamp_min(1.0)
+
+
+def _pre_normalize_offdiag(s, diag):
+    s = (s + EPS).masked_fill(diag, 0.0)
+    return s / s.sum(dim=1, keepdim=True)
+
+
+def _pre_safe_log(x, where):
+    return torch.log(torch.where(where, x, torch.ones_like(x)))
+
+
+def _pre_kl_rows(p, log_q):
+    pos = ~(p <= 0)
+    terms = p * (_pre_safe_log(p, pos) - torch.where(pos, log_q, torch.zeros_like(log_q)))
+    return torch.where(pos, terms, torch.zeros_like(terms)).sum(dim=1)
+
+
+def reference_jsd(q, k, ids, *, rows=None):
+    a, y, diag, n = _pre_prepare(q, k, ids, rows)
+    p = _pre_normalize_offdiag(a.square(), diag)
+    y_hat = _pre_row_normalize(y)
+    m = (p + y_hat) / 2
+    log_m = _pre_safe_log(m, m > 0)
+    per_row = _pre_kl_rows(y_hat, log_m) + _pre_kl_rows(p, log_m)
+    has_pos = y.sum(dim=1) > 0
+    return torch.where(has_pos, per_row, torch.zeros_like(per_row)).sum() / n
+
+
+def reference_jsd_appendix_e(q, k, ids, *, rows=None):
+    a, y, diag, n = _pre_prepare(q, k, ids, rows)
+    aff = a.square().masked_fill(diag, 0.0)
+    aff = (aff + EPS) / (aff + EPS).sum(dim=1, keepdim=True)
+    log_mix = (aff + y).log()
+    return (F.kl_div(log_mix, y, reduction="sum") + F.kl_div(log_mix, aff, reduction="sum")) / n
+
+
+def reference_kl_relu(q, k, ids, *, rows=None):
+    a, y, diag, n = _pre_prepare(q, k, ids, rows)
+    p = _pre_normalize_offdiag(a.clamp_min(0.0), diag)
+    return _pre_kl_rows(_pre_row_normalize(y), _pre_safe_log(p, ~diag)).sum() / n
+
+
+def reference_kl_squared(q, k, ids, *, rows=None):
+    a, y, diag, n = _pre_prepare(q, k, ids, rows)
+    p = _pre_normalize_offdiag(a.square(), diag)
+    return _pre_kl_rows(_pre_row_normalize(y), _pre_safe_log(p, ~diag)).sum() / n
+
+
+def reference_kl_softmax(q, k, ids, *, rows=None, temperature=0.1):
+    a, y, diag, n = _pre_prepare(q, k, ids, rows)
+    logits = (a / temperature).masked_fill(diag, float("-inf"))
+    log_sigma = F.log_softmax(logits, dim=1).masked_fill(diag, 0.0)
+    return _pre_kl_rows(_pre_row_normalize(y), log_sigma).sum() / n
+
+
+def reference_supcon(q, k, ids, *, rows=None, temperature=0.1):  # also infonce
+    a, y, diag, n = _pre_prepare(q, k, ids, rows)
+    logits = a / temperature
+    lse = logits.masked_fill(diag, float("-inf")).logsumexp(dim=1)
+    per_row = lse - (_pre_row_normalize(y) * logits).sum(dim=1)
+    return torch.where(y.sum(dim=1) > 0, per_row, torch.zeros_like(per_row)).sum() / n
+
+
+def reference_dcl(q, k, ids, *, rows=None, temperature=0.1):
+    a, y, diag, n = _pre_prepare(q, k, ids, rows)
+    logits = a / temperature
+    lse_neg = logits.masked_fill((y > 0) | diag, float("-inf")).logsumexp(dim=1)
+    per_row = lse_neg - (_pre_row_normalize(y) * logits).sum(dim=1)
+    return torch.where(y.sum(dim=1) > 0, per_row, torch.zeros_like(per_row)).sum() / n
+
+
+PRE_FUSION = {
+    "jsd": reference_jsd,
+    "jsd_appendix_e": reference_jsd_appendix_e,
+    "kl_relu": reference_kl_relu,
+    "kl_squared": reference_kl_squared,
+    "kl_softmax": reference_kl_softmax,
+    "infonce": reference_supcon,
+    "supcon": reference_supcon,
+    "dcl": reference_dcl,
+}
+FUSED = tuple(PRE_FUSION)
+
+
+def call_pre_fusion(name, q, k, ids, rows=None, tau: float = 0.1):
+    hyper = {"temperature": tau} if name in TEMPERATURES else {}
+    return PRE_FUSION[name](q, k, ids, rows=rows, **hyper)
+
+
+def ref_loss_torch(name: str, q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, tau: float) -> torch.Tensor:
+    """The loop reference of :func:`ref_row_loss` on 0-dim tensors, so that autograd gives its gradient."""
+    n = q.shape[0]
+    A = [[q[i] @ k[j] / (q[i].norm() * k[j].norm()) for j in range(n)] for i in range(n)]
+
+    def log(x):
+        return torch.log(torch.as_tensor(x, dtype=q.dtype))
+
+    def exp(x):
+        return torch.exp(torch.as_tensor(x, dtype=q.dtype))
+
+    idl = ids.tolist()
+    total = sum(ref_row_loss(name, A, idl, i, tau, log=log, exp=exp) for i in range(n)) / n
+    return torch.as_tensor(total, dtype=q.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -519,3 +646,184 @@ def test_nan_embeddings_give_a_nan_loss(name):
     q = torch.randn(8, 4)
     q[0, 0] = float("nan")
     assert torch.isnan(make_loss(name)(q, q, self_supervised_ids(4)))
+
+
+# --------------------------------------------------------------------------------------------------
+# fused losses (issue 12): values and gradients equal to the loops and to the pre-fusion implementation
+# --------------------------------------------------------------------------------------------------
+
+# larger supervised batches: unsorted, non-contiguous (also negative) labels, several singletons
+RANDOM_SUP = [
+    (17, 5, [7, -3, 7, 100, 4, 4, -3, 7, 9, 100, 100, 4, 7, 11, -3, 4, 7]),  # 9 and 11 are singletons
+    (40, 8, None),  # drawn below: labels 0..11 of 40 rows
+]
+
+
+def random_sup_ids(n: int, labels: list[int] | None) -> torch.Tensor:
+    if labels is not None:
+        return torch.tensor(labels, dtype=torch.int64)
+    g = torch.Generator().manual_seed(n)
+    return torch.randint(0, 12, (n,), generator=g)
+
+
+def values_and_grads(fn, q0, k0, *, rows=None, weight: float = 1.0):
+    """``fn(q, k, rows)`` and the gradient of ``weight`` times it with respect to q and k."""
+    q = q0.clone().requires_grad_(True)
+    k = k0.clone().requires_grad_(True)
+    loss = fn(q, k, rows)
+    gq, gk = torch.autograd.grad(loss * weight, (q, k), allow_unused=True)
+    gq = torch.zeros_like(q0) if gq is None else gq
+    gk = torch.zeros_like(k0) if gk is None else gk
+    return loss.detach(), gq, gk
+
+
+def assert_same(got, want, tol):
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name,kind", [(nm, kd) for nm, kd in NAME_KIND if nm in FUSED])
+@pytest.mark.parametrize("n,d", [(4, 3), (6, 8), (10, 3)])
+def test_fused_gradient_matches_loop_reference(name, kind, n, d):
+    """Value and gradient (through autograd of the explicit i, j loops) of every fused loss, fp64 and fp32."""
+    ids = make_ids(kind, n)
+    q0, k0 = make_qk(n, d, seed=3 * n + d)
+    want = values_and_grads(lambda q, k, _: ref_loss_torch(name, q, k, ids, 0.3), q0, k0)
+    assert want[1].abs().sum() > 0
+    got = values_and_grads(lambda q, k, _: call(name, q, k, ids, tau=0.3), q0, k0)
+    # jsd's loop has no 1e-10 epsilon: near-zero positive affinities move its gradient by ~1e-8
+    assert_same(got, want, 1e-6 if name == "jsd" else 1e-8)
+    got32 = values_and_grads(lambda q, k, _: call(name, q, k, ids, tau=0.3), q0.float(), k0.float())
+    assert got32[0].dtype == torch.float32
+    assert_same([t.double() for t in got32], want, 1e-4)
+
+
+def slices(n: int) -> list[slice | None]:
+    return [None, slice(0, 1), slice(1, n // 2), slice(n // 2, None), slice(n - 1, None), slice(n // 3, n - 2)]
+
+
+@pytest.mark.parametrize("name", FUSED)
+@pytest.mark.parametrize("kind", ["self", "sup", "random0", "random1"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("weight", [1.0, -2.5])
+def test_fused_matches_pre_fusion(name, kind, dtype, weight):
+    """Equal to the pre-fusion implementation on whole batches and row slices, for any upstream gradient."""
+    if kind.startswith("random"):
+        n, d, labels = RANDOM_SUP[int(kind[-1])]
+        ids = random_sup_ids(n, labels)
+    else:
+        n, d = 10, 5
+        ids = make_ids(kind, n)
+    if not allowed(name, "sup" if kind != "self" else "self"):
+        return
+    q0, k0 = make_qk(n, d, seed=n + d, dtype=dtype)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    def pre(q, k, rows):
+        return call_pre_fusion(name, q, k, ids, rows=rows, tau=0.2)
+
+    def fused(q, k, rows):
+        return call(name, q, k, ids, rows=rows, tau=0.2)
+
+    full = None
+    for rows in slices(n):
+        want = values_and_grads(pre, q0, k0, rows=rows, weight=weight)
+        got = values_and_grads(fused, q0, k0, rows=rows, weight=weight)
+        assert got[0].dtype == dtype
+        assert_same(got, want, tol)
+        full = full or got
+    assert full[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", FUSED)
+@pytest.mark.parametrize("n,d", [(17, 5), (40, 8)])
+def test_fused_disjoint_slices_add_up(name, n, d):
+    ids = self_supervised_ids(n // 2) if n % 2 == 0 and name == "infonce" else random_sup_ids(n, None)
+    if name == "infonce" and n % 2:
+        return
+    q0, k0 = make_qk(n, d, seed=5 * n)
+    def fused(q, k, rows):
+        return call(name, q, k, ids, rows=rows)
+
+    full = values_and_grads(fused, q0, k0)
+    cuts = [0, 1, n // 3, n // 2 + 1, n]
+    parts = [values_and_grads(fused, q0, k0, rows=slice(a, b)) for a, b in zip(cuts, cuts[1:], strict=False)]
+    summed = [sum(p[t] for p in parts) for t in range(3)]
+    assert_same(summed, full, 1e-10)
+    assert full[2].abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", [nm for nm in FUSED if nm != "infonce"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_singleton_rows_have_zero_gradient(name, dtype):
+    """A row without a positive contributes 0 and pushes nothing (jsd_appendix_e: 0 by construction)."""
+    ids = torch.tensor(SUP_IDS[10])  # row 6 is the only member of class 3
+    q0, k0 = make_qk(10, 8, seed=2, dtype=dtype)
+    value, gq, gk = values_and_grads(lambda q, k, r: call(name, q, k, ids, rows=r), q0, k0, rows=slice(6, 7))
+    assert value.item() == 0.0
+    assert gq.abs().max().item() == 0.0 and gk.abs().max().item() == 0.0
+    _, gq5, _ = values_and_grads(lambda q, k, r: call(name, q, k, ids, rows=r), q0, k0, rows=slice(5, 6))
+    assert gq5.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kl_relu_all_zero_rows(dtype):
+    """A row whose affinities are all <= 0 becomes uniform under ReLU + 1e-10 and gets no gradient."""
+    n = 6
+    ids = self_supervised_ids(3)
+    z = torch.randn(n, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    z[:, 0] = -z[:, 0].abs() - 0.1  # every other row points away from row 0 ...
+    z[0] = torch.tensor([1.0, 0.0, 0.0])  # ... so A[0, j] < 0 for all j != 0
+    z[3] = torch.tensor([0.0, 1.0, 0.0])  # row 0's positive is orthogonal to it: A[0, 3] = 0 exactly
+    z = z.to(dtype)
+    assert (pairwise_cosine(z, z, rows=slice(0, 1))[0, 1:] <= 0).all()
+    for rows in [slice(0, 1), None]:
+        got = values_and_grads(lambda q, k, r: call("kl_relu", q, k, ids, rows=r), z, z, rows=rows)
+        want = values_and_grads(lambda q, k, r: call_pre_fusion("kl_relu", q, k, ids, rows=r), z, z, rows=rows)
+        assert_same(got, want, 1e-10 if dtype == torch.float64 else 1e-5)
+        if rows is not None:  # uniform over the n - 1 others: D(Ŷ || U) = log(n - 1), and flat
+            assert got[0].item() * n == pytest.approx(math.log(n - 1), rel=1e-6)
+            assert got[1].abs().max().item() == 0.0 and got[2].abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_matches_pre_fusion_at_exact_zeros(name):
+    """One-hot embeddings: cosines of exactly 0 and 1 (kl_relu's kink, jsd's P = 1e-10 / T entries)."""
+    ids = self_supervised_ids(4)
+    z = F.one_hot(torch.tensor([0, 1, 2, 3, 0, 1, 2, 2]), 8).double() + 0.0
+    got = values_and_grads(lambda q, k, r: call(name, q, k, ids, rows=r), z, z)
+    want = values_and_grads(lambda q, k, r: call_pre_fusion(name, q, k, ids, rows=r), z, z)
+    assert_same(got, want, 1e-10)
+
+
+@pytest.mark.parametrize("name,kind", [(nm, kd) for nm, kd in NAME_KIND if nm in FUSED])
+def test_gradcheck_row_slice(name, kind):
+    ids = make_ids(kind, 6)
+    q, k = make_qk(6, 3, seed=12)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: call(name, a, b, ids, rows=slice(2, 5), tau=0.5), (q, k))
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_keeps_one_n_by_n_tensor_for_backward(name):
+    """The graph of a fused loss holds one (r, n) tensor (A or the logits); the pre-fusion one held many."""
+    n, d = 64, 4
+    ids = self_supervised_ids(n // 2) if name == "infonce" else random_sup_ids(n, None)
+    q, k = make_qk(n, d, seed=0, dtype=torch.float32)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+
+    def count_big(fn) -> int:
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return sum(1 for size in saved if size >= n * n // 2)
+
+    assert count_big(lambda: call(name, q, k, ids, rows=slice(0, n // 2))) == 1  # an (n/2, n) block
+    assert count_big(lambda: call(name, q, k, ids)) == 1
+    assert count_big(lambda: call_pre_fusion(name, q, k, ids)) >= 2
