@@ -38,6 +38,7 @@ from pipeline.cluster import connect
 from pipeline.config import Params, ParamsError, flatten, validate_params
 from pipeline.resources import NodeType, TrialShape, cluster_from_ray, trials_at_once
 from pipeline.storage import is_uri, join, stage_prepared
+from pipeline.tracking import log_missing_epochs
 from pipeline.train import (
     FAULT_ENV,
     HISTORY_FILE,
@@ -385,8 +386,7 @@ class SweepTracker(tune.Callback):
             # epochs a resumed trial checkpointed before an interruption but never reported to Tune: from the
             # checkpoint's history, so that the run shows every epoch once
             history = _checkpoint_history((trial.last_result or {}).get("checkpoint_path")) or []
-            logged = {m.step for m in client.get_metric_history(child, "loss")}
-            self._log_epochs(child, [h for h in history if int(h["epoch"]) not in logged])
+            log_missing_epochs(self.uri, child, history, self.METRICS)
             client.set_tag(child, "stopped_early", str(early))
             if reason:
                 client.set_tag(child, "error", reason)

@@ -180,6 +180,26 @@ def log_epoch(uri: str, run_id: str, metrics: Mapping[str, float], step: int) ->
     MlflowClient(uri).log_batch(run_id, metrics=batch, synchronous=True)
 
 
+def log_missing_epochs(uri: str, run_id: str, history: list[Mapping[str, Any]], keys: tuple[str, ...]) -> int:
+    """Log the epochs of ``history`` (per-epoch metric dicts with ``epoch``) that ``run_id`` lacks, e.g. those an
+    interrupted run checkpointed but never got to log; finite numbers of ``keys`` only. Returns how many epochs."""
+    import math
+    import time
+
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    client = MlflowClient(uri)
+    logged = {m.step for m in client.get_metric_history(run_id, "loss")}
+    missing = [h for h in history if int(h["epoch"]) not in logged]
+    now = int(time.time() * 1000)
+    batch = [Metric(k, float(h[k]), now, int(h["epoch"])) for h in missing for k in keys
+             if isinstance(h.get(k), int | float) and not isinstance(h.get(k), bool) and math.isfinite(h[k])]
+    if batch:
+        client.log_batch(run_id, metrics=batch, synchronous=True)
+    return len(missing)
+
+
 def set_tags(run_id: str, tags: Mapping[str, str], root: Path | None = None) -> None:
     from mlflow import MlflowClient
 

@@ -32,6 +32,7 @@ from pipeline.loop import EpochMetrics, PretrainLoop
 from pipeline.step import NonFiniteLossError
 from pipeline.storage import clear_status, fetch_prepared, is_uri, join, read_status, stage_prepared, write_status
 
+EPOCH_METRICS = ("loss", "lr", "samples_per_s", "view_noise", "knn_acc", "seconds")  # per-epoch, in MLflow
 FAULT_ENV = "TRANSFUSION_FAULT"  # fault injection for tests: "crash@E" (rank 0 dies after epoch E), "nan@E"
 STATE_FILE = "state.pt"
 HISTORY_FILE = "history.json"  # per-epoch metrics up to the checkpoint, beside STATE_FILE
@@ -264,6 +265,8 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
         raise PretrainError("pretraining finished without a checkpoint")
     with result.checkpoint.as_directory() as d:
         state = load_torch(Path(d) / STATE_FILE)
+    if run_id:  # epochs checkpointed before an interruption but never logged: the run shows every epoch once
+        trk.log_missing_epochs(uri, run_id, state["history"], EPOCH_METRICS)
     return PretrainResult(state=state, run_name=name, mlflow_run_id=run_id, input_shape=data.input_shape,
                           n_classes=len(data.classes))
 

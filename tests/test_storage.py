@@ -45,7 +45,8 @@ def test_staging_is_content_addressed_linked_and_idempotent(tmp_path, prepared):
 def test_a_worker_that_cannot_see_the_storage_names_its_node_and_the_path(tmp_path, prepared):
     _, manifest = prepared
     missing = str(tmp_path / "elsewhere" / STAGED / data_digest(manifest))
-    with pytest.raises(DatasetError, match=r"host .* cannot see the prepared data at .*elsewhere.*ray.storage_path"):
+    where = r"(host|node) .* cannot see the prepared data at .*elsewhere.*ray.storage_path"
+    with pytest.raises(DatasetError, match=where):
         fetch_prepared(missing, manifest)
 
 
@@ -68,7 +69,7 @@ def test_a_torn_or_modified_copy_is_refused(tmp_path, prepared):
     blob[-10] ^= 0xFF
     with open(target, "wb") as f:
         f.write(blob)
-    with pytest.raises(DatasetError, match=r"host .*does not match the sha256"):
+    with pytest.raises(DatasetError, match=r"(host|node) .*does not match the sha256"):
         fetch_prepared(where, manifest)
 
 

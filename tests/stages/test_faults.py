@@ -66,6 +66,18 @@ def read_until(proc: subprocess.Popen, pattern: re.Pattern, timeout: float = 300
     raise AssertionError(f"no line matched {pattern.pattern!r}:\n{''.join(lines[-40:])}")
 
 
+def wait_for_recorded_checkpoint(project, timeout: float = 60) -> None:
+    """Until the Ray run's snapshot lists a checkpoint."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for snapshot in (project / "ray_results").glob(f"pretrain-*/{SNAPSHOT_FILE}"):
+            with contextlib.suppress(OSError):
+                if "checkpoint_" in snapshot.read_text():
+                    return
+        time.sleep(0.1)
+    raise AssertionError("Ray never recorded a checkpoint")
+
+
 def _process(pid: int) -> psutil.Process | None:
     try:
         return psutil.Process(pid)
@@ -94,6 +106,9 @@ def test_killed_worker_restarts_from_the_last_checkpoint(prepared, ray_tmp):
     try:
         m, before = read_until(proc, re.compile(r"\(RayTrainWorker pid=(\d+)\).*\[pretrain\] epoch 3/6"))
         pid, reached = int(m.group(1)), 3
+        # epochs take ~0.5 s here: kill once Ray has recorded the epoch-2 checkpoint (uploaded in the background),
+        # so that "the last checkpoint before the kill" is well defined
+        wait_for_recorded_checkpoint(prepared)
         victim = psutil.Process(pid)
         assert "RayTrainWorker" in " ".join(victim.cmdline()) or "ray::" in victim.name()
         victim.kill()  # SIGKILL, from outside, by pid
