@@ -3,7 +3,8 @@
 Default store: ``sqlite:///<project root>/mlflow.db`` with artifacts in ``<project root>/mlartifacts``,
 both absolute, so Ray workers (whose cwd is under /tmp/ray) and ``dvc exp run --temp`` copies (under
 ``.dvc/tmp/exps``) all write to the project's one store. ``MLFLOW_TRACKING_URI`` overrides it (e.g. a
-shared ``mlflow server``). Only the driver and rank 0 ever write.
+shared ``mlflow server``). Only the driver's node ever writes: the driver, and Ray Train's controller, which Ray
+places there (:func:`epoch_logger`).
 """
 
 from __future__ import annotations
@@ -130,24 +131,47 @@ def epoch_logger(uri: str, run_id: str):
 
     It runs in Ray Train's controller, which Ray places on the driver's node: the tracking store only has to be
     reachable from where the stage was started (a sqlite file on the head's disk is), never from the workers.
+    The controller registers checkpoints in the same loop that calls ``after_report``, so the call must be quick:
+    MLflow is imported and its store opened when the callback arrives in the controller (``__setstate__``, before
+    any worker starts), leaving one small write per epoch. What a killed controller never logged, the driver logs
+    from the checkpoint's history (:func:`log_missing_epochs`).
     """
     import ray.train
 
     class EpochLogger(ray.train.UserCallback):
         def __init__(self) -> None:
+            self.client = None
             self.warned = False
+
+        def __getstate__(self) -> dict:
+            return {"warned": self.warned}
+
+        def __setstate__(self, state: dict) -> None:
+            self.__dict__.update(state)
+            self.client = None
+            try:  # warm up: the first MLflow import and store initialisation take seconds
+                from mlflow import MlflowClient
+
+                self.client = MlflowClient(uri)
+                self.client.get_run(run_id)
+            except Exception as exc:
+                self._warn(exc)
+
+        def _warn(self, exc: Exception) -> None:
+            if not self.warned:  # tracking must never stop training; say it once
+                self.warned = True
+                print(f"[pretrain] warning: MLflow logging to {uri} failed ({exc}); the driver logs the epochs "
+                      "from the checkpoints when training ends")
 
         def after_report(self, run_context, metrics, checkpoint) -> None:
             m = metrics[0] if metrics else {}
-            if "epoch" not in m:
+            if "epoch" not in m or self.warned:
                 return
             try:
                 log_epoch(uri, run_id, {k: v for k, v in m.items() if k not in ("epoch", "ended_at")},
-                          step=int(m["epoch"]))
-            except Exception as exc:  # tracking must never stop training; say it once
-                if not self.warned:
-                    self.warned = True
-                    print(f"[pretrain] warning: MLflow logging to {uri} failed ({exc}); training goes on")
+                          step=int(m["epoch"]), client=self.client)
+            except Exception as exc:
+                self._warn(exc)
 
     return EpochLogger()
 
@@ -168,8 +192,8 @@ def stage_tags(stage: str, root: Path) -> dict[str, str]:
     return tags
 
 
-def log_epoch(uri: str, run_id: str, metrics: Mapping[str, float], step: int) -> None:
-    """Log one epoch's metrics to ``run_id`` from anywhere (e.g. the rank-0 Ray worker)."""
+def log_epoch(uri: str, run_id: str, metrics: Mapping[str, float], step: int, client: Any = None) -> None:
+    """Log one epoch's metrics to ``run_id`` (through ``client`` when given)."""
     import time
 
     from mlflow import MlflowClient
@@ -177,7 +201,7 @@ def log_epoch(uri: str, run_id: str, metrics: Mapping[str, float], step: int) ->
 
     now = int(time.time() * 1000)
     batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
-    MlflowClient(uri).log_batch(run_id, metrics=batch, synchronous=True)
+    (client or MlflowClient(uri)).log_batch(run_id, metrics=batch, synchronous=True)
 
 
 def log_missing_epochs(uri: str, run_id: str, history: list[Mapping[str, Any]], keys: tuple[str, ...]) -> int:

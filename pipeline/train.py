@@ -3,8 +3,9 @@
 The driver (:func:`pretrain`) validates and fails fast (data, tracking store), names the Ray run after
 everything that determines its result (so an interrupted run resumes, and a changed one starts afresh),
 launches ``ray.num_workers`` workers running :class:`pipeline.loop.PretrainLoop` on the global batch,
-and turns the final checkpoint into the stage's outputs. Rank 0 logs per-epoch metrics to MLflow and
-writes checkpoints (``train.checkpoint_every``) through Ray's checkpoint API; ``ray.max_failures``
+and turns the final checkpoint into the stage's outputs. Rank 0 writes checkpoints (``train.checkpoint_every``)
+through Ray's checkpoint API and reports per-epoch metrics, which Ray Train's controller (on the driver's node)
+logs to MLflow (``pipeline.tracking.epoch_logger``); ``ray.max_failures``
 restarts a failed worker group from the last one. After a successful run the Ray run directory is
 removed, so a later forced rerun trains again instead of returning the old result.
 """
