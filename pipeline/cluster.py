@@ -141,8 +141,9 @@ def wait_for_workers(params: Params, *, gpu: bool) -> None:
 
 
 def connect(params: Params, root: Any = None, *, tracking: bool = True, cpus_per_worker: float | None = None,
-            trial_cpu: float = 0.0, what: str = "pretraining") -> bool:
-    """What every Ray stage does first, cheapest check first; returns whether the workers train on GPUs.
+            trial_cpu: float = 0.0, what: str = "pretraining") -> tuple[bool, list[NodeType]]:
+    """What every Ray stage does first, cheapest check first; returns whether the workers train on GPUs, and the
+    cluster's node types as checked (read once: callers size their concurrency from them).
 
     1. the tracking store (``root``'s, or ``MLFLOW_TRACKING_URI``) answers and is sound, before Ray starts;
     2. for a local Ray, the request fits this machine (exit 2 before Ray starts);
@@ -158,6 +159,9 @@ def connect(params: Params, root: Any = None, *, tracking: bool = True, cpus_per
         local = local_nodes()
         check_request(params, gpu=use_gpu(params, cluster_gpus(local)), nodes=local, **request)
     init_ray(params)
-    gpu = use_gpu(params, cluster_gpus())
-    check_request(params, gpu=gpu, **request)
-    return gpu
+    from pipeline.resources import cluster_from_ray
+
+    nodes = cluster_from_ray()
+    gpu = use_gpu(params, cluster_gpus(nodes))
+    check_request(params, gpu=gpu, nodes=nodes, **request)
+    return gpu, nodes

@@ -87,9 +87,13 @@ def stage_prepared(data_dir: Path, storage: str) -> str:
     filesystem, path = _fs(dest)
     filesystem.create_dir(path, recursive=True)
     for name in names:  # manifest last
-        with open(data_dir / name, "rb") as src, filesystem.open_output_stream(f"{path}/{name}") as out:
-            shutil.copyfileobj(src, out, 1 << 20)
+        _copy(lambda n=name: open(data_dir / n, "rb"), lambda n=name: filesystem.open_output_stream(f"{path}/{n}"))
     return dest
+
+
+def _copy(open_src: Any, open_dst: Any) -> None:
+    with open_src() as src, open_dst() as out:
+        shutil.copyfileobj(src, out, 1 << 20)
 
 
 def staged_manifest(location: str) -> dict[str, Any] | None:
@@ -147,8 +151,7 @@ def _download(location: str, digest: str) -> Path:
     tmp = cache.parent / f".{digest}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     for name in (*PREPARED_FILES, MANIFEST):
-        with filesystem.open_input_stream(f"{path}/{name}") as src, open(tmp / name, "wb") as out:
-            shutil.copyfileobj(src, out, 1 << 20)
+        _copy(lambda n=name: filesystem.open_input_stream(f"{path}/{n}"), lambda n=name: open(tmp / n, "wb"))
     try:
         os.replace(tmp, cache)
     except OSError:  # another worker on this node won the race

@@ -36,7 +36,7 @@ from ray import tune
 
 from pipeline.cluster import connect
 from pipeline.config import Params, ParamsError, flatten, validate_params
-from pipeline.resources import NodeType, TrialShape, cluster_from_ray, trials_at_once
+from pipeline.resources import NodeType, TrialShape, trials_at_once
 from pipeline.storage import is_uri, join, stage_prepared
 from pipeline.tracking import log_missing_epochs
 from pipeline.train import (
@@ -554,8 +554,8 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     base = base_params(params)
     check_points(params, manifest.get("n_train"))
     s = params.sweep
-    gpu = connect(params, root, tracking=tracking, cpus_per_worker=s.cpus_per_worker, trial_cpu=TRIAL_CPU,
-                  what="a sweep trial")
+    gpu, nodes = connect(params, root, tracking=tracking, cpus_per_worker=s.cpus_per_worker, trial_cpu=TRIAL_CPU,
+                         what="a sweep trial")
     uri = exp = parent = None
     if tracking:  # the parent run only once the cluster can serve the sweep
         uri, exp, parent = _parent_run(params, root, name)
@@ -571,7 +571,7 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     trainable = tune.with_resources(tune.with_parameters(_trial, fixed=fixed), {"CPU": TRIAL_CPU})
     tracker = SweepTracker(s.epochs, uri, exp, parent)
     n = len(grid_points(params)) if s.search == "grid" else samples
-    concurrent = max_concurrent(params, cluster_from_ray(), gpu, n)
+    concurrent = max_concurrent(params, nodes, gpu, n)
     announce = (f"[sweep] {name}: {n} trials ({s.search}), {s.epochs} epochs each, up to {concurrent} at a time"
                 + (", ASHA early stopping" if s.asha else ""))
     grid, resumed, seconds = tune_job(trainable, space, name=name, storage=storage, tracker=tracker,

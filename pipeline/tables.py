@@ -260,7 +260,6 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     job was interrupted or every row failed.
     """
     from pipeline.cluster import connect
-    from pipeline.resources import cluster_from_ray
     from pipeline.storage import stage_prepared
     from pipeline.train import FAULT_ENV, storage_location
 
@@ -268,7 +267,7 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     rows = resolve_rows(params, manifest.get("n_train"))
     name = job_name(params, manifest)
     storage = storage_location(params, root)
-    gpu = connect(params, root, tracking=tracking, trial_cpu=TRIAL_CPU, what="a tables row")
+    gpu, nodes = connect(params, root, tracking=tracking, trial_cpu=TRIAL_CPU, what="a tables row")
     uri = exp = parent = None
     if tracking:  # the parent run only once the cluster can serve the job
         logged = {**{k: v for k, v in flatten(params).items() if k.split(".")[0] in ("model", "loss", "augment",
@@ -283,7 +282,7 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     space = {"row": tune.grid_search([r.config() for r in rows])}
     trainable = tune.with_resources(tune.with_parameters(_row_trial, fixed=fixed), {"CPU": TRIAL_CPU})
     tracker = TablesTracker(params.train.epochs, uri, exp, parent, unit=unit)
-    concurrent = max_concurrent(as_sweep(params), cluster_from_ray(), gpu, len(rows))
+    concurrent = max_concurrent(as_sweep(params), nodes, gpu, len(rows))
     announce = (f"[tables] {name}: {len(rows)} rows (table 1: {sum(r.table == 1 for r in rows)}, table 2: "
                 f"{sum(r.table == 2 for r in rows)}), up to {concurrent} at a time, {'GPU' if gpu else 'CPU'} workers")
     grid, resumed, seconds = tune_job(trainable, space, name=name, storage=storage, tracker=tracker,

@@ -221,7 +221,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     run_dir = join(storage, name)
     state_dir = root / ".transfusion" / name  # the driver's own state (the MLflow run id)
     clear_status(run_dir)
-    gpu = connect(params, root, tracking=tracking)
+    gpu, _ = connect(params, root, tracking=tracking)
     wait_for_workers(params, gpu=gpu)
     uri = trk.tracking_uri(root) if tracking else None
     run_id = _mlflow_run(params, root, name, uri, state_dir) if uri else None
