@@ -15,7 +15,7 @@ def invoke(*args: str):
     """Run the `transfusion` CLI in-process (exceptions propagate, so a bug shows its traceback)."""
     from click.testing import CliRunner
 
-    from pipeline.cli import main
+    from stages.cli import main
 
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 

@@ -28,7 +28,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from stages.cli import main
 from pipeline.config import load_params
 from pipeline.datasets import save_prepared
 from pipeline.io import save_torch, sha256_file, write_json
@@ -460,7 +460,7 @@ def test_real_process_exit_code(project, case):
     for step in case.setup:
         step(project)
     before = tree(project)
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *case.args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "stages.cli", *case.args], capture_output=True, text=True,
                           cwd=project, timeout=120)
     assert proc.returncode == case.code, proc.stderr
     assert proc.stdout == ""

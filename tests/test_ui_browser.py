@@ -16,7 +16,7 @@ import mlflow
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from stages.cli import main
 from tests.ui_server import READY, UiProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]

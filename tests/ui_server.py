@@ -25,11 +25,11 @@ def free_port() -> int:
 
 
 class UiProcess:
-    """``python -m pipeline.cli ui ARGS`` (the `transfusion` entry point), output collected line by line."""
+    """``python -m stages.cli ui ARGS`` (the `transfusion` entry point), output collected line by line."""
 
     def __init__(self, *args: str, cwd: Path):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "ui", *args], cwd=cwd, stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", "stages.cli", "ui", *args], cwd=cwd, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )
         self.lines: list[str] = []

@@ -131,7 +131,7 @@ def two_node_cluster(project):
 
 
 def _pretrain(project, env, *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
-    cli = [sys.executable, "-m", "pipeline.cli"]
+    cli = [sys.executable, "-m", "stages.cli"]
     start = time.time()
     out = subprocess.run(
         [*cli, "pretrain", "-S", "ray.num_workers=2", "-S", "ray.cpus_per_worker=1", "-S", "train.epochs=2",
@@ -145,7 +145,7 @@ def test_pretrain_on_two_nodes_that_share_only_the_storage(project, two_node_clu
     address, env, shared = two_node_cluster
     env = {**env, "RAY_ADDRESS": address, "MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}",
            "MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK": "true"}
-    cli = [sys.executable, "-m", "pipeline.cli"]
+    cli = [sys.executable, "-m", "stages.cli"]
     out = subprocess.run([*cli, "prepare", "-S", "data.limit_train=256"], cwd=project, env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

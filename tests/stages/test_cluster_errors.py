@@ -63,7 +63,7 @@ def test_an_unreachable_ray_address_ends_after_the_connect_timeout(prepared):
         port = s.getsockname()[1]
     env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"}
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "pretrain", "-S", "ray.connect_timeout_s=3"],
+    out = subprocess.run([sys.executable, "-m", "stages.cli", "pretrain", "-S", "ray.connect_timeout_s=3"],
                          cwd=prepared, env=env, capture_output=True, text=True, timeout=120)
     seconds = time.monotonic() - start
     assert out.returncode == 1, out.stdout + out.stderr
@@ -77,7 +77,7 @@ def test_a_garbage_tracking_store_is_one_paragraph(prepared):
     store = prepared / "mlflow.db"
     store.write_bytes(os.urandom(4096))
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "pretrain"], cwd=prepared, env=env,
+    out = subprocess.run([sys.executable, "-m", "stages.cli", "pretrain"], cwd=prepared, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     error = one_paragraph(out.stderr)

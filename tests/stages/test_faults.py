@@ -48,7 +48,7 @@ def ray_tmp():
 def start(project, ray_tmp, *args: str) -> subprocess.Popen:
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=project, env=env,
+    return subprocess.Popen([sys.executable, "-m", "stages.cli", *args], cwd=project, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -92,7 +92,7 @@ def epochs_in_curve(project) -> list[int]:
 
 @pytest.fixture
 def prepared(project):
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "prepare"], cwd=project, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "stages.cli", "prepare"], cwd=project, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     return project

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from stages.cli import main
 from pipeline.datasets import load_prepared
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ def test_missing_dataset_exit_1_with_instructions(project):
 
 def test_console_script_exit_code(project):
     """The installed entry point, as DVC runs it."""
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "prepare", "-S", "model.depth=-2"],
+    proc = subprocess.run([sys.executable, "-m", "stages.cli", "prepare", "-S", "model.depth=-2"],
                           capture_output=True, text=True, cwd=project)
     assert proc.returncode == 2 and "model.depth" in proc.stderr
 

@@ -136,7 +136,7 @@ def test_bad_sweep_point_is_a_usage_error_before_any_work(prepared):
 
 def run_cli(project, args, log):
     env = {**os.environ, "TRANSFUSION_TRIAL_LOG": str(log), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=project, env=env,
+    return subprocess.Popen([sys.executable, "-m", "stages.cli", *args], cwd=project, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

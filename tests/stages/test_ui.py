@@ -14,7 +14,7 @@ import psutil
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from stages.cli import main
 from tests.ui_server import READY, UiProcess, free_port
 
 
