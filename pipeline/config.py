@@ -19,7 +19,7 @@ from pipeline.augment import PRESETS
 from pipeline.backbones import BACKBONE_NAMES, FIXED_DIMS
 from pipeline.datasets import DATASET_NAMES
 from pipeline.losses import LOSS_NAMES, SELF_SUPERVISED_ONLY
-from pipeline.model import ACTIVATIONS, BLOCK_NORMS
+from pipeline.model import ACTIVATIONS, BLOCK_NORMS, FUSION_SCOPES, QK_INITS
 from pipeline.probes import PROBES
 
 BATCHNORM_BACKBONES = ("resnet18_cifar", "resnet18")  # gradient caching is refused with these
@@ -30,6 +30,8 @@ LossName = Literal[LOSS_NAMES]  # type: ignore[valid-type]
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 Activation = Literal[ACTIVATIONS]  # type: ignore[valid-type]
 BlockNorm = Literal[BLOCK_NORMS]  # type: ignore[valid-type]
+FusionScope = Literal[FUSION_SCOPES]  # type: ignore[valid-type]
+QkInit = Literal[QK_INITS]  # type: ignore[valid-type]
 ProbeName = Literal[PROBES]  # type: ignore[valid-type]
 
 
@@ -92,6 +94,8 @@ class ModelConfig(Section):
     activation: Activation = "relu"
     block_norm: BlockNorm = "layernorm"
     head: Literal["appendix_e", "truncated"] = "appendix_e"
+    fusion_scope: FusionScope = "joint"  # joint (Appendix E) | per_view (the authors' later code)
+    qk_init: QkInit = "default"  # ours: default (nn.Linear's) | tied (W_K = W_Q) | identity (W_Q = W_K = I)
     weights: str | None = None
 
     @model_validator(mode="after")
@@ -137,6 +141,7 @@ class TrainConfig(Section):
     grad_cache_chunk: int | None = Field(None, ge=1)
     knn_every: int = Field(1, ge=0)  # epochs between online kNN evaluations (0 = only at the end)
     knn_k: int = Field(20, ge=1)
+    head_lr_scale: float = Field(1.0, gt=0.0, le=1000.0)  # ours: the head's lr = train.lr * this
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainConfig:

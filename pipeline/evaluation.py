@@ -25,8 +25,7 @@ from pipeline.clustering import cosine_affinity, spectral_scores, symmetric_affi
 from pipeline.config import ModelConfig, Params
 from pipeline.datasets import Dataset, load_prepared, stratified_subset, to_float
 from pipeline.io import load_torch
-from pipeline.loop import build_model
-from pipeline.model import TransFusion
+from pipeline.model import TransFusion, build_model
 from pipeline.probes import run_probes
 from pipeline.theory import affinity_contrast, sharpness
 

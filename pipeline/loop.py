@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,24 +29,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipeline.augment import BatchAugment, view_noise
-from pipeline.backbones import build_backbone
 from pipeline.batchnorm import convert_batchnorm
-from pipeline.config import ModelConfig, Params
+from pipeline.config import Params
 from pipeline.datasets import Dataset, to_float
+from pipeline.health import block_health, flat
 from pipeline.knn import knn_accuracy
 from pipeline.losses import make_loss
-from pipeline.model import TransFusion, TransFusionHead
+from pipeline.model import build_model
 from pipeline.optim import build_optimizer, warmup_cosine
 from pipeline.step import GlobalBatchStep, NonFiniteLossError, broadcast_from_rank0
 
 KNN_BANK, KNN_QUERIES = 5000, 2000
-
-
-def build_model(m: ModelConfig, input_shape: tuple[int, ...]) -> TransFusion:
-    """Backbone + TransFusion head as ``model.*`` describes, for inputs of ``input_shape``."""
-    backbone, dim = build_backbone(m.backbone, tuple(input_shape), m.embed_dim, m.hidden_dim, m.weights)
-    head = TransFusionHead(dim, m.depth, m.activation, m.block_norm, truncate_last=m.head == "truncated")
-    return TransFusion(backbone, dim, head)
 
 
 def _view_noise_tensor(v1: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
@@ -75,9 +68,12 @@ class EpochMetrics:
     knn_acc: float | None
     seconds: float
     ended_at: float  # wall clock (time.time()) when the epoch's steps ended, before any evaluation
+    health: dict[str, float | None] = field(default_factory=dict)  # "block_1.positive", ... (pipeline.health)
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The fields, with the health numbers as top-level keys."""
+        out = {k: v for k, v in self.__dict__.items() if k != "health"}
+        return {**out, **self.health}
 
 
 class PretrainLoop:
@@ -99,7 +95,8 @@ class PretrainLoop:
             convert_batchnorm(self.model)  # global BN: same parameters, buffers and state_dict keys
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 broadcast_from_rank0(self.model)
-        self.optimizer = build_optimizer(t.optimizer, self.model, lr=t.lr, weight_decay=t.weight_decay)
+        self.optimizer = build_optimizer(t.optimizer, self.model, lr=t.lr, weight_decay=t.weight_decay,
+                                         head_lr_scale=t.head_lr_scale)
         self.scheduler = warmup_cosine(self.optimizer, total_steps=t.epochs * self.steps_per_epoch,
                                        warmup_steps=t.warmup_epochs * self.steps_per_epoch)
         self.augment = BatchAugment(params.augment.preset, params.augment.strength)
@@ -183,8 +180,33 @@ class PretrainLoop:
         return EpochMetrics(
             epoch=self.epoch, loss=sum(losses) / len(losses), lr=self.optimizer.param_groups[0]["lr"],
             samples_per_s=self.steps_per_epoch * self.batch / seconds, view_noise=sum(noises) / len(noises),
-            knn_acc=knn, seconds=seconds, ended_at=ended_at,
+            knn_acc=knn, seconds=seconds, ended_at=ended_at, health=self.health() if self.rank == 0 else {},
         )
+
+    @torch.no_grad()
+    def health(self) -> dict[str, float | None]:
+        """Per-block health (``pipeline.health``) on a fixed global batch of the training set, two views as in
+        training, model in eval mode: ``{"block_1.positive": ..., ...}`` ({} at depth 0).
+
+        ``other_view`` is None where the other view is not in the fused batch (``fusion_scope: per_view``).
+        """
+        if self.model.head.depth == 0:
+            return {}
+        seed = self.params.train.seed
+        b = min(self.batch, len(self.y_train))
+        idx = torch.randperm(len(self.y_train), generator=torch.Generator().manual_seed(_seed(seed, 11)))[:b]
+        x = to_float(self.data.train.x[idx].to(self.device))  # (b, ...)
+        gen = torch.Generator(self.device).manual_seed(_seed(seed, 13))
+        v1, v2 = self.augment(x, gen), self.augment(x, gen)
+        self.model.eval()
+        out = self.model(torch.cat([v1, v2]), collect=True, views=2)
+        self.model.train()
+        y = self.data.train.y[idx].to(self.device)
+        labels, other = torch.cat([y, y]), torch.cat([torch.arange(b, 2 * b), torch.arange(b)]).to(self.device)
+        blocks = {}
+        for i, a in enumerate(out.affinities):  # (2b, 2b) fused jointly, or (2, b, b) per view
+            blocks[f"block_{i + 1}"] = block_health(a, labels.reshape(a.shape[:-1]), None if a.ndim == 3 else other)
+        return flat(blocks)
 
     @torch.no_grad()
     def embed(self, x: torch.Tensor, chunk: int = 512) -> torch.Tensor:

@@ -13,18 +13,36 @@ cosine affinity of the fused output (``HeadOutput.q == HeadOutput.k == embedding
 ``truncate_last=True`` the last block is cut after its affinity, as section 2.1 describes: blocks 1..d-1
 fuse, and block d only supplies its normalised queries and keys (``q``, ``k``), whose product ``A^d`` the
 loss compares with the target. Depth 0 is the backbone alone.
+
+Two choices that keep blocks alive (``pipeline.health``), both off in the paper's literal setting:
+
+- ``fusion_scope``: ``joint`` (Appendix E: all 2B rows of a two-view batch attend to each other) or
+  ``per_view`` (the authors' later code: each view's B rows are fused separately). Jointly, a row can find
+  its own other view in the batch, a shortcut that a test batch, where every image appears once, never has.
+- ``qk_init`` (ours): ``default`` (PyTorch's ``nn.Linear`` initialisation, the paper's), ``tied`` (W_K starts
+  equal to W_Q, Theorem 1's construction: QKᵀ = X̂ W Wᵀ X̂ᵀ starts symmetric with a positive diagonal) or
+  ``identity`` (W_Q = W_K = I, zero bias: the first affinity is ReLU of the inputs' cosine, as live and as
+  class-aligned as the backbone's embedding).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeline.backbones import build_backbone
+
+if TYPE_CHECKING:
+    from pipeline.config import ModelConfig
+
 ACTIVATIONS = ("relu", "softmax", "sigmoid", "identity")
 BLOCK_NORMS = ("layernorm", "l2", "none")
+FUSION_SCOPES = ("joint", "per_view")
+QK_INITS = ("default", "tied", "identity")
 EPS = 1e-10  # Appendix E's additive constant in the row normalisation
 
 
@@ -78,18 +96,28 @@ def fuse(q: Tensor, k: Tensor, v: Tensor, activation: str = "relu") -> tuple[Ten
 class TransFusionBlock(nn.Module):
     """One TransFusion block, eq. 2-3 with Appendix E.1 semantics. x: (n, m) -> (n, m)."""
 
-    def __init__(self, dim: int, activation: str = "relu", norm: str = "layernorm") -> None:
+    def __init__(self, dim: int, activation: str = "relu", norm: str = "layernorm", qk_init: str = "default") -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; allowed: {', '.join(ACTIVATIONS)}")
         if norm not in BLOCK_NORMS:
             raise ValueError(f"unknown block norm {norm!r}; allowed: {', '.join(BLOCK_NORMS)}")
+        if qk_init not in QK_INITS:
+            raise ValueError(f"unknown qk_init {qk_init!r}; allowed: {', '.join(QK_INITS)}")
         self.activation = activation
         self.norm_kind = norm
         self.norm = nn.LayerNorm(dim) if norm == "layernorm" else nn.Identity()
         self.query = nn.Linear(dim, dim)
         self.key = nn.Linear(dim, dim)
         self.value = nn.Linear(dim, dim)
+        with torch.no_grad():
+            if qk_init == "tied":  # W_K = W_Q, b_K = b_Q at the start; trained apart afterwards
+                self.key.weight.copy_(self.query.weight)
+                self.key.bias.copy_(self.query.bias)
+            elif qk_init == "identity":  # Q = K = the normalised input: the first affinity is ReLU(cos)
+                for lin in (self.query, self.key):
+                    lin.weight.copy_(torch.eye(dim))
+                    lin.bias.zero_()
 
     def normalize_input(self, x: Tensor) -> Tensor:
         x = self.norm(x)
@@ -100,7 +128,7 @@ class TransFusionBlock(nn.Module):
         return F.normalize(self.query(x_hat), dim=-1), F.normalize(self.key(x_hat), dim=-1)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Returns ``(x_next, raw_affinity)``: (n, m) and (n, n)."""
+        """Returns ``(x_next, raw_affinity)``: (..., n, m) and (..., n, n); leading dims are separate batches."""
         x_hat = self.normalize_input(x)  # (n, m)
         q, k = self.qk(x_hat)
         fused, raw = fuse(q, k, self.value(x_hat), self.activation)  # (n, m), (n, n)
@@ -125,7 +153,11 @@ class HeadOutput:
 
 
 class TransFusionHead(nn.Module):
-    """A stack of ``depth`` TransFusion blocks. x: (n, m) -> :class:`HeadOutput`."""
+    """A stack of ``depth`` TransFusion blocks. x: (n, m) -> :class:`HeadOutput`.
+
+    ``fusion_scope="per_view"``: a batch of ``views`` equal parts (rows ``[view 1; view 2; ...]``) is fused
+    part by part; ``views=1`` (evaluation, one view) and ``joint`` fuse all n rows together.
+    """
 
     def __init__(
         self,
@@ -134,27 +166,38 @@ class TransFusionHead(nn.Module):
         activation: str = "relu",
         norm: str = "layernorm",
         truncate_last: bool = False,
+        fusion_scope: str = "joint",
+        qk_init: str = "default",
     ) -> None:
         super().__init__()
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
         if truncate_last and depth == 0:
             raise ValueError("truncate_last needs depth >= 1 (the last block supplies the affinity)")
+        if fusion_scope not in FUSION_SCOPES:
+            raise ValueError(f"unknown fusion_scope {fusion_scope!r}; allowed: {', '.join(FUSION_SCOPES)}")
         self.depth = depth
         self.truncate_last = truncate_last
-        self.blocks = nn.ModuleList(TransFusionBlock(dim, activation, norm) for _ in range(depth))
+        self.fusion_scope = fusion_scope
+        self.blocks = nn.ModuleList(TransFusionBlock(dim, activation, norm, qk_init) for _ in range(depth))
 
-    def forward(self, x: Tensor, *, collect: bool = False) -> HeadOutput:
+    def forward(self, x: Tensor, *, collect: bool = False, views: int = 1) -> HeadOutput:
+        n, m = x.shape
+        groups = views if self.fusion_scope == "per_view" else 1
+        if n % groups:
+            raise ValueError(f"{n} rows do not split into {views} views")
         full = self.blocks[:-1] if self.truncate_last else self.blocks
         hidden, affinities = [x], []
+        x = x.reshape(groups, n // groups, m)  # (g, n/g, m): each group is fused on its own
         for block in full:
-            x, raw = block(x)
+            x, raw = block(x)  # (g, n/g, m), (g, n/g, n/g)
             if collect:
-                hidden.append(x)
-                affinities.append(raw.detach())
+                hidden.append(x.reshape(n, m))
+                affinities.append(raw.detach().squeeze(0))
+        x = x.reshape(n, m)
         if self.truncate_last:
             last = self.blocks[-1]
-            q, k = last.qk(last.normalize_input(x))
+            q, k = last.qk(last.normalize_input(x))  # row-wise: the trained affinity spans all n rows
             if collect:
                 affinities.append(_affinity(q, k, last.activation).detach())
         else:
@@ -171,10 +214,18 @@ class TransFusion(nn.Module):
         self.embed_dim = embed_dim
         self.head = head
 
-    def forward(self, x: Tensor, *, collect: bool = False) -> HeadOutput:
-        return self.head(self.backbone(x), collect=collect)
+    def forward(self, x: Tensor, *, collect: bool = False, views: int = 1) -> HeadOutput:
+        return self.head(self.backbone(x), collect=collect, views=views)
 
     @torch.no_grad()
     def embed(self, x: Tensor) -> list[Tensor]:
         """Frozen representations for probes: [backbone output, block 1 output, ...], each (n, m)."""
         return [h.detach() for h in self.forward(x, collect=True).hidden]
+
+
+def build_model(m: ModelConfig, input_shape: tuple[int, ...]) -> TransFusion:
+    """Backbone + TransFusion head as ``model.*`` (a :class:`pipeline.config.ModelConfig`) describes."""
+    backbone, dim = build_backbone(m.backbone, tuple(input_shape), m.embed_dim, m.hidden_dim, m.weights)
+    head = TransFusionHead(dim, m.depth, m.activation, m.block_norm, truncate_last=m.head == "truncated",
+                           fusion_scope=m.fusion_scope, qk_init=m.qk_init)
+    return TransFusion(backbone, dim, head)

@@ -165,6 +165,7 @@ def build_optimizer(
     lr: float,
     weight_decay: float = 0.0,
     momentum: float = 0.9,
+    head_lr_scale: float = 1.0,
 ) -> Optimizer:
     """Build an optimiser by name (one of :data:`OPTIMIZERS`, case-insensitive).
 
@@ -175,7 +176,9 @@ def build_optimizer(
     - ``lars``: :class:`LARS` with the same two groups, the second one flagged ``lars_exclude=True`` (no weight
       decay and no trust ratio for biases / normalisation parameters).
 
-    Empty groups are left out; parameters with ``requires_grad=False`` are skipped.
+    Empty groups are left out; parameters with ``requires_grad=False`` are skipped. With ``head_lr_scale != 1``
+    and a model that has a ``head`` (a TransFusion model), the head's parameters get their own groups with
+    ``lr * head_lr_scale`` (ours, ``train.head_lr_scale``); the schedule scales every group alike.
 
     Args:
         name: optimiser name.
@@ -183,6 +186,7 @@ def build_optimizer(
         lr: (peak) learning rate.
         weight_decay: weight decay for the decayed parameters.
         momentum: momentum for ``sgd`` and ``lars``.
+        head_lr_scale: the head's learning rate as a multiple of ``lr``.
 
     Returns:
         The optimiser.
@@ -196,24 +200,30 @@ def build_optimizer(
     params = _trainable(params_or_model)
     if not params:
         raise ValueError("build_optimizer: no trainable parameters")
+    parts = [(params, lr)]  # (parameters, their lr)
+    head = getattr(params_or_model, "head", None)
+    if head_lr_scale != 1.0 and isinstance(head, nn.Module):
+        ids = {id(p) for p in head.parameters()}
+        parts = [([p for p in params if id(p) not in ids], lr), ([p for p in params if id(p) in ids],
+                                                                   lr * head_lr_scale)]
 
     if key == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+        if len(parts) == 1:
+            return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+        return torch.optim.Adam([{"params": ps, "lr": r} for ps, r in parts if ps], lr=lr, weight_decay=weight_decay)
 
-    decay, no_decay = split_decay_params(params)
-    if key == "sgd":
-        groups = [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        groups = [g for g in groups if g["params"]]
-        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=False)
-
-    groups = [
-        {"params": decay, "weight_decay": weight_decay, "lars_exclude": False},
-        {"params": no_decay, "weight_decay": 0.0, "lars_exclude": True},
-    ]
+    groups = []
+    for ps, r in parts:
+        decay, no_decay = split_decay_params(ps)
+        if key == "sgd":
+            groups += [{"params": decay, "weight_decay": weight_decay, "lr": r},
+                       {"params": no_decay, "weight_decay": 0.0, "lr": r}]
+        else:
+            groups += [{"params": decay, "weight_decay": weight_decay, "lars_exclude": False, "lr": r},
+                       {"params": no_decay, "weight_decay": 0.0, "lars_exclude": True, "lr": r}]
     groups = [g for g in groups if g["params"]]
+    if key == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=False)
     return LARS(groups, lr=lr, momentum=momentum)
 
 

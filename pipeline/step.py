@@ -207,7 +207,7 @@ class GlobalBatchStep:
         z_all = gather_views(z_local, world_size)  # (2B, m)
         ids_all = gather_ids(ids, world_size)  # (2B,)
         with self._autocast(z_local.device):
-            out = self.model.head(z_all)
+            out = self.model.head(z_all, views=2)  # rows [view 1; view 2]
         q, k = _upcast(out.q), _upcast(out.k)  # the loss in full precision whatever the autocast
         b = z_local.shape[0] // 2
         return sum(self.loss_fn(q, k, ids_all, rows=r) for r in local_rows(rank, b, world_size))

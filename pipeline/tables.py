@@ -150,7 +150,7 @@ def row_labels(row: dict[str, Any]) -> dict[str, Any]:
 def _row_trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
     """One row: the sweep's Train trial on the row's params, then the probes; reported to Tune as the last result."""
     from pipeline.io import load_torch
-    from pipeline.loop import build_model
+    from pipeline.model import build_model
     from pipeline.storage import fetch_prepared
     from pipeline.train import STATE_FILE
 

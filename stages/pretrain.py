@@ -58,7 +58,7 @@ def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
     import mlflow.pytorch
     import torch
 
-    from pipeline.loop import build_model
+    from pipeline.model import build_model
     from pipeline.tracking import tracking_uri
 
     os.environ.setdefault("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")

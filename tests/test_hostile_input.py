@@ -175,7 +175,7 @@ def pretrained(input_shape: tuple[int, ...] = (3, 4, 4)) -> Setup:
     """A model as the pretrain stage writes it (untrained weights; the cases never get to use them)."""
 
     def run(p: Path) -> None:
-        from pipeline.loop import build_model
+        from pipeline.model import build_model
 
         params = load_params(p / "params.yaml")
         save_torch(p / MODELS / "model.pt", build_model(params.model, input_shape).state_dict())

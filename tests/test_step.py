@@ -273,7 +273,8 @@ def _broadcast_worker(rank, world, init_file, out_dir, data_dir):
     try:
         from pipeline.config import load_params
         from pipeline.datasets import load_prepared
-        from pipeline.loop import PretrainLoop, build_model
+        from pipeline.loop import PretrainLoop
+        from pipeline.model import build_model
         from tests.conftest import ROOT
 
         # ranks seeded differently (train.seed = rank): without the broadcast their models would start apart
