@@ -8,12 +8,17 @@
   largest size its autoscaler can reach, naming what was asked and what exists (``pipeline.resources``).
 - :func:`wait_for_workers` reserves the workers' resources (a placement group) for at most
   ``ray.resources_timeout_s``: a busy cluster ends in a :class:`ClusterError` naming the wait, never a silent hang.
+
+Ray's console: the stages print their own progress lines and real errors; Ray's internal chatter stays in Ray's
+log files (``<Ray temp dir>/session_*/logs``, ``/tmp/ray`` unless ``RAY_TMPDIR``; Ray Train's own under ``logs/train``),
+through Ray's own settings only (:data:`RAY_CONSOLE_ENV`, :func:`train_logging`, ``RAY_AUTH_MODE`` set as Ray would).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -21,7 +26,57 @@ from urllib.parse import urlsplit
 from pipeline.config import Params, ParamsError
 
 if TYPE_CHECKING:
+    import ray.train
+
     from pipeline.resources import NodeType
+
+# Ray settings for a quiet console, defaults only (a user's own value wins). Set when this module is imported, because
+# Ray reads them when `ray` is first imported (every stage imports this module before Ray).
+RAY_CONSOLE_ENV = {
+    # Lines of Ray's C++ core (``[date time E pid tid] core_worker.cc:N: ...``, levels D/I/W/E; F = fatal still
+    # shows) that Ray forwards from its worker processes to the driver, e.g. Ray Train's controller warning that its
+    # PreemptionWatcher actor "has constructor arguments in the object store". They stay in the process's
+    # ``worker-*.err`` and ``python-core-worker-*.log``; errors reach the user as Python exceptions anyway.
+    "RAY_DEDUP_LOGS_SKIP_REGEX": r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d+ [DIWE] \d+ \d+\] \S+\.(cc|h):\d+: ",
+}
+
+
+def _token_available() -> bool:
+    """A Ray auth token is at hand where Ray looks for one: ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``,
+    ``~/.ray/auth_token``."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    return os.path.isfile(path)
+
+
+def _auth_mode_default() -> str | None:
+    """``RAY_AUTH_MODE`` for a local Ray, chosen as Ray would, so that Ray does not announce it.
+
+    With ``RAY_AUTH_MODE`` unset, Ray (2.59+) turns token auth on for a local Ray it starts (creating
+    ``~/.ray/auth_token`` if needed) and for a local cluster it finds while a token exists, and prints "Token
+    authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out ..." on every run: nothing to
+    act on for a local run. An explicit ``RAY_ADDRESS`` is left as Ray leaves it (Ray sends no token to a named cluster
+    unless ``RAY_AUTH_MODE=token`` asks for it); when authentication matters, the connect error says what to do.
+    """
+    if "RAY_AUTH_MODE" in os.environ:
+        return None
+    address = os.environ.get("RAY_ADDRESS") or None
+    if address is None or address == "local" or (address == "auto" and _token_available()):
+        return "token"
+    return None
+
+
+if "ray._raylet" not in sys.modules:  # Ray reads these at import; set later, the driver and Ray's processes disagree
+    for _key, _value in RAY_CONSOLE_ENV.items():
+        os.environ.setdefault(_key, _value)
+    _mode = _auth_mode_default()
+    if _mode:
+        os.environ["RAY_AUTH_MODE"] = _mode
+
+#: Ray Train's own log level for its ``ray.train`` logs on the console (controller: "Requesting resources", "Started
+#: training worker group", ...); every level still goes to ``logs/train/ray-train-sys-*.log`` in Ray's session dir.
+TRAIN_CONSOLE_LEVEL = "WARNING"
 
 
 class ClusterError(RuntimeError):
@@ -58,9 +113,33 @@ def _probe(host: str, port: int, timeout: float) -> None:
             time.sleep(0.5)
 
 
+def train_logging() -> ray.train.LoggingConfig:
+    """Ray Train's logging for every Train run of the stages (``RunConfig(logging_config=...)``): warnings and errors
+    on the console, everything in Ray's session logs."""
+    import ray.train
+
+    return ray.train.LoggingConfig(log_level=TRAIN_CONSOLE_LEVEL)
+
+
+def _auth_error(address: str | None, exc: Exception) -> ClusterError:
+    where = f"the Ray cluster at {address!r}" if address else "the local Ray cluster"
+    mode = os.environ.get("RAY_AUTH_MODE", "unset")
+    first = " ".join(str(getattr(exc, "message", "") or exc).split())[:200]
+    return ClusterError(
+        f"{where} refused the connection: token authentication ({first}; RAY_AUTH_MODE is {mode}); set "
+        "RAY_AUTH_MODE=token and give this machine the cluster's token (`ray get-auth-token` on the head node, "
+        "saved to ~/.ray/auth_token or in RAY_AUTH_TOKEN), or set RAY_AUTH_MODE=disabled for a cluster started "
+        "without authentication")
+
+
 def init_ray(params: Params) -> None:
-    """Connect to the configured cluster, or start a local Ray; bounded by ``ray.connect_timeout_s``."""
+    """Connect to the configured cluster, or start a local Ray; bounded by ``ray.connect_timeout_s``.
+
+    Worker output (our progress lines) is forwarded to this console (``log_to_driver``); Ray's own chatter is not
+    (module docstring).
+    """
     import ray
+    from ray.exceptions import AuthenticationError
 
     if ray.is_initialized():
         return
@@ -71,6 +150,8 @@ def init_ray(params: Params) -> None:
             _probe(*target, params.ray.connect_timeout_s)
     try:
         ray.init(address=address, log_to_driver=True, configure_logging=False)
+    except AuthenticationError as exc:
+        raise _auth_error(address, exc) from None
     except ConnectionError as exc:  # e.g. "auto" with no cluster running
         raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {str(exc).splitlines()[0]}; start "
                            "it, or unset ray.address / RAY_ADDRESS to run on a local Ray") from None

@@ -34,7 +34,7 @@ from typing import Any
 
 from ray import tune
 
-from pipeline.cluster import connect
+from pipeline.cluster import connect, train_logging
 from pipeline.config import Params, ParamsError, flatten, validate_params
 from pipeline.resources import NodeType, TrialShape, trials_at_once
 from pipeline.storage import is_uri, join, stage_prepared
@@ -197,6 +197,7 @@ def fit_trial(params: Params, fixed: dict[str, Any], trial_id: str, fault: str |
         run_config=ray.train.RunConfig(
             name=f"trial-{trial_id}", storage_path=storage, callbacks=[TuneReportCallback()],
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
+            logging_config=train_logging(),
         ),
     )
     start = time.time()

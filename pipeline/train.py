@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pipeline.cluster import connect, wait_for_workers
+from pipeline.cluster import connect, train_logging, wait_for_workers
 from pipeline.config import Params, ParamsError, flatten
 from pipeline.datasets import load_prepared
 from pipeline.io import load_torch
@@ -243,6 +243,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
             failure_config=ray.train.FailureConfig(max_failures=params.ray.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
             callbacks=[trk.epoch_logger(uri, run_id)] if run_id else [],
+            logging_config=train_logging(),
         ),
     )
     system = _SystemMetrics(uri, run_id) if run_id else None
