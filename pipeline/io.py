@@ -7,16 +7,20 @@ the new one, never a half-written file that DVC would accept as an output.
 from __future__ import annotations
 
 import contextlib
+import csv
 import hashlib
+import io
 import json
+import math
 import os
 import pickle
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -61,6 +65,61 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` made storable as strict JSON (what DVC reads), recursively through mappings, lists and tuples.
+
+    Non-finite floats become the strings ``'inf'``, ``'-inf'``, ``'nan'``; numpy scalars become Python ones;
+    tuples become lists and mapping keys strings. Anything else is returned as it is.
+    """
+    if isinstance(obj, Mapping):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, (bool, np.bool_)):
+        return bool(obj)
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        v = float(obj)
+        return v if math.isfinite(v) else str(v)
+    return obj
+
+
+def csv_text(
+    rows: Iterable[Mapping[str, Any] | Sequence[Any]],
+    columns: Sequence[str] | None = None,
+    fmt: Callable[[Any], str] | None = None,
+) -> str:
+    """CSV text with ``\\n`` line ends: a header line of ``columns``, then one line per row.
+
+    A row is a mapping (its cells looked up by column: a missing key is an empty cell, a key outside ``columns``
+    is left out) or a sequence of cells in column order. ``columns`` defaults to the first row's keys. A ``None``
+    cell is empty; any other cell is ``fmt(cell)`` if ``fmt`` is given, else the csv module's text of it.
+    """
+    rows = list(rows)
+    if columns is None:
+        if not rows or not isinstance(rows[0], Mapping):
+            raise ValueError("csv_text needs columns unless the first row is a mapping")
+        columns = list(rows[0])
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(columns)
+    for row in rows:
+        cells = [row.get(c) for c in columns] if isinstance(row, Mapping) else row
+        writer.writerow(["" if v is None else (fmt(v) if fmt else v) for v in cells])
+    return buf.getvalue()
+
+
+def write_csv(
+    path: str | os.PathLike,
+    rows: Iterable[Mapping[str, Any] | Sequence[Any]],
+    columns: Sequence[str] | None = None,
+    fmt: Callable[[Any], str] | None = None,
+) -> None:
+    """:func:`csv_text` written atomically to ``path``."""
+    write_text(path, csv_text(rows, columns, fmt))
 
 
 def save_torch(path: str | os.PathLike, obj: Any) -> None:

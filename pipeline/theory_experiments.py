@@ -25,67 +25,53 @@ Three parts, matching the paper's Figure 2 and its empirical counterpart:
     batch), so a larger n also means more data seen in the same number of steps. Training and measuring run on
     one thread (``torch.set_num_threads(1)`` and a threadpool limit, restored afterwards): these matrices are
     small, and on a loaded 2-core machine two threads made a training step ~100x slower.
-(c) ``write_outputs``: one figure with the formula panels (per n: the printed {γ > 1}, ``meaningful``, the Δ = 0
-    singularity and the data's (ε, ρ) points) beside the measurement panels (NMI over (n, ε) per depth, hatched
-    where the printed γ > 1 at the data's ρ), the ``figures.phase_diagram`` heat maps, CSV tables and
-    ``theory.md`` with a verdict written from the numbers.
+(c) ``pipeline.theory_report`` aggregates the runs, writes the verdict, the CSV tables and ``theory.md``;
+    ``pipeline.figures.theory_figure`` draws the formula panels beside the measurement panels.
 
-Pure core: torch, numpy, scipy, scikit-learn (and matplotlib through ``pipeline.figures``).
+Pure core: torch, numpy, scipy and scikit-learn; no matplotlib, no file output.
 """
 
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
 import math
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from scipy.stats import spearmanr
 from threadpoolctl import threadpool_limits  # a dependency of scikit-learn
 from torch import Tensor
 
 from pipeline import theory
 from pipeline.clustering import cosine_affinity, spectral_scores
-from pipeline.io import atomic_path, write_text
 from pipeline.losses import make_loss
 from pipeline.model import TransFusionHead
+
+if TYPE_CHECKING:
+    from pipeline.config import TheoryConfig
 
 __all__ = [
     "EMPIRICAL_COLUMNS",
     "FORMULA_COLUMNS",
-    "TABLE_COLUMNS",
     "EmpiricalGrid",
     "TheoryGrid",
-    "aggregate",
+    "format_number",
     "formula_at",
     "formula_table",
-    "run_all",
     "measure",
     "run_empirical",
     "split_test",
     "squared_cosine",
-    "summarize",
     "train_head",
-    "verdict",
-    "write_outputs",
 ]
 
 FORMULA_COLUMNS = ("n", "rho", "eps", "delta", "Delta", "gamma", "meaningful", "gamma_gt1", "learnable")
 EMPIRICAL_COLUMNS = (
     "n", "eps", "depth", "seed", "rho", "delta", "Delta", "gamma", "meaningful", "gamma_gt1", "learnable",
     "train_loss", "test_loss", "contrast_layers", "sharpness_layers", "gain_layers", "contrast_gain",
-    "sharpness", "contrast_in", "contrast_out", "nmi_in", "nmi", "learned",
-)
-TABLE_COLUMNS = (
-    "n", "eps", "depth", "runs", "rho", "delta", "Delta", "gamma", "meaningful", "gamma_gt1", "contrast_gain",
     "sharpness", "contrast_in", "contrast_out", "nmi_in", "nmi", "learned",
 )
 
@@ -140,6 +126,8 @@ class EmpiricalGrid:
     Data: ``n_clusters`` subspaces of rank ``rank`` in R^``dim`` ((K - 1) r < dim, section 3). Every run trains
     ``steps`` Adam steps (learning rate ``lr``) on fresh batches of n samples. ``learned_nmi``: the NMI threshold
     of ``learned``. Each n must be >= 2 K so that the stratified test batch has a same-cluster pair per cluster.
+    Those rules are checked once, by :class:`pipeline.config.TheoryConfig`: build the grid from a validated
+    section with :meth:`from_config`. The constructor only turns the sequences into tuples.
     """
 
     n: tuple[int, ...]
@@ -156,25 +144,13 @@ class EmpiricalGrid:
 
     def __post_init__(self) -> None:
         for name, kind in (("n", int), ("eps", float), ("depth", int), ("seeds", int)):
-            object.__setattr__(self, name, _tuple(getattr(self, name), kind, name))
-        if any(not 0.0 <= e <= 1.0 for e in self.eps):
-            raise ValueError("eps values must lie in [0, 1] (eq. 8)")
-        if min(self.depth) < 1:
-            raise ValueError("depths must be >= 1 (a head with blocks)")
-        if self.steps < 1 or self.lr <= 0:
-            raise ValueError(f"need steps >= 1 and lr > 0, got {self.steps}, {self.lr}")
-        if self.n_clusters < 2 or self.rank < 1 or (self.n_clusters - 1) * self.rank >= self.dim:
-            raise ValueError(
-                f"need n_clusters >= 2, rank >= 1 and (n_clusters - 1) * rank < dim, got K={self.n_clusters}, "
-                f"r={self.rank}, m={self.dim}"
-            )
-        if min(self.n) < 2 * self.n_clusters:
-            raise ValueError(
-                f"every batch size must be >= 2 * n_clusters = {2 * self.n_clusters} (a same-cluster pair in "
-                f"every cluster of the test batch), got {min(self.n)}"
-            )
-        if not 0.0 < self.learned_nmi <= 1.0:
-            raise ValueError(f"learned_nmi must lie in (0, 1], got {self.learned_nmi}")
+            object.__setattr__(self, name, tuple(kind(v) for v in getattr(self, name)))
+
+    @classmethod
+    def from_config(cls, cfg: TheoryConfig, loss: str = "jsd") -> EmpiricalGrid:
+        """The grid of a validated ``theory`` params section."""
+        return cls(n=cfg.n, eps=cfg.eps, depth=cfg.depth, steps=cfg.steps, n_clusters=cfg.n_clusters, rank=cfg.rank,
+                   dim=cfg.dim, lr=cfg.lr, seeds=cfg.seeds, learned_nmi=cfg.learned_nmi, loss=loss)
 
 
 # ------------------------------------------------------------------------------------------------ part (a)
@@ -319,9 +295,9 @@ def measure(
     nmi = spectral_scores(g_out, labels, seed=seed)["nmi"]
     return {
         "test_loss": test_loss,
-        "contrast_layers": ";".join(_num(c) for c in contrasts),
-        "sharpness_layers": ";".join(_num(s) for s in sharp),
-        "gain_layers": ";".join(_num(g) for g in gains),
+        "contrast_layers": ";".join(format_number(c) for c in contrasts),
+        "sharpness_layers": ";".join(format_number(s) for s in sharp),
+        "gain_layers": ";".join(format_number(g) for g in gains),
         "contrast_gain": _geometric_gain(contrasts[0], contrasts[-1], len(gains)),
         "sharpness": sharp[-1],
         "contrast_in": theory.affinity_contrast(g_in, labels),
@@ -382,459 +358,13 @@ def run_empirical(grid: EmpiricalGrid, progress: Callable[[str], Any] | None = p
     return rows
 
 
-# ---------------------------------------------------------------------------------------------- aggregation
-def _mean(values: Sequence[float]) -> float:
-    """Mean of the values; +inf / -inf if any is infinite (and none of the other sign); NaN if empty or any NaN."""
-    v = [float(x) for x in values]
-    if not v or any(math.isnan(x) for x in v):
-        return math.nan
-    return float(np.mean(v))
-
-
-def aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Per grid point (n, ε, depth): means over seeds (``TABLE_COLUMNS``); booleans become the fraction of runs."""
-    groups: dict[tuple, list[Mapping[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault((r["n"], r["eps"], r["depth"]), []).append(r)
-    out = []
-    for (n, eps, depth), rs in sorted(groups.items()):
-        row: dict[str, Any] = {"n": n, "eps": eps, "depth": depth, "runs": len(rs)}
-        for c in TABLE_COLUMNS[4:]:
-            vals = [r[c] for r in rs]
-            row[c] = sum(bool(v) for v in vals) / len(vals) if isinstance(vals[0], bool) else _mean(vals)
-        out.append(row)
-    return out
-
-
-def _rankable(v: float) -> float:
-    """±inf -> ±1e300 so that a rank correlation can order it; NaN stays NaN (and is dropped)."""
-    return math.copysign(1e300, v) if math.isinf(v) else float(v)
-
-
-def _spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman rank correlation over the pairs where both are not NaN (NaN if < 3 pairs or a constant side)."""
-    pairs = [(float(a), float(b)) for a, b in zip(x, y, strict=True) if not (math.isnan(a) or math.isnan(b))]
-    if len(pairs) < 3:
-        return math.nan
-    a, b = zip(*pairs, strict=True)
-    if len(set(a)) < 2 or len(set(b)) < 2:
-        return math.nan
-    return float(spearmanr(a, b).statistic)
-
-
-def summarize(formula_rows: Sequence[Mapping[str, Any]], empirical_rows: Sequence[Mapping[str, Any]]) -> dict:
-    """The numbers behind the verdict (also the stage's metrics). Keys:
-
-    formula: per n, the fraction of (ρ, ε) cells with printed γ > 1, the fraction ``meaningful``, the number of
-      cells that are both (``overlap``, 0 by ``theory.learnable_region``) and the largest γ on a meaningful cell.
-    empirical: over all runs, counts of ``learned``, ``meaningful``, ``gamma_gt1``, ``learnable`` at the data's
-      (ρ, ε, n); the confusion of printed γ > 1 with learned (``both``, ``formula_only``, ``measured_only``,
-      ``neither``); runs with contrast gain > 1 and their overlap with γ > 1; runs where NMI / the trained
-      affinity's contrast beat the input's (``nmi_improved``, ``contrast_improved``); on meaningful runs, how often the
-      measured gain reaches γ; Spearman correlations of NMI, contrast gain and γ with ε and with n (pooled);
-      the mean NMI in and out per ε.
-    """
-    formula: dict[str, Any] = {}
-    for n in sorted({int(r["n"]) for r in formula_rows}):
-        rs = [r for r in formula_rows if r["n"] == n]
-        mg = [r["gamma"] for r in rs if r["meaningful"]]
-        formula[str(n)] = {
-            "cells": len(rs),
-            "gamma_gt1_fraction": sum(r["gamma_gt1"] for r in rs) / len(rs),
-            "meaningful_fraction": sum(r["meaningful"] for r in rs) / len(rs),
-            "overlap": sum(bool(r["gamma_gt1"] and r["meaningful"]) for r in rs),
-            "max_gamma_meaningful": max(mg) if mg else math.nan,
-        }
-    e = list(empirical_rows)
-    learned = [bool(r["learned"]) for r in e]
-    printed = [bool(r["gamma_gt1"]) for r in e]
-    gain_up = [bool(r["contrast_gain"] > 1) for r in e]
-    meaningful = [r for r in e if r["meaningful"]]
-    by_eps = {}
-    for eps in sorted({r["eps"] for r in e}):
-        rs = [r for r in e if r["eps"] == eps]
-        by_eps[repr(float(eps))] = {"nmi_in": _mean([r["nmi_in"] for r in rs]), "nmi": _mean([r["nmi"] for r in rs]),
-                                    "learned": sum(r["learned"] for r in rs), "runs": len(rs)}
-    gamma = [_rankable(r["gamma"]) for r in e]
-    empirical = {
-        "runs": len(e),
-        "learned": sum(learned),
-        "meaningful": len(meaningful),
-        "gamma_gt1": sum(printed),
-        "learnable": sum(bool(r["learnable"]) for r in e),
-        "both": sum(p and q for p, q in zip(printed, learned, strict=True)),
-        "formula_only": sum(p and not q for p, q in zip(printed, learned, strict=True)),
-        "measured_only": sum(q and not p for p, q in zip(printed, learned, strict=True)),
-        "neither": sum(not p and not q for p, q in zip(printed, learned, strict=True)),
-        "gain_gt1": sum(gain_up),
-        "gain_gt1_and_gamma_gt1": sum(p and g for p, g in zip(printed, gain_up, strict=True)),
-        "meaningful_gain_ge_gamma": sum(bool(r["contrast_gain"] >= r["gamma"]) for r in meaningful),
-        "nmi_mean": _mean([r["nmi"] for r in e]),
-        "nmi_in_mean": _mean([r["nmi_in"] for r in e]),
-        "nmi_improved": sum(bool(r["nmi"] > r["nmi_in"]) for r in e),
-        "contrast_improved": sum(bool(r["contrast_out"] > r["contrast_in"]) for r in e),
-        "sharpness_positive": sum(bool(r["sharpness"] > 0) for r in e),
-        "spearman_eps_nmi": _spearman([r["eps"] for r in e], [r["nmi"] for r in e]),
-        "spearman_eps_gain": _spearman([r["eps"] for r in e], [r["contrast_gain"] for r in e]),
-        "spearman_eps_gamma": _spearman([r["eps"] for r in e], gamma),
-        "spearman_n_nmi": _spearman([r["n"] for r in e], [r["nmi"] for r in e]),
-        "spearman_n_gain": _spearman([r["n"] for r in e], [r["contrast_gain"] for r in e]),
-        "spearman_n_gamma": _spearman([r["n"] for r in e], gamma),
-        "rho_min": min((r["rho"] for r in e), default=math.nan),
-        "rho_max": max((r["rho"] for r in e), default=math.nan),
-        "by_eps": by_eps,
-    }
-    return {"formula": formula, "empirical": empirical}
-
-
-def _trend(s: float) -> str:
-    if math.isnan(s):
-        return "undefined (constant or too few points)"
-    return f"Spearman {s:+.2f}"
-
-
-def verdict(summary: Mapping[str, Any], learned_nmi: float = 0.9) -> str:
-    """A short Markdown paragraph (bullets) from ``summarize``'s numbers: where formula and measurement agree and
-    disagree, stated as counts and correlations, with the caveat that Theorem 2 is a sufficient condition about
-    the existence of weights, so learning outside its region does not contradict it."""
-    f, e = summary["formula"], summary["empirical"]
-    per_n = "; ".join(
-        f"n={n}: γ>1 on {100 * v['gamma_gt1_fraction']:.1f}% of the cells, meaningful on "
-        f"{100 * v['meaningful_fraction']:.1f}%, "
-        f"both on {v['overlap']} cells, max γ where meaningful {_num(v['max_gamma_meaningful'])}"
-        for n, v in f.items())
-    runs = e["runs"]
-    overlap = sum(int(v["overlap"]) for v in f.values())
-    if overlap == 0:
-        overlap_text = (
-            "The printed region {γ > 1} and the region where the bound is valid share no cell, so read as printed "
-            "the theorem certifies sharpening on none of them; its {γ > 1} cells lie where Δ ≤ 0 or "
-            "Δ³ ≤ n²(δ + δ²), i.e. where the bound says nothing.")
-    else:
-        overlap_text = (f"The printed region {{γ > 1}} and the valid region share {overlap} cells, contradicting "
-                        "theory.learnable_region's proof: check the grid and the formula.")
-    by_eps = ", ".join(f"ε={float(k):g}: {v['learned']}/{v['runs']}" for k, v in e["by_eps"].items())
-    lines = [
-        f"- **Formula alone** (cells of the (ρ, ε) grid; with a mixed log / linear ε grid these are cell counts, "
-        f"not areas): {per_n}. {overlap_text}",
-        f"- **At the data's (ρ, ε, n)** ({runs} runs, ρ of the clean test batch in "
-        f"[{_num(e['rho_min'])}, {_num(e['rho_max'])}]): meaningful in {e['meaningful']}, printed γ > 1 in "
-        f"{e['gamma_gt1']}, meaningful and γ > 1 in {e['learnable']}.",
-        f"- **Measurement**: learned (spectral NMI of the trained affinity ≥ {learned_nmi:g}) in {e['learned']} of "
-        f"{runs} runs; mean NMI {_num(e['nmi_in_mean'])} on the input → {_num(e['nmi_mean'])} after the head, higher "
-        f"than the input's in {e['nmi_improved']} runs; learned per ε: {by_eps}; per-block contrast gain > 1 in "
-        f"{e['gain_gt1']} runs (the blocks' own ReLU(QKᵀ) affinities), while the trained affinity's contrast exceeds "
-        f"the input's in {e['contrast_improved']} runs; "
-        f"Definition 2 sharpness of the last block > 0 in {e['sharpness_positive']} runs.",
-        f"- **Agreement of printed γ > 1 with learned**: both {e['both']}, γ > 1 but not learned {e['formula_only']}, "
-        f"learned but γ ≤ 1 {e['measured_only']}, neither {e['neither']} "
-        f"(agree on {e['both'] + e['neither']} of {runs}). Contrast gain > 1 and γ > 1 together in "
-        f"{e['gain_gt1_and_gamma_gt1']} runs.",
-        f"- **Trends, pooled over the grid**: with ε, NMI {_trend(e['spearman_eps_nmi'])}, contrast gain "
-        f"{_trend(e['spearman_eps_gain'])}, printed γ {_trend(e['spearman_eps_gamma'])}; with n, NMI "
-        f"{_trend(e['spearman_n_nmi'])}, contrast gain {_trend(e['spearman_n_gain'])}, printed γ "
-        f"{_trend(e['spearman_n_gamma'])}. Opposite signs mean the formula and the measurement move in opposite "
-        "directions along that axis.",
-        f"- **Caveat**: Theorem 2 asserts that SOME weights sharpen every block by γ; trained weights are one "
-        "instance, so learning where the theorem is silent does not refute it, and a measured gain below γ only "
-        f"says training did not find such weights. Where meaningful, the measured gain reached γ in "
-        f"{e['meaningful_gain_ge_gamma']} of {e['meaningful']} runs.",
-    ]
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------------- writing
-def _num(v: Any) -> str:
+# ------------------------------------------------------------------------------------------------ formatting
+def format_number(v: Any) -> str:
     """Compact text for a number: 4 significant digits, 'inf' / '-inf' / 'nan' spelled out; bools as 0/1."""
     if isinstance(v, bool):
         return str(int(v))
     if isinstance(v, (int, np.integer)):
         return str(int(v))
     if isinstance(v, (float, np.floating)):
-        v = float(v)
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return f"{v:.4g}"
+        return f"{float(v):.4g}"  # also 'inf', '-inf', 'nan'
     return str(v)
-
-
-def _csv_text(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], fmt: Callable[[Any], str]) -> str:
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(columns)
-    for r in rows:
-        w.writerow([fmt(r.get(c)) for c in columns])
-    return buf.getvalue()
-
-
-def _csv_value(v: Any) -> str:
-    """CSV cell: full-precision floats ('%.6g' keeps the formula table small), bools as true/false."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (float, np.floating)):
-        return "nan" if math.isnan(v) else ("inf" if v == math.inf else "-inf" if v == -math.inf else f"{v:.6g}")
-    return "" if v is None else str(v)
-
-
-def _json_safe(obj: Any) -> Any:
-    """JSON for DVC: non-finite floats become the strings 'inf' / '-inf' / 'nan'; numpy scalars become Python."""
-    if isinstance(obj, Mapping):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    if isinstance(obj, (bool, np.bool_)):
-        return bool(obj)
-    if isinstance(obj, (int, np.integer)):
-        return int(obj)
-    if isinstance(obj, (float, np.floating)):
-        v = float(obj)
-        return v if math.isfinite(v) else _num(v)
-    return obj
-
-
-def _formula_maps(rows: Sequence[Mapping[str, Any]], n: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-    """ρ values (R,), ε values (E,) and (R, E) arrays of gamma_gt1 / meaningful / Delta for one n."""
-    rs = [r for r in rows if r["n"] == n]
-    rho = np.array(sorted({float(r["rho"]) for r in rs}))
-    eps = np.array(sorted({float(r["eps"]) for r in rs}))
-    ri = {v: i for i, v in enumerate(rho)}
-    ei = {v: j for j, v in enumerate(eps)}
-    maps = {k: np.full((len(rho), len(eps)), np.nan) for k in ("gamma_gt1", "meaningful", "Delta")}
-    for r in rs:
-        for k in maps:
-            maps[k][ri[float(r["rho"])], ei[float(r["eps"])]] = float(r[k])
-    return rho, eps, maps
-
-
-NICE_TICKS = (0.0, 1e-8, 1e-6, 1e-4, 1e-2, 0.25, 0.5, 0.75, 1.0)
-
-
-def _ticks(values: np.ndarray) -> tuple[list[float], list[str]]:
-    """Tick positions (in index space: one unit per grid value) and labels for the values of NICE_TICKS inside the
-    grid's range, dropping a tick that would sit less than max(1.5, len / 15) columns from the previous one."""
-    pos: list[float] = []
-    text: list[str] = []
-    gap = max(1.5, len(values) / 15)
-    for v in NICE_TICKS:
-        if not values[0] <= v <= values[-1]:
-            continue
-        p = float(np.interp(v, values, np.arange(len(values))))
-        if pos and p - pos[-1] < gap:
-            continue
-        pos.append(p)
-        text.append("0" if v == 0 else (f"1e{round(math.log10(v))}" if v < 0.01 else f"{v:g}"))
-    return pos, text
-
-
-def _figure(formula_rows: Sequence[Mapping[str, Any]], table: Sequence[Mapping[str, Any]],
-            empirical_rows: Sequence[Mapping[str, Any]], png: Path) -> None:
-    """Left: per formula n, categorical (ρ, ε) map {γ > 1 only, meaningful only, both}, the Δ = 0 line and the
-    data's points (filled = learned in at least half of the runs there). Right: measured NMI over (n, ε), one panel
-    per depth, hatched where the printed γ > 1 at the data's ρ in at least half of the runs, '*' where meaningful."""
-    from matplotlib import colormaps
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.colors import ListedColormap, Normalize
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch, Rectangle
-
-    from pipeline.figures import DPI
-
-    ns = sorted({int(r["n"]) for r in formula_rows})
-    depths = sorted({int(r["depth"]) for r in table})
-    n_emp = sorted({int(r["n"]) for r in table})
-    eps_emp = sorted({float(r["eps"]) for r in table})
-    fcols = min(len(ns), 2)
-    frows = math.ceil(len(ns) / fcols)
-    left_w = 3.3 * fcols + 0.5
-    right_w = (0.55 * len(eps_emp) + 1.3) * len(depths) + 1.2
-    height = max(3.0 * frows, 0.45 * len(n_emp) + 2.5) + 1.0
-    fig = Figure(figsize=(left_w + right_w, height), dpi=DPI, layout="constrained")
-    FigureCanvasAgg(fig)
-    left, right = fig.subfigures(1, 2, width_ratios=[left_w, right_w])
-    colors = ["white", "#f4a582", "#92c5de", "#762a83"]  # neither, printed γ>1 only, meaningful only, both
-    cmap = ListedColormap(colors)
-    axes = left.subplots(frows, fcols, squeeze=False).reshape(-1)
-    emp_points: dict[tuple[int, float], list[Mapping[str, Any]]] = {}
-    for r in empirical_rows:
-        emp_points.setdefault((int(r["n"]), float(r["eps"])), []).append(r)
-    for ax, n in zip(axes, ns, strict=False):
-        rho, eps, maps = _formula_maps(formula_rows, n)
-        cat = np.nan_to_num(maps["gamma_gt1"]) + 2 * np.nan_to_num(maps["meaningful"])  # (R, E) in {0..3}
-        # drawn in index space (one column per grid value): a mixed log / linear ε grid stays readable
-        ax.imshow(cat, cmap=cmap, vmin=-0.5, vmax=3.5, origin="lower", aspect="auto", interpolation="nearest")
-        if len(rho) > 1 and len(eps) > 1 and np.nanmin(maps["Delta"]) < 0 < np.nanmax(maps["Delta"]):
-            ax.contour(np.arange(len(eps)), np.arange(len(rho)), maps["Delta"], levels=[0.0], colors="black",
-                       linestyles="--", linewidths=1.0)
-        for (pn, pe), rs in emp_points.items():
-            if pn != n:
-                continue
-            ok = sum(bool(r["learned"]) for r in rs) >= len(rs) / 2
-            py = float(np.interp(np.mean([r["rho"] for r in rs]), rho, np.arange(len(rho))))
-            ax.plot([float(np.interp(pe, eps, np.arange(len(eps))))], [py], marker="o", markersize=6,
-                    color="black", markerfacecolor="black" if ok else "white", linestyle="")
-        for axis, values in ((ax.xaxis, eps), (ax.yaxis, rho)):
-            pos, text = _ticks(values)
-            axis.set_ticks(pos, text, fontsize="x-small")
-        ax.set_xlabel("noise bound ε (one column per grid value)", fontsize="small")
-        ax.set_ylabel("cluster integrity ρ", fontsize="small")
-        overlap = int(np.nansum(cat == 3))
-        ax.set_title(f"n = {n}: γ>1 {100 * np.nanmean(maps['gamma_gt1']):.0f}%, valid "
-                     f"{100 * np.nanmean(maps['meaningful']):.1f}%, both {overlap}", fontsize="small")
-    for ax in axes[len(ns):]:
-        ax.set_visible(False)
-    left.legend(handles=[
-        Patch(facecolor=colors[1], edgecolor="grey", label="printed γ > 1 (bound not valid)"),
-        Patch(facecolor=colors[2], edgecolor="grey", label="bound valid (meaningful), γ ≤ 1"),
-        Patch(facecolor=colors[3], edgecolor="grey", label="valid and γ > 1 (empty)"),
-        Line2D([], [], color="black", linestyle="--", label="Δ = 0 (γ → ∞)"),
-        Line2D([], [], color="black", marker="o", linestyle="", label="data, learned"),
-        Line2D([], [], color="black", marker="o", markerfacecolor="white", linestyle="", label="data, not learned"),
-    ], loc="outside lower center", ncols=2, fontsize="x-small", frameon=False)
-    left.suptitle("Theorem 2 as printed, per batch size n", fontsize="medium")
-
-    raxes = right.subplots(1, len(depths), squeeze=False)[0]
-    cm = colormaps["viridis"].with_extremes(bad="white")
-    norm = Normalize(vmin=0.0, vmax=1.0)
-    image = None
-    for ax, depth in zip(raxes, depths, strict=True):
-        grid = np.full((len(n_emp), len(eps_emp)), np.nan)
-        for r in table:
-            if int(r["depth"]) == depth:
-                i, j = n_emp.index(int(r["n"])), eps_emp.index(float(r["eps"]))
-                grid[i, j] = r["nmi"]
-                if r["gamma_gt1"] >= 0.5:
-                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="tab:red", hatch="//",
-                                           linewidth=1.2))
-        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cm, norm=norm, origin="lower", aspect="auto",
-                          interpolation="nearest")
-        for r in table:
-            if int(r["depth"]) == depth and math.isfinite(r["nmi"]):
-                i, j = n_emp.index(int(r["n"])), eps_emp.index(float(r["eps"]))
-                mark = "*" if r["meaningful"] >= 0.5 else ""
-                ax.text(j, i, f"{r['nmi']:.2f}{mark}", ha="center", va="center", fontsize="x-small",
-                        color="black" if r["nmi"] > 0.5 else "white")
-        ax.set_xticks(range(len(eps_emp)), [f"{v:g}" for v in eps_emp])
-        ax.set_yticks(range(len(n_emp)), [str(v) for v in n_emp])
-        ax.set_xlabel("noise bound ε")
-        ax.set_ylabel("batch size n")
-        ax.set_title(f"measured NMI, depth {depth}", fontsize="small")
-    right.colorbar(image, ax=list(raxes), label="spectral NMI of the trained affinity", shrink=0.9)
-    right.legend(handles=[Patch(fill=False, edgecolor="tab:red", hatch="//",
-                                label="printed γ > 1 at the data's (ρ, ε, n)"),
-                          Line2D([], [], linestyle="", marker="$*$", color="black", label="bound valid there")],
-                 loc="outside lower center", fontsize="x-small", frameon=False)
-    right.suptitle("Measured (trained TransFusion head, test batch)", fontsize="medium")
-    with atomic_path(png) as tmp:
-        fig.savefig(tmp, format="png", dpi=DPI)
-
-
-def _markdown_table(table: Sequence[Mapping[str, Any]]) -> str:
-    head = ("n", "ε", "depth", "ρ", "δ", "Δ", "γ (printed)", "meaningful", "gain/block", "S(A^d)", "NMI in → out",
-            "learned")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in table:
-        runs = r["runs"]
-        lines.append("| " + " | ".join([
-            _num(r["n"]), _num(r["eps"]), _num(r["depth"]), _num(r["rho"]), _num(r["delta"]), _num(r["Delta"]),
-            _num(r["gamma"]), f"{round(r['meaningful'] * runs)}/{runs}", _num(r["contrast_gain"]),
-            _num(r["sharpness"]), f"{_num(r['nmi_in'])} → {_num(r['nmi'])}", f"{round(r['learned'] * runs)}/{runs}",
-        ]) + " |")
-    return "\n".join(lines)
-
-
-def write_outputs(
-    formula_rows: Sequence[Mapping[str, Any]],
-    empirical_rows: Sequence[Mapping[str, Any]],
-    out_dir: Path,
-    *,
-    setup: Mapping[str, Any] | None = None,
-    learned_nmi: float = 0.9,
-) -> dict[str, Any]:
-    """Write part (c) into ``out_dir`` and return the metrics (``summarize``, JSON-safe, plus the file list).
-
-    Files: ``theory.png`` (formula panels beside measurement panels), ``measured_nmi.{png,csv}`` and
-    ``measured_gain.{png,csv}`` (``figures.phase_diagram``: x = ε, y = n, one panel per depth, hatched where the
-    printed γ > 1 at the data's ρ), ``formula.csv`` (``FORMULA_COLUMNS``), ``empirical.csv`` (one row per run,
-    ``EMPIRICAL_COLUMNS``), ``table.csv`` (per grid point, means over seeds, booleans as fractions,
-    ``TABLE_COLUMNS``) and ``theory.md`` (setup, verdict, per-n formula summary, the table). Each file is written
-    atomically; ``setup`` (e.g. the grid's fields) is listed in the Markdown.
-    """
-    from pipeline import figures
-
-    if not formula_rows or not empirical_rows:
-        raise ValueError("write_outputs needs formula rows and empirical rows")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table = aggregate(empirical_rows)
-    summary = summarize(formula_rows, empirical_rows)
-
-    write_text(out_dir / "formula.csv", _csv_text(formula_rows, FORMULA_COLUMNS, _csv_value))
-    write_text(out_dir / "empirical.csv", _csv_text(empirical_rows, EMPIRICAL_COLUMNS, _csv_value))
-    write_text(out_dir / "table.csv", _csv_text(table, TABLE_COLUMNS, _csv_value))
-    printed = {(int(r["n"]), float(r["eps"]), int(r["depth"])): r["gamma_gt1"] >= 0.5 for r in table}
-
-    def region(x: Any, y: Any, panel: Any) -> bool:
-        return bool(printed.get((int(y), float(x), int(panel)), False))
-
-    for value, name in (("nmi", "measured_nmi"), ("contrast_gain", "measured_gain")):
-        figures.phase_diagram(empirical_rows, x="eps", y="n", value=value, panel="depth", png=out_dir / f"{name}.png",
-                              csv=out_dir / f"{name}.csv", region=region)
-    _figure(formula_rows, table, empirical_rows, out_dir / "theory.png")
-
-    setup_lines = "\n".join(f"- {k}: {v}" for k, v in (setup or {}).items())
-    per_n = "\n".join(
-        f"| {n} | {v['cells']} | {100 * v['gamma_gt1_fraction']:.1f}% | {100 * v['meaningful_fraction']:.1f}% | "
-        f"{v['overlap']} | {_num(v['max_gamma_meaningful'])} |" for n, v in summary["formula"].items())
-    md = "\n".join([
-        "# Theorem 2 against a trained TransFusion head",
-        "",
-        "γ is Theorem 2's factor exactly as printed; *meaningful* = (Δ > 0) and (Δ³ > n²(δ + δ²)), where Appendix D's "
-        "lower bound is positive and γ is a bound at all. ρ: cluster integrity (Definition 1) of the clean test "
-        "samples, a lower-bound estimate. Measured: a head trained with the JSD loss on fresh union-of-subspaces "
-        "batches of n, evaluated on a fresh stratified test batch of n. *gain/block* = (c(A^d) / c(A⁰))^(1/d), c = "
-        "mean same-cluster / mean different-cluster affinity, A⁰ = ReLU(cos x), A^ℓ = block ℓ's ReLU(QKᵀ). *NMI*: "
-        f"spectral clustering of cos² (the affinity the loss trains) on the input → on the head's output; "
-        f"*learned* = NMI ≥ {learned_nmi:g}. Fractions are over seeds.",
-        "",
-        "## Setup",
-        "",
-        setup_lines or "- (not given)",
-        "",
-        "## Verdict",
-        "",
-        verdict(summary, learned_nmi),
-        "",
-        "## The formula on the (ρ, ε) grid",
-        "",
-        "| n | cells | printed γ > 1 | meaningful | both | max γ where meaningful |",
-        "|---|---|---|---|---|---|",
-        per_n,
-        "",
-        "## Per grid point",
-        "",
-        _markdown_table(table),
-        "",
-        "Files: theory.png (formula | measurement), measured_nmi.png, measured_gain.png, formula.csv, empirical.csv, "
-        "table.csv.",
-        "",
-    ])
-    write_text(out_dir / "theory.md", md)
-    metrics = _json_safe(summary)
-    metrics["files"] = sorted(p.name for p in out_dir.iterdir() if not p.name.startswith("."))
-    return metrics
-
-
-def run_all(theory_grid: TheoryGrid, empirical_grid: EmpiricalGrid, out_dir: Path,
-            progress: Callable[[str], Any] | None = print) -> dict[str, Any]:
-    """Parts (a), (b), (c) in one call: returns ``write_outputs``' metrics plus ``seconds`` (wall time)."""
-    t0 = time.perf_counter()
-    formula = formula_table(theory_grid)
-    rows = run_empirical(empirical_grid, progress)
-    setup = asdict(empirical_grid)
-    setup["formula grid"] = f"{len(theory_grid.rho)} x {len(theory_grid.eps)} (ρ, ε) points, n = {list(theory_grid.n)}"
-    metrics = write_outputs(formula, rows, out_dir, setup=setup, learned_nmi=empirical_grid.learned_nmi)
-    metrics["seconds"] = round(time.perf_counter() - t0, 2)
-    return metrics

@@ -3,7 +3,7 @@
 Reads params: ``theory`` only. Writes (atomically): ``plots/theory/`` -- ``theory.png`` (formula panels | measured
 panels), ``measured_nmi.{png,csv}``, ``measured_gain.{png,csv}``, ``formula.csv``, ``empirical.csv``, ``table.csv``,
 ``theory.md`` (setup, verdict, tables) -- and ``metrics/theory.json``. No input data: everything is generated from
-the seeds in the params (see :mod:`pipeline.theory_experiments`).
+the seeds in the params (see :mod:`pipeline.theory_experiments` and :mod:`pipeline.theory_report`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import click
+from pydantic import ValidationError
 
+from pipeline.config import TheoryConfig
 from pipeline.io import atomic_dir, write_json
-from pipeline.theory_experiments import EmpiricalGrid, TheoryGrid, run_all
+from pipeline.theory_experiments import EmpiricalGrid, TheoryGrid
+from pipeline.theory_report import run_all
 from stages._common import ParamsUsageError, params_options, runtime_errors
 
 PLOTS = Path("plots/theory")
@@ -22,20 +25,21 @@ METRICS = Path("metrics/theory.json")
 
 
 def grids(cfg: Any) -> tuple[TheoryGrid, EmpiricalGrid]:
-    """The two grids from the ``theory`` params section (any object with its attributes).
+    """The two grids from the ``theory`` params section: a :class:`TheoryConfig`, or any object with its
+    attributes (validated into one here).
 
-    Raises ValueError (naming ``theory.<key>`` where it can) if a value is out of range.
+    Raises ValueError starting ``theory:`` and naming ``theory.<key>`` where it can if a value is out of range.
     """
-    try:
-        tg = TheoryGrid.uniform(cfg.formula_points, cfg.formula_n, log_points=cfg.formula_log_points,
-                                eps_min=cfg.formula_eps_min)
-        eg = EmpiricalGrid(
-            n=cfg.n, eps=cfg.eps, depth=cfg.depth, steps=cfg.steps, n_clusters=cfg.n_clusters, rank=cfg.rank,
-            dim=cfg.dim, lr=cfg.lr, seeds=cfg.seeds, learned_nmi=cfg.learned_nmi,
-        )
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"theory: {exc}") from exc
-    return tg, eg
+    if not isinstance(cfg, TheoryConfig):
+        try:
+            cfg = TheoryConfig.model_validate(cfg, from_attributes=True)
+        except ValidationError as exc:
+            problems = [(f"theory.{'.'.join(map(str, e['loc']))}: " if e["loc"] else "")
+                        + e["msg"].removeprefix("Value error, ") for e in exc.errors()]
+            raise ValueError("theory: " + "; ".join(problems)) from None
+    tg = TheoryGrid.uniform(cfg.formula_points, cfg.formula_n, log_points=cfg.formula_log_points,
+                            eps_min=cfg.formula_eps_min)
+    return tg, EmpiricalGrid.from_config(cfg)
 
 
 def run(params: Any, plots: Path = PLOTS, metrics: Path = METRICS, progress: Any = click.echo) -> dict:

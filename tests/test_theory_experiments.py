@@ -12,6 +12,8 @@ import torch
 
 from pipeline import theory
 from pipeline import theory_experiments as TE
+from pipeline import theory_report as TR
+from pipeline.config import TheoryConfig
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -42,12 +44,17 @@ def contrast_reference(a: np.ndarray, labels: list[int]) -> float:
     return (sum(same) / len(same)) / (sum(diff) / len(diff))
 
 
-TINY = dict(n=(8, 16), eps=(0.1,), depth=(1, 2), steps=20, n_clusters=2, rank=1, dim=6, seeds=(0,))
+TINY = dict(n=[8, 16], eps=[0.1], depth=[1, 2], steps=20, n_clusters=2, rank=1, dim=6, seeds=[0])
+
+
+def empirical_grid(**theory: object) -> TE.EmpiricalGrid:
+    """The grid of a validated ``theory`` section (its formula keys at their defaults)."""
+    return TE.EmpiricalGrid.from_config(TheoryConfig(**theory))
 
 
 @pytest.fixture(scope="module")
 def tiny_rows():
-    return TE.run_empirical(TE.EmpiricalGrid(**TINY), progress=None)
+    return TE.run_empirical(empirical_grid(**TINY), progress=None)
 
 
 @pytest.fixture(scope="module")
@@ -122,18 +129,20 @@ def test_theory_grid_uniform_and_validation():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(n=(6,)), "2 \\* n_clusters"),
+    (dict(n=[6]), "2 \\* n_clusters"),
     (dict(rank=3, dim=6), "n_clusters - 1"),
-    (dict(eps=(1.2,)), "eps"),
-    (dict(depth=(0,)), "depth"),
+    (dict(eps=[1.2]), "eps"),
+    (dict(depth=[0]), "depth"),
     (dict(steps=0), "steps"),
     (dict(learned_nmi=0.0), "learned_nmi"),
-    (dict(seeds=(1, 1)), "duplicates"),
+    (dict(seeds=[1, 1]), "duplicate"),
 ])
-def test_empirical_grid_rejects_bad_values(kwargs, match):
-    base = dict(n=(8,), eps=(0.0,), depth=(1,), n_clusters=4, rank=1, dim=8)
+def test_empirical_grid_rules_live_in_the_config(kwargs, match):
+    base = dict(n=[8], eps=[0.0], depth=[1], n_clusters=4, rank=1, dim=8)
     with pytest.raises(ValueError, match=match):
-        TE.EmpiricalGrid(**{**base, **kwargs})
+        empirical_grid(**{**base, **kwargs})
+    grid = empirical_grid(**base)
+    assert (grid.n, grid.eps, grid.depth, grid.dim, grid.seeds) == ((8,), (0.0,), (1,), 8, (0, 1, 2))
 
 
 # ------------------------------------------------------------------------------------------ part (b)
@@ -211,7 +220,7 @@ def test_train_head_keeps_global_rng_and_is_seeded():
 
 def test_run_empirical_rows_complete_and_deterministic(tiny_rows):
     threads = torch.get_num_threads()
-    again = TE.run_empirical(TE.EmpiricalGrid(**TINY), progress=None)
+    again = TE.run_empirical(empirical_grid(**TINY), progress=None)
     assert torch.get_num_threads() == threads
     assert len(tiny_rows) == 2 * 1 * 2 * 1
     assert [(r["n"], r["depth"]) for r in tiny_rows] == [(8, 1), (8, 2), (16, 1), (16, 2)]
@@ -232,13 +241,12 @@ def test_run_empirical_rows_complete_and_deterministic(tiny_rows):
 
 def test_progress_lines(capsys):
     lines = []
-    TE.run_empirical(TE.EmpiricalGrid(**{**TINY, "n": (8,), "depth": (1,), "steps": 2}), progress=lines.append)
+    TE.run_empirical(empirical_grid(**{**TINY, "n": [8], "depth": [1], "steps": 2}), progress=lines.append)
     assert len(lines) == 1 and "n=8" in lines[0] and "NMI" in lines[0]
 
 
 def test_easy_data_beats_very_noisy_data():
-    grid = TE.EmpiricalGrid(n=(16,), eps=(0.0, 0.9), depth=(1,), steps=20, n_clusters=3, rank=1, dim=8,
-                            seeds=(0,))
+    grid = empirical_grid(n=[16], eps=[0.0, 0.9], depth=[1], steps=20, n_clusters=3, rank=1, dim=8, seeds=[0])
     easy, noisy = TE.run_empirical(grid, progress=None)
     assert (easy["eps"], noisy["eps"]) == (0.0, 0.9)
     assert easy["nmi"] >= noisy["nmi"] + 0.3
@@ -259,10 +267,10 @@ def _row(**kw):
 def test_aggregate_means_over_seeds():
     rows = [_row(seed=0, nmi=0.8, learned=False, gamma=2.0), _row(seed=1, nmi=1.0, learned=True, gamma=4.0),
             _row(n=16, nmi=0.3)]
-    table = TE.aggregate(rows)
+    table = TR.aggregate(rows)
     assert [(t["n"], t["runs"]) for t in table] == [(8, 2), (16, 1)]
     assert table[0]["nmi"] == pytest.approx(0.9) and table[0]["learned"] == 0.5 and table[0]["gamma"] == 3.0
-    assert tuple(table[0]) == TE.TABLE_COLUMNS
+    assert tuple(table[0]) == TR.TABLE_COLUMNS
 
 
 def test_summarize_counts_match_a_loop(tiny_formula):
@@ -274,7 +282,7 @@ def test_summarize_counts_match_a_loop(tiny_formula):
         rows.append(_row(seed=i, eps=float(rng.choice([0.0, 0.5])), n=int(rng.choice([8, 16])), gamma=g,
                          gamma_gt1=g > 1, meaningful=m, learned=bool(rng.random() < 0.5),
                          contrast_gain=float(rng.choice([0.5, 2.0, 0.001])), nmi=float(rng.random())))
-    e = TE.summarize(tiny_formula, rows)["empirical"]
+    e = TR.summarize(tiny_formula, rows)["empirical"]
     both = formula_only = measured_only = neither = 0
     for r in rows:
         p, q = r["gamma_gt1"], r["learned"]
@@ -288,7 +296,7 @@ def test_summarize_counts_match_a_loop(tiny_formula):
     assert e["gain_gt1"] == sum(r["contrast_gain"] > 1 for r in rows)
     assert e["meaningful_gain_ge_gamma"] == sum(r["contrast_gain"] >= r["gamma"] for r in rows if r["meaningful"])
     assert e["by_eps"]["0.5"]["runs"] == sum(r["eps"] == 0.5 for r in rows)
-    f = TE.summarize(tiny_formula, rows)["formula"]
+    f = TR.summarize(tiny_formula, rows)["formula"]
     for n in (2, 8):
         cells = [r for r in tiny_formula if r["n"] == n]
         assert f[str(n)]["cells"] == len(cells)
@@ -297,19 +305,19 @@ def test_summarize_counts_match_a_loop(tiny_formula):
 
 
 def test_verdict_states_the_numbers(tiny_formula, tiny_rows):
-    s = TE.summarize(tiny_formula, tiny_rows)
-    text = TE.verdict(s, 0.9)
+    s = TR.summarize(tiny_formula, tiny_rows)
+    text = TR.verdict(s, 0.9)
     e = s["empirical"]
     assert f"learned (spectral NMI of the trained affinity ≥ 0.9) in {e['learned']} of {e['runs']} runs" in text
     assert f"both {e['both']}, γ > 1 but not learned {e['formula_only']}" in text
     assert "share no cell" in text and "Caveat" in text
     fake = {**s, "formula": {"2": {**s["formula"]["2"], "overlap": 3}}}
-    assert "share 3 cells" in TE.verdict(fake)
+    assert "share 3 cells" in TR.verdict(fake)
 
 
 # ------------------------------------------------------------------------------------------- part (c)
 def test_write_outputs_files_headers_and_metrics(tmp_path, tiny_formula, tiny_rows):
-    metrics = TE.write_outputs(tiny_formula, tiny_rows, tmp_path / "out", setup={"steps": 20})
+    metrics = TR.write_outputs(tiny_formula, tiny_rows, tmp_path / "out", setup={"steps": 20})
     out = tmp_path / "out"
     names = sorted(p.name for p in out.iterdir())
     assert names == ["empirical.csv", "formula.csv", "measured_gain.csv", "measured_gain.png", "measured_nmi.csv",
@@ -319,7 +327,7 @@ def test_write_outputs_files_headers_and_metrics(tmp_path, tiny_formula, tiny_ro
         assert (out / png).read_bytes()[:8] == PNG_SIGNATURE
     for name, cols, count in (("formula.csv", TE.FORMULA_COLUMNS, len(tiny_formula)),
                               ("empirical.csv", TE.EMPIRICAL_COLUMNS, len(tiny_rows)),
-                              ("table.csv", TE.TABLE_COLUMNS, len(TE.aggregate(tiny_rows)))):
+                              ("table.csv", TR.TABLE_COLUMNS, len(TR.aggregate(tiny_rows)))):
         with open(out / name) as f:
             rows = list(csv.reader(f))
         assert tuple(rows[0]) == cols and len(rows) == count + 1
@@ -342,4 +350,4 @@ def test_write_outputs_files_headers_and_metrics(tmp_path, tiny_formula, tiny_ro
 
 def test_write_outputs_refuses_empty(tmp_path: Path, tiny_formula):
     with pytest.raises(ValueError, match="empirical rows"):
-        TE.write_outputs(tiny_formula, [], tmp_path)
+        TR.write_outputs(tiny_formula, [], tmp_path)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from pipeline.config import Params
+from pipeline.config import Params, TheoryConfig
 from stages.theory import grids, run, theory_cmd
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +54,7 @@ def test_grids_name_the_section_on_bad_values():
     tg, eg = grids(SimpleNamespace(**TINY))
     assert tg.n == (2, 8) and len(tg.rho) == 9 and len(tg.eps) == 12
     assert eg.n == (8,) and eg.steps == 5 and eg.dim == 6
+    assert grids(TheoryConfig(**TINY)) == (tg, eg)  # a validated section, used as it is
 
 
 def test_missing_section_is_a_usage_error(tmp_path, monkeypatch):
