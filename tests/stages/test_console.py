@@ -1,0 +1,95 @@
+"""A default `transfusion pretrain` prints our progress lines and real errors, not Ray's internal chatter.
+
+Each test runs the CLI as its own process, as `dvc repro` does, with its own local Ray under a temp ``RAY_TMPDIR`` (so
+that Ray's logs can be checked on disk and everything it leaves behind can be stopped) and its own ``HOME`` (no Ray
+auth token yet: the first run on a fresh machine, when Ray creates one). Two Ray starts in all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+RUN = ["-S", "train.epochs=2", "-S", "data.limit_train=512", "-S", "train.batch_size=128", "-S", "model.embed_dim=32"]
+# Ray's C++ core: "[2026-01-01 12:00:00,123 E 1968 1999] core_worker.cc:2465: ..." (any prefix Ray adds before it)
+CPP_LINE = re.compile(r"\[?\d{4}-\d\d-\d\d [\d:,.]+ [DIWEF] \d+ \d+\]? \S+\.(cc|h):\d+")
+RAY_INTERNALS = ("core_worker.cc", "gcs_", "raylet", "Token authentication", "Requesting resources",
+                 "worker group", "PreemptionWatcher", "TrainController")
+
+
+@pytest.fixture
+def sandbox(project):
+    """The project (data prepared), a short temp root for the run's own Ray (unix socket paths are limited to ~107
+    bytes) and an empty HOME; whatever Ray leaves running under them is killed after."""
+    out = subprocess.run([sys.executable, "-m", "stages.cli", "prepare", "-S", "data.limit_train=512"], cwd=project,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    tmp = tempfile.mkdtemp(prefix="tfq", dir="/tmp")
+    home = Path(tmp) / "home"
+    home.mkdir()
+    yield project, tmp, home
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(tmp in part for part in proc.info["cmdline"] or []):
+                proc.kill()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def pretrain(project: Path, tmp: str, home: Path, **env: str) -> tuple[int, list[str]]:
+    """Run `transfusion pretrain` as a user would (no Ray settings of ours in the environment); its console lines."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("RAY_AUTH", "RAY_DEDUP", "RAY_BACKEND")) and k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-m", "stages.cli", "pretrain", *RUN], cwd=project, capture_output=True,
+                         text=True, timeout=480, env={**base, "RAY_TMPDIR": tmp, "HOME": str(home), **env})
+    return out.returncode, (out.stdout + out.stderr).splitlines()
+
+
+def ray_chatter(lines: list[str]) -> list[str]:
+    return [line for line in lines if CPP_LINE.search(line) or any(word in line for word in RAY_INTERNALS)]
+
+
+def session_logs(tmp: str) -> Path:
+    sessions = sorted(Path(tmp).glob("**/session_2*/logs"))
+    assert len(sessions) == 1, sessions
+    return sessions[0]
+
+
+def test_a_default_run_prints_our_lines_and_ray_keeps_its_own_logs(sandbox):
+    project, tmp, home = sandbox
+    code, lines = pretrain(project, tmp, home)
+    console = "\n".join(lines)
+    assert code == 0, console
+    assert not ray_chatter(lines), console
+    assert any("[pretrain] epoch 1/2 loss" in line for line in lines), console
+    assert any("[pretrain] epoch 2/2 loss" in line for line in lines), console
+    assert any(line.startswith("pretrained 2 epochs: loss") for line in lines), console
+    # token authentication is still on (Ray created the token for this fresh HOME), only not announced
+    assert (home / ".ray" / "auth_token").is_file()
+    # what the console no longer shows is on disk, in Ray's session logs
+    logs = session_logs(tmp)
+    controller = "".join(p.read_text() for p in logs.glob("train/ray-train-sys-controller-*.log"))
+    assert "worker group" in controller
+    assert any("core_worker.cc" in p.read_text(errors="replace") for p in logs.glob("python-core-worker-*.log"))
+
+
+def test_a_worker_error_still_reaches_the_console(sandbox):
+    project, tmp, home = sandbox
+    code, lines = pretrain(project, tmp, home, TRANSFUSION_FAULT="crash@1")
+    console = "\n".join(lines)
+    assert code == 1, console
+    error = [line for line in lines if line.startswith("Error: ")]
+    assert len(error) == 1 and "rank 0: injected crash after epoch 1 (TRANSFUSION_FAULT)" in error[0], console
+    assert "rerun the stage to resume" in error[0], console
+    assert any("[pretrain] epoch 1/2 loss" in line for line in lines), console
+    assert not ray_chatter(lines), console
