@@ -454,6 +454,7 @@ SUBPROCESS_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", SUBPROCESS_CASES, ids=[c.id for c in SUBPROCESS_CASES])
 def test_real_process_exit_code(project, case):
     """The real process, as DVC runs it: exit status, stderr, nothing on stdout."""

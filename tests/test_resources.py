@@ -243,6 +243,7 @@ def cluster_config(ray_session):
     assert ray_session._private.state.state.get_cluster_config() is None
 
 
+@pytest.mark.slow
 def test_cluster_from_ray_live_nodes(ray_session):
     from pipeline.resources import autoscaler_limits, cluster_from_ray
 
@@ -253,6 +254,7 @@ def test_cluster_from_ray_live_nodes(ray_session):
     assert "16 workers (ray.num_workers)" in message and "2 CPUs and 0 GPUs on 1 node" in message
 
 
+@pytest.mark.slow
 def test_cluster_from_ray_reads_the_autoscalers_maximum(cluster_config):
     from pipeline.resources import autoscaler_limits, cluster_from_ray
 

@@ -149,8 +149,9 @@ def assert_grads_close(a, b, rtol=1e-5):
         torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=rtol * top, msg=name)
 
 
-CASES = [("jsd", "self", None, False), ("supcon", "sup", None, False), ("barlow_twins", "self", None, False),
-         ("jsd_appendix_e", "self", 3, True)]
+CASES = [("jsd", "self", None, False), pytest.param("supcon", "sup", None, False, marks=pytest.mark.slow),
+         pytest.param("barlow_twins", "self", None, False, marks=pytest.mark.slow),
+         pytest.param("jsd_appendix_e", "self", 3, True, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("loss_name,mode,chunk,truncated", CASES)
@@ -162,6 +163,7 @@ def test_two_gloo_workers_equal_one_process(tmp_path, loss_name, mode, chunk, tr
         assert_grads_close(grads, ref_grads)
 
 
+@pytest.mark.slow
 def test_without_the_gather_the_gradients_differ(tmp_path):
     _, ref_grads = single_process("jsd", "self")
     (loss0, grads0), _ = two_workers(tmp_path, "jsd", "self", no_gather=True)
@@ -170,7 +172,7 @@ def test_without_the_gather_the_gradients_differ(tmp_path):
 
 
 @pytest.mark.parametrize("loss_name,mode", [("jsd", "self"), ("supcon", "sup"), ("barlow_twins", "self")])
-@pytest.mark.parametrize("chunk", [1, 3, 5])
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 3, pytest.param(5, marks=pytest.mark.slow)])
 def test_grad_cache_equals_plain_step(loss_name, mode, chunk):
     loss, grads = single_process(loss_name, mode)
     loss_c, grads_c = single_process(loss_name, mode, chunk=chunk)
@@ -202,6 +204,7 @@ BACKBONES = [("pixels", SHAPE), ("mlp", SHAPE), ("cnn_small", SHAPE), ("resnet18
              ("resnet18", (3, 32, 32))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backbone,shape", BACKBONES, ids=[b for b, _ in BACKBONES])
 def test_every_backbone_two_gloo_workers_equal_one_process(tmp_path, backbone, shape):
     spec = Spec(backbone=backbone, shape=shape)
@@ -223,6 +226,7 @@ def test_every_backbone_two_gloo_workers_equal_one_process(tmp_path, backbone, s
         assert ref_buffers and int(ref_buffers["backbone.bn1.num_batches_tracked"]) == 1
 
 
+@pytest.mark.slow
 def test_plain_batchnorm_on_two_workers_differs(tmp_path):
     """The control: per-worker BN (no conversion) normalises each shard by its own statistics."""
     spec = Spec(backbone="resnet18_cifar", shape=(3, 8, 8), global_bn=False)
@@ -237,6 +241,7 @@ def test_plain_batchnorm_on_two_workers_differs(tmp_path):
     assert not torch.equal(buf0[key], buf1[key])  # the ranks drift apart
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reduce_scatter", [False, True], ids=["allreduce-slice", "reduce-scatter"])
 def test_both_gather_backwards_equal_one_process(tmp_path, reduce_scatter):
     """The all-gather's two backward collectives (gloo in torch 2.14 has reduce_scatter too) give equal grads."""
@@ -291,6 +296,7 @@ def _broadcast_worker(rank, world, init_file, out_dir, data_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_seeded_differently_start_identical(tmp_path):
     from pipeline.datasets import load_dataset, save_prepared
 
@@ -333,7 +339,7 @@ def test_deferred_sync_gives_the_per_step_results_bit_for_bit():
     assert len(runs[0]) == 3 and runs[0] == runs[1]
 
 
-@pytest.mark.parametrize("defer", [False, True], ids=["per-step", "deferred"])
+@pytest.mark.parametrize("defer", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["per-step", "deferred"])
 def test_nan_mid_epoch_raises_before_the_epoch_is_reported(defer):
     loop = _loop(defer)
     loop.poison_step = (1, 2)  # epoch 2 (index 1), its third of five steps

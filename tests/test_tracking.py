@@ -39,6 +39,7 @@ def test_a_damaged_sqlite_file_is_refused(tmp_path):
         check_reachable(f"sqlite:///{db}")
 
 
+@pytest.mark.slow
 def test_a_sqlite_store_of_another_program_is_one_paragraph(tmp_path):
     db = tmp_path / "mlflow.db"
     con = sqlite3.connect(db)
