@@ -113,34 +113,56 @@ def to_float(x: Tensor) -> Tensor:
     raise TypeError(f"to_float expects uint8 or floating inputs, got {x.dtype}")
 
 
-def stratified_subset(y: Tensor, n: int, seed: int = 0) -> Tensor:
-    """Indices of a seeded, stratified subset of ``n`` of the labels ``y`` (N,), sorted ascending.
+def stratified_subset(
+    y: Any, size: int | None = None, seed: int = 0, *, fraction: float | None = None, min_per_class: int = 0,
+) -> np.ndarray:
+    """Sorted indices of a seeded, class-stratified subset of the labels ``y`` (N,), numpy array or torch tensor.
 
-    Class ``k`` with ``N_k`` members gets ``floor(n * N_k / N)`` slots; the ``n - sum floor(.)`` left over go
-    to the classes with the largest fractional parts (ties: smaller class id). Within a class the members are
-    a uniform random choice (``torch.randperm`` seeded by ``seed``). Returns int64 ``(min(n, N),)``.
+    How many members ``k_c`` of class c (``N_c`` of them) it keeps, given exactly one of:
+
+    - ``size``: ``min(size, N)`` indices in all. ``k_c = max(floor(size * N_c / N), min(min_per_class, N_c))``;
+      the slots left over go, one each, to the classes with the largest fractional parts of ``size * N_c / N``
+      (ties: the smaller label), slots beyond ``size`` (taken by the minimum) come off the largest ``k_c``.
+      ValueError if ``size`` cannot hold the minimum of every class;
+    - ``fraction`` (0 < f <= 1): every class on its own, ``k_c = max(floor(f * N_c + 1/2), min(min_per_class,
+      N_c))`` (round half up).
+
+    The ``k_c`` members are the first of a permutation of the class drawn from ``np.random.default_rng(seed)``,
+    classes visited in increasing label order, so a seed fixes the subset. ``size >= N`` or ``fraction == 1``
+    returns ``arange(N)``.
+
+    Returns (m,) int64 numpy indices into ``y``, ascending.
     """
-    total = int(y.shape[0])
-    if n >= total:
-        return torch.arange(total)
-    if n < 0:
-        raise ValueError(f"subset size must be >= 0, got {n}")
-    classes, counts = torch.unique(y, return_counts=True)
-    exact = counts.to(torch.float64) * (n / total)  # (K,)
-    quota = exact.floor().to(torch.int64)  # (K,)
-    left = n - int(quota.sum())
-    if left > 0:
-        frac = exact - quota.to(torch.float64)
-        order = sorted(range(len(classes)), key=lambda k: (-float(frac[k]), k))
-        for k in order[:left]:
-            quota[k] += 1
-    gen = torch.Generator().manual_seed(seed)
-    picked = []
-    for k, cls in enumerate(classes.tolist()):
-        members = torch.nonzero(y == cls, as_tuple=True)[0]  # (N_k,)
-        perm = torch.randperm(members.shape[0], generator=gen)
-        picked.append(members[perm[: int(quota[k])]])
-    return torch.cat(picked).sort().values
+    labels = np.asarray(y).reshape(-1)
+    total = labels.shape[0]
+    if (size is None) == (fraction is None):
+        raise ValueError("stratified_subset needs exactly one of size and fraction")
+    if size is not None and size < 0:
+        raise ValueError(f"subset size must be >= 0, got {size}")
+    if fraction is not None and not 0.0 < float(fraction) <= 1.0:  # also rejects NaN
+        raise ValueError(f"label fraction must be in (0, 1], got {fraction!r}")
+    if (size is not None and size >= total) or fraction == 1.0:
+        return np.arange(total, dtype=np.int64)
+    classes, counts = np.unique(labels, return_counts=True)  # sorted
+    floor_k = np.minimum(counts, min_per_class)  # (K,) the per-class minimum
+    if fraction is not None:
+        quota = np.maximum(np.floor(counts * float(fraction) + 0.5).astype(np.int64), floor_k)
+    else:
+        if size < floor_k.sum():
+            raise ValueError(f"a subset of {size} cannot hold {min_per_class} of each of the {len(classes)} classes")
+        exact = counts.astype(np.float64) * (size / total)  # (K,)
+        quota = np.maximum(np.floor(exact).astype(np.int64), floor_k)
+        for k in sorted(range(len(classes)), key=lambda k: (-float(exact[k] - np.floor(exact[k])), k)):
+            if quota.sum() >= size:
+                break
+            if quota[k] < counts[k]:
+                quota[k] += 1
+        while quota.sum() > size:  # the minimum took slots: give them back from the largest classes
+            quota[np.argmax(quota)] -= 1
+    rng = np.random.default_rng(seed)
+    picked = [members[rng.permutation(members.shape[0])[:k]]
+              for members, k in zip((np.flatnonzero(labels == c) for c in classes), quota, strict=True)]
+    return np.sort(np.concatenate(picked)).astype(np.int64) if picked else np.empty(0, dtype=np.int64)
 
 
 def _take(split: Split, index: Tensor) -> Split:
@@ -150,7 +172,7 @@ def _take(split: Split, index: Tensor) -> Split:
 def _limit(split: Split, limit: int | None, seed: int) -> Split:
     if limit is None or limit >= len(split):
         return split
-    return _take(split, stratified_subset(split.y, limit, seed))
+    return _take(split, torch.from_numpy(stratified_subset(split.y, limit, seed)))
 
 
 def _stratified_split(x: Tensor, y: Tensor, test_fraction: float, seed: int, what: str) -> tuple[Split, Split]:

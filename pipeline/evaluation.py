@@ -90,7 +90,7 @@ def evaluate(params: Params, data: Dataset, model: TransFusion, train_batch: int
     model = model.to(device)
     train_idx = np.arange(len(data.train.y))
     if p.max_train is not None and len(train_idx) > p.max_train:
-        train_idx = stratified_subset(data.train.y, p.max_train, seed=p.seed).numpy()
+        train_idx = stratified_subset(data.train.y, p.max_train, seed=p.seed)
     x_tr, y_tr = data.train.x[train_idx], data.train.y[train_idx].numpy()
     x_te, y_te = data.test.x, data.test.y.numpy()
 
@@ -115,9 +115,9 @@ def evaluate(params: Params, data: Dataset, model: TransFusion, train_batch: int
 
     # cluster quality and sharpness on one test batch
     k = min(p.affinity_points, len(y_te))
-    sub = stratified_subset(data.test.y, k, seed=p.seed) if k < len(y_te) else torch.arange(len(y_te))
+    sub = stratified_subset(data.test.y, k, seed=p.seed)  # (k,) numpy indices
     named = layer_affinities(model, x_te[sub], device)
-    labels = y_te[sub.numpy()]
+    labels = y_te[sub]
     for layer, a in named:
         ev.sharpness_rows.append({"layer": layer, "sharpness": sharpness(a, labels),
                                   "contrast": affinity_contrast(a, labels)})
@@ -135,7 +135,7 @@ def evaluate(params: Params, data: Dataset, model: TransFusion, train_batch: int
     }
     if p.tsne_points:
         m = min(p.tsne_points, len(y_te))
-        pick = (stratified_subset(data.test.y, m, seed=p.seed) if m < len(y_te) else torch.arange(len(y_te))).numpy()
+        pick = stratified_subset(data.test.y, m, seed=p.seed)
         ev.tsne = ([r[pick] for r in reps_te], y_te[pick], names)
     return ev
 

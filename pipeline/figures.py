@@ -35,6 +35,7 @@ from matplotlib.patches import Patch, Rectangle
 from sklearn.manifold import TSNE
 from threadpoolctl import threadpool_limits  # a dependency of scikit-learn
 
+from pipeline.datasets import stratified_subset
 from pipeline.io import atomic_path
 
 __all__ = [
@@ -44,7 +45,6 @@ __all__ = [
     "phase_diagram",
     "phase_grids",
     "sharpness_per_layer",
-    "stratified_subset",
     "theory_figure",
     "tsne_layers",
     "tsne_perplexity",
@@ -52,6 +52,7 @@ __all__ = [
 
 DPI = 120
 REGION_GID = "region"  # gid of the rectangles that mark phase_diagram's region cells (lets tests find them)
+MARKED_GID = "phase-marked"  # gid of the cells phase_diagram marks (tests find them in the SVG)
 
 
 # ------------------------------------------------------------------------------------------ writing
@@ -123,41 +124,6 @@ def _as_2d(rep: Any, n: int, i: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------- t-SNE
-def stratified_subset(labels: np.ndarray, max_points: int, seed: int = 0) -> np.ndarray:
-    """Sorted indices of a seeded, class-stratified subset of at most ``max_points`` points.
-
-    Class c with n_c of the n points gets about m * n_c / n of the m = min(max_points, n) slots (largest-remainder
-    rounding), and at least one, so every class is present. All points are returned when n <= max_points.
-
-    labels: (n,) -> (m,) int64 indices into labels, ascending.
-    """
-    y = np.asarray(labels).reshape(-1)
-    n = y.shape[0]
-    if max_points < 1:
-        raise ValueError(f"max_points must be >= 1, got {max_points}")
-    if n <= max_points:
-        return np.arange(n, dtype=np.int64)
-    classes, counts = np.unique(y, return_counts=True)
-    k = classes.shape[0]
-    if max_points < k:
-        raise ValueError(f"max_points={max_points} cannot hold one point of each of the {k} classes")
-    exact = counts * max_points / n  # (k,)
-    quota = np.maximum(np.floor(exact).astype(np.int64), 1)
-    quota = np.minimum(quota, counts)
-    # largest remainders get the spare slots; too many slots (from the minimum of one) come off the biggest quotas
-    for c in np.argsort(-(exact - np.floor(exact)), kind="stable"):
-        if quota.sum() >= max_points:
-            break
-        if quota[c] < counts[c]:
-            quota[c] += 1
-    while quota.sum() > max_points:
-        quota[np.argmax(quota)] -= 1
-    rng = np.random.default_rng(seed)
-    pools = [np.flatnonzero(y == cls) for cls in classes]
-    picked = [rng.choice(pool, size=q, replace=False) for pool, q in zip(pools, quota, strict=True)]
-    return np.sort(np.concatenate(picked)).astype(np.int64)
-
-
 def tsne_perplexity(perplexity: float, n: int) -> float:
     """The perplexity actually used for n points: min(perplexity, (n - 1) / 3), so it stays < n / 3."""
     return float(min(perplexity, (n - 1) / 3.0))
@@ -198,10 +164,11 @@ def tsne_layers(
 ) -> None:
     """The paper's Figure 4: a t-SNE panel per representation, left to right, points coloured by class.
 
-    The same subset ``S = stratified_subset(labels, max_points, seed)`` (m <= max_points points, every class present)
-    is embedded in every panel; t-SNE (sklearn, PCA init, ``random_state=seed``) runs on each representation
-    ``reps[l][S]`` separately with perplexity ``min(perplexity, (m - 1) / 3)``. Class c always gets the same
-    colour (``class_colors``, indexed by c's rank among the sorted distinct labels), one legend for the figure.
+    The same subset ``S = datasets.stratified_subset(labels, max_points, seed, min_per_class=1)`` (m <= max_points
+    points, every class present) is embedded in every panel; t-SNE (sklearn, PCA init, ``random_state=seed``) runs
+    on each representation ``reps[l][S]`` separately with perplexity ``min(perplexity, (m - 1) / 3)``. Class c
+    always gets the same colour (``class_colors``, indexed by c's rank among the sorted distinct labels), one
+    legend for the figure.
 
     reps: L arrays (or CPU tensors) of shape (n, ...) -- flattened to (n, d_l); labels: (n,); titles: L strings.
     class_names: list indexed by label, or a mapping label -> name, for the legend. max_iter: t-SNE iterations
@@ -217,7 +184,7 @@ def tsne_layers(
     if len({str(t) for t in titles}) != len(titles):
         raise ValueError(f"titles must be distinct (they name the CSV's layers), got {list(titles)}")
     arrays = [_as_2d(r, n, i) for i, r in enumerate(reps)]
-    idx = stratified_subset(y, max_points, seed)  # (m,)
+    idx = stratified_subset(y, max_points, seed, min_per_class=1)  # (m,)
     m = idx.shape[0]
     if m < 3:
         raise ValueError(f"t-SNE needs at least 3 points, got {m}")
@@ -420,6 +387,8 @@ def phase_diagram(
     region: Callable[[float, float, Any], bool] | None = None,
     region_label: str = "region",
     title: str | None = None,
+    marked: Callable[[float, float, Any], bool] | None = None,
+    marked_label: str = "marked",
 ) -> None:
     """Sweep heat maps: one panel per distinct ``row[panel]`` (e.g. depth), categorical x / y axes (sorted distinct
     values, e.g. batch size x augmentation strength), cells coloured by ``row[value]`` (e.g. accuracy).
@@ -428,7 +397,8 @@ def phase_diagram(
     ``color_limits(grids)``, with one colour bar; each cell shows its number; a cell without a finite value is
     blank. ``region(x_value, y_value, panel_value) -> bool`` (optional) outlines and hatches the cells where it
     returns True -- e.g. where the theory predicts learning -- whether or not the cell has a value; the legend names it
-    ``region_label``. ``title``: an optional figure title.
+    ``region_label``. ``marked`` (optional) likewise cross-hatches cells in black (e.g. a dead TransFusion block),
+    named ``marked_label``. ``title``: an optional figure title.
     CSV (one line per input row): columns ``x, y, panel, value`` (the given key names), empty where value is missing.
     """
     panels, xs, ys, grids = phase_grids(rows, x=x, y=y, value=value, panel=panel)
@@ -451,15 +421,22 @@ def phase_diagram(
             if region is not None and region(xv, yv, pv):
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1.0, 1.0, fill=False, edgecolor="tab:red", hatch="//",
                                        linewidth=1.5, gid=REGION_GID))
+            if marked is not None and marked(xv, yv, pv):
+                ax.add_patch(Rectangle((j - 0.42, i - 0.42), 0.84, 0.84, fill=False, edgecolor="black", hatch="xx",
+                                       linewidth=1.0, linestyle="--", gid=MARKED_GID))
         ax.set_xticks(range(len(xs)), [_fmt(v) for v in xs], rotation=45 if len(xs) > 5 else 0)
         ax.set_yticks(range(len(ys)), [_fmt(v) for v in ys])
         ax.set_xlabel(x)
         ax.set_ylabel(y if p == 0 else "")
         ax.set_title(f"{panel} = {_fmt(pv)}")
     fig.colorbar(image, ax=list(axes), label=value, shrink=0.9)
+    handles = []
     if region is not None:
-        fig.legend(handles=[Patch(fill=False, edgecolor="tab:red", hatch="//", label=region_label)],
-                   loc="outside lower center", fontsize="small", frameon=False)
+        handles.append(Patch(fill=False, edgecolor="tab:red", hatch="//", label=region_label))
+    if marked is not None:
+        handles.append(Patch(fill=False, edgecolor="black", hatch="xx", linestyle="--", label=marked_label))
+    if handles:
+        fig.legend(handles=handles, loc="outside lower center", fontsize="small", frameon=False, ncols=len(handles))
     if title:
         fig.suptitle(title)
     cols = [x, y, panel, value]

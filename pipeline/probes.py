@@ -15,12 +15,12 @@ with k = 50 and k = 200; logistic regression is the usual linear probe, added fo
 - ``logreg``: StandardScaler -> LogisticRegression
 
 Label fractions (semi-supervised evaluation): the probe sees a stratified subset of the train labels, see
-:func:`label_fraction_indices`; it is always scored on the full test split.
+``datasets.stratified_subset(train_y, fraction=f, min_per_class=MIN_LABELS_PER_CLASS, seed=seed)`` (every
+class's rounded share, but at least 2 of it); it is always scored on the full test split.
 """
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,18 +35,21 @@ from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 from sklearn.svm import SVC, LinearSVC
 
+from pipeline.datasets import stratified_subset
+
 __all__ = [
     "FFN_EARLY_STOP_PER_CLASS",
+    "MIN_LABELS_PER_CLASS",
     "PROBES",
     "SVC_MAX_TRAIN",
     "ProbeResult",
-    "label_fraction_indices",
     "make_probe",
     "run_probes",
 ]
 
 PROBES: tuple[str, ...] = ("ffn", "svm", "knn50", "knn200", "logreg")
 SVC_MAX_TRAIN = 20_000  # above this many training samples the SVM probe is a LinearSVC
+MIN_LABELS_PER_CLASS = 2  # a label fraction keeps at least this many of every class (all of a smaller one)
 FFN_EARLY_STOP_PER_CLASS = 50  # the MLP early-stops on a 10% validation split once it has this many samples/class
 _KNN_K = {"knn50": 50, "knn200": 200}
 
@@ -101,43 +104,6 @@ def _check_fraction(fraction: float) -> float:
     if not (0.0 < f <= 1.0):  # also rejects NaN
         raise ValueError(f"label fraction must be in (0, 1], got {fraction!r}")
     return f
-
-
-def label_fraction_indices(y: np.ndarray, fraction: float, seed: int = 0) -> np.ndarray:
-    """Sorted indices of a stratified, seeded subset holding ``fraction`` of the labels of every class.
-
-    For a class ``c`` with ``n_c`` samples the subset keeps::
-
-        k_c = max(min(2, n_c), floor(fraction * n_c + 1/2))        (round half up; k_c <= n_c as fraction <= 1)
-
-    i.e. the rounded share, but at least 2 samples of every class (1 if the class has a single sample). The
-    ``k_c`` samples are the first of a permutation of the class drawn from ``np.random.default_rng(seed)``,
-    classes visited in increasing label order, so a seed fixes the subset. ``fraction == 1`` returns
-    ``arange(n)``.
-
-    Args:
-        y: (n,) integer labels (numpy array or torch tensor).
-        fraction: share of labels to keep, 0 < fraction <= 1.
-        seed: seed of the per-class permutations.
-
-    Returns:
-        (m,) int64 indices into ``y``, sorted ascending.
-    """
-    f = _check_fraction(fraction)
-    labels = _as_y(y, "y")  # (n,)
-    n = labels.shape[0]
-    if f == 1.0:
-        return np.arange(n, dtype=np.int64)
-    rng = np.random.default_rng(seed)
-    keep = []
-    for c in np.unique(labels):  # sorted
-        members = np.flatnonzero(labels == c)  # (n_c,)
-        n_c = members.shape[0]
-        k_c = max(min(2, n_c), int(math.floor(f * n_c + 0.5)))
-        keep.append(members[rng.permutation(n_c)[:k_c]])
-    if not keep:
-        return np.empty(0, dtype=np.int64)
-    return np.sort(np.concatenate(keep)).astype(np.int64)
 
 
 def make_probe(name: str, *, n_train: int, seed: int = 0, n_classes: int | None = None) -> Pipeline:
@@ -207,7 +173,7 @@ def run_probes(
 
     For each ``fraction`` (outer loop) and each probe (inner loop)::
 
-        S     = label_fraction_indices(train_y, fraction, seed)
+        S     = stratified_subset(train_y, fraction=fraction, min_per_class=MIN_LABELS_PER_CLASS, seed=seed)
         probe = make_probe(name, n_train=|S|, seed=seed).fit(train_z[S], train_y[S])
         acc   = mean_i [probe.predict(test_z)_i == test_y_i]
 
@@ -245,7 +211,7 @@ def run_probes(
 
     results: list[ProbeResult] = []
     for fraction in fractions:
-        idx = label_fraction_indices(tr_y, fraction, seed=seed)  # (m,)
+        idx = stratified_subset(tr_y, fraction=fraction, min_per_class=MIN_LABELS_PER_CLASS, seed=seed)  # (m,)
         sub_z, sub_y = tr_z[idx], tr_y[idx]  # (m, d), (m,)
         n_classes = int(np.unique(sub_y).shape[0])
         for name in probes:

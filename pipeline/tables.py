@@ -132,7 +132,7 @@ def probe_backbone(params: Params, data, model) -> tuple[dict[str, float], int]:
     model = model.to(device).eval()
     idx = np.arange(len(data.train.y))
     if p.max_train is not None and len(idx) > p.max_train:
-        idx = stratified_subset(data.train.y, p.max_train, seed=p.seed).numpy()
+        idx = stratified_subset(data.train.y, p.max_train, seed=p.seed)
     batch = params.train.batch_size
     z_tr = layer_embeddings(model, data.train.x[idx], batch, device, p.seed)[0]  # [0]: the backbone
     z_te = layer_embeddings(model, data.test.x, batch, device, p.seed)[0]

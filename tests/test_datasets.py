@@ -148,7 +148,7 @@ def test_stratified_subset_against_reference(total, n, n_classes):
     gen = torch.Generator().manual_seed(total)
     y = torch.randint(0, n_classes, (total,), generator=gen)
     idx = stratified_subset(y, n, seed=3)
-    assert idx.dtype == torch.int64 and idx.shape == (min(n, total),)
+    assert idx.dtype == np.int64 and idx.shape == (min(n, total),)
     assert idx.tolist() == sorted(set(idx.tolist())), "indices must be unique and sorted"
     assert 0 <= int(idx.min()) and int(idx.max()) < total
     got: dict[int, int] = {}
@@ -156,14 +156,26 @@ def test_stratified_subset_against_reference(total, n, n_classes):
         got[int(y[i])] = got.get(int(y[i]), 0) + 1
     ref = _reference_quota(y.tolist(), n)
     assert {k: v for k, v in ref.items() if v} == got
-    assert torch.equal(idx, stratified_subset(y, n, seed=3))
+    assert np.array_equal(idx, stratified_subset(y, n, seed=3))
 
 
 def test_stratified_subset_depends_on_seed():
     y = torch.arange(200) % 4
     a, b = stratified_subset(y, 40, seed=0), stratified_subset(y, 40, seed=1)
-    assert not torch.equal(a, b)
+    assert not np.array_equal(a, b)
     assert torch.equal(torch.bincount(y[a]), torch.bincount(y[b]))
+
+
+def test_stratified_subset_minimum_per_class_and_arguments():
+    y = torch.tensor([0] * 50 + [1] * 2 + [2])
+    assert np.bincount(y[stratified_subset(y, 6)].numpy()).tolist() == [6]  # largest remainders: class 0 only
+    assert np.bincount(y[stratified_subset(y, 6, min_per_class=1)].numpy()).tolist() == [4, 1, 1]
+    assert np.bincount(y[stratified_subset(y, 6, min_per_class=2)].numpy()).tolist() == [3, 2, 1]
+    assert np.bincount(y[stratified_subset(y, fraction=0.1, min_per_class=2)].numpy()).tolist() == [5, 2, 1]
+    with pytest.raises(ValueError, match="cannot hold"):
+        stratified_subset(y, 2, min_per_class=1)
+    with pytest.raises(ValueError, match="exactly one"):
+        stratified_subset(y, 5, fraction=0.5)
 
 
 def test_split_rejects_bad_labels():

@@ -13,6 +13,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from pipeline import figures as F
+from pipeline.datasets import stratified_subset
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TSNE_ITERS = 250  # sklearn's minimum; plenty for 60 points and keeps the file fast
@@ -65,7 +66,7 @@ def blobs(n_per_class: list[int], d: int = 8, seed: int = 0) -> tuple[np.ndarray
 )
 def test_stratified_subset_sizes(counts, max_points):
     y = np.random.default_rng(1).permutation(np.concatenate([np.full(c, k) for k, c in enumerate(counts)]))
-    idx = F.stratified_subset(y, max_points, seed=3)
+    idx = stratified_subset(y, max_points, seed=3, min_per_class=1)
     n = len(y)
     assert len(idx) == max_points
     assert np.all(np.diff(idx) > 0), "indices sorted and unique"
@@ -75,15 +76,15 @@ def test_stratified_subset_sizes(counts, max_points):
         exact = max_points * c / n
         if exact >= 1:
             assert abs(got[k] - exact) < len(counts), (k, got[k], exact)
-    assert np.array_equal(idx, F.stratified_subset(y, max_points, seed=3))
-    assert not np.array_equal(idx, F.stratified_subset(y, max_points, seed=4)) or max_points == n
+    assert np.array_equal(idx, stratified_subset(y, max_points, seed=3, min_per_class=1))
+    assert not np.array_equal(idx, stratified_subset(y, max_points, seed=4, min_per_class=1)) or max_points == n
 
 
 def test_stratified_subset_all_points_and_errors():
     y = np.array([0, 1, 1, 2])
-    assert np.array_equal(F.stratified_subset(y, 10), np.arange(4))
+    assert np.array_equal(stratified_subset(y, 10, min_per_class=1), np.arange(4))
     with pytest.raises(ValueError):
-        F.stratified_subset(y, 2)  # cannot hold one point of each of 3 classes
+        stratified_subset(y, 2, min_per_class=1)  # cannot hold one point of each of 3 classes
 
 
 def test_class_colors():

@@ -18,7 +18,14 @@ from sklearn.preprocessing import StandardScaler
 from sklearn.svm import SVC, LinearSVC
 
 import pipeline.probes as probes_mod
-from pipeline.probes import PROBES, ProbeResult, label_fraction_indices, make_probe, run_probes
+from pipeline.datasets import stratified_subset
+from pipeline.probes import MIN_LABELS_PER_CLASS, PROBES, ProbeResult, make_probe, run_probes
+
+
+def label_fraction_indices(y, fraction, seed=0):
+    """The probes' label subset, as ``run_probes`` draws it."""
+    return stratified_subset(y, fraction=fraction, min_per_class=MIN_LABELS_PER_CLASS, seed=seed)
+
 
 # ---------------------------------------------------------------------------------------------------- label fractions
 
