@@ -16,8 +16,6 @@ previous files are left untouched.
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
 import math
 import numbers
 import os
@@ -36,7 +34,7 @@ from sklearn.manifold import TSNE
 from threadpoolctl import threadpool_limits  # a dependency of scikit-learn
 
 from pipeline.datasets import stratified_subset
-from pipeline.io import atomic_path
+from pipeline.io import atomic_path, csv_text
 
 __all__ = [
     "class_colors",
@@ -61,14 +59,6 @@ def _new_figure(width: float, height: float) -> Figure:
     fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
-
-
-def _csv_text(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(header)
-    writer.writerows(rows)
-    return buf.getvalue()
 
 
 def _save(fig: Figure, png: str | os.PathLike, csv_path: str | os.PathLike | None, csv_text: str | None) -> None:
@@ -216,7 +206,7 @@ def tsne_layers(
                       label=_class_name(c, class_names)) for j, c in enumerate(classes)]
     fig.legend(handles=handles, loc="outside right upper", ncols=max(1, math.ceil(len(classes) / 25)),
                fontsize="small", frameon=False)
-    _save(fig, png, csv, _csv_text(["layer", "index", "x", "y", "label"], rows))
+    _save(fig, png, csv, csv_text(rows, ["layer", "index", "x", "y", "label"]))
 
 
 # ------------------------------------------------------------------------------------------ curves
@@ -259,7 +249,7 @@ def line_curves(
     text = None
     if csv is not None:
         cols = [x, *ys]
-        text = _csv_text(cols, [["" if r.get(c) is None else _fmt(r.get(c)) for c in cols] for r in rows])
+        text = csv_text(rows, cols, _fmt)
     _save(fig, png, csv, text)
 
 
@@ -316,7 +306,7 @@ def sharpness_per_layer(
     ax.set_ylabel(f"{name} (symlog)")
     ax.grid(True, axis="y", alpha=0.3)
     table = [[layer, repr(float(s))] for layer, s in zip(names, v, strict=True)]
-    _save(fig, png, csv, _csv_text(["layer", name], table))
+    _save(fig, png, csv, csv_text(table, ["layer", name]))
 
 
 # ----------------------------------------------------------------------------------- phase diagram
@@ -440,7 +430,7 @@ def phase_diagram(
     if title:
         fig.suptitle(title)
     cols = [x, y, panel, value]
-    text = _csv_text(cols, [["" if r.get(c) is None else _fmt(r.get(c)) for c in cols] for r in rows])
+    text = csv_text(rows, cols, _fmt)
     _save(fig, png, csv, text)
 
 

@@ -8,7 +8,6 @@ tsne.{csv,png}, curves.png). Logged to MLflow as a child of the pretraining run 
 from __future__ import annotations
 
 import csv
-import io
 import math
 from pathlib import Path
 from typing import Any
@@ -18,36 +17,17 @@ import click
 from pipeline.config import Params, flatten
 from pipeline.datasets import DatasetError
 from pipeline.evaluation import Evaluation, evaluate, load_data, load_pretrained
-from pipeline.io import TensorFileError, atomic_dir, write_json, write_text
+from pipeline.io import TensorFileError, atomic_dir, json_safe, write_csv, write_json
 from pipeline.tracking import TrackingError
 from stages._common import params_options, runtime_errors
 
 PLOTS = Path("plots/evaluate")
 
 
-def finite(obj: Any) -> Any:
-    """JSON for DVC: non-finite floats (an infinite sharpness) become strings."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [finite(v) for v in obj]
-    return obj
-
-
-def _csv(rows: list[dict[str, Any]]) -> str:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(rows[0]))
-    w.writeheader()
-    w.writerows(rows)
-    return buf.getvalue()
-
-
 def write_figures(ev: Evaluation, out: Path, curves_csv: Path) -> None:
     from pipeline import figures
 
-    write_text(out / "probes.csv", _csv(ev.probe_rows))
+    write_csv(out / "probes.csv", ev.probe_rows)
     layers = [r["layer"] for r in ev.sharpness_rows]
     figures.sharpness_per_layer([r["sharpness"] for r in ev.sharpness_rows], out / "sharpness.png",
                                 out / "sharpness.csv", labels=layers)
@@ -140,7 +120,7 @@ def evaluate_cmd(params: Params, data_dir: Path, model_dir: Path, no_tracking: b
     if not no_tracking:
         ev.metrics["mlflow_run_id"] = log_to_mlflow(
             params, ev, config.get("mlflow_run_id"), [*sorted(PLOTS.iterdir())])
-    write_json(metrics_path, finite(ev.metrics))
+    write_json(metrics_path, json_safe(ev.metrics))
     best = ev.metrics["probes"].get("backbone", {})
     line = ", ".join(f"{k} {max(v.values()):.4f}" for k, v in best.items())
     click.echo(f"evaluated: backbone {line}; spectral NMI {ev.metrics['spectral']['nmi']:.3f} -> metrics/evaluate.json")

@@ -7,8 +7,6 @@ Writes (atomically): ``models/pretrain/{model.pt,config.json}``, ``metrics/pretr
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import os
 from pathlib import Path
@@ -18,7 +16,7 @@ import click
 from pipeline.cluster import ClusterError
 from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
-from pipeline.io import atomic_dir, save_torch, write_json, write_text
+from pipeline.io import atomic_dir, save_torch, write_csv, write_json
 from pipeline.tracking import TrackingError, project_root, set_tags
 from pipeline.train import PretrainError, PretrainResult, cleanup_run, pretrain
 from stages._common import ParamsUsageError, check_weights, params_options, runtime_errors
@@ -45,11 +43,7 @@ def write_outputs(params: Params, res: PretrainResult, models: Path, metrics: Pa
         "mlflow_run_id": res.mlflow_run_id,
     }
     write_json(metrics, summary)
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CURVE_COLUMNS, extrasaction="ignore")
-    w.writeheader()
-    w.writerows(history)
-    write_text(plots, buf.getvalue())
+    write_csv(plots, history, CURVE_COLUMNS)
     return summary
 
 

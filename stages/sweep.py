@@ -9,8 +9,6 @@ An interrupted sweep exits 1 without touching the outputs; rerunning it resumes 
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 from pathlib import Path
@@ -21,21 +19,13 @@ import click
 from pipeline.cluster import ClusterError
 from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
-from pipeline.io import atomic_dir, write_json, write_text
+from pipeline.io import atomic_dir, write_csv, write_json
 from pipeline.tracking import TrackingError, project_root
 from stages._common import ParamsUsageError, check_weights, params_options, runtime_errors
 
 COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "train.seed", "view_noise",
            "knn_acc", "best_knn_acc", "loss", "epochs", "stopped_early", "seconds", "status", "error")
 CURVE_COLUMNS = ("trial_id", "epoch", "loss", "knn_acc", "view_noise", "samples_per_s")
-
-
-def _csv(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    w.writerows(rows)
-    return buf.getvalue()
 
 
 def best_trial(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -62,8 +52,8 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
             png=out / "phase.png", csv=out / "phase.csv", title=title,
             region=(lambda x, y, p: (x, y, p) in early) if early else None, region_label="stopped early by ASHA")
         curves = [{"trial_id": r["trial_id"], **h} for r in rows for h in r["history"]]
-        write_text(out / "curves.csv", _csv(curves, CURVE_COLUMNS))
-    write_text(sweeps / "results.csv", _csv(rows, COLUMNS))
+        write_csv(out / "curves.csv", curves, CURVE_COLUMNS)
+    write_csv(sweeps / "results.csv", rows, COLUMNS)
     write_json(sweeps / "best.json", {k: best[k] for k in COLUMNS if k in best} if best else {})
     return best
 

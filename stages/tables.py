@@ -9,8 +9,6 @@ interrupted job exits 1 and resumes when rerun.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import click
 from pipeline.cluster import ClusterError
 from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
-from pipeline.io import write_json, write_text
+from pipeline.io import write_csv, write_json, write_text
 from pipeline.tracking import TrackingError, project_root
 from stages._common import ParamsUsageError, check_weights, params_options, runtime_errors
 
@@ -53,11 +51,7 @@ def tables_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     except SweepError as exc:
         raise click.ClickException(str(exc)) from exc
     dataset = json.loads((data_dir / "manifest.json").read_text()).get("dataset", "")
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(csv_records(result.rows))
-    write_text(OUT / "results.csv", buf.getvalue())
+    write_csv(OUT / "results.csv", csv_records(result.rows), COLUMNS)
     write_json(OUT / "results.json", {"dataset": dataset, "hours_unit": unit, "rows": csv_records(result.rows)})
     write_text(REPORT, render(result.rows, params, unit, dataset))
     finish_tracking(root, result, None, [REPORT, OUT / "results.csv", OUT / "results.json"])
