@@ -24,10 +24,11 @@ import torch
 from pipeline.clustering import cosine_affinity, spectral_scores, symmetric_affinity
 from pipeline.config import ModelConfig, Params
 from pipeline.datasets import Dataset, load_prepared, stratified_subset, to_float
+from pipeline.health import head_health
 from pipeline.io import load_torch
 from pipeline.model import TransFusion, build_model
 from pipeline.probes import run_probes
-from pipeline.theory import affinity_contrast, sharpness
+from pipeline.theory import affinity_contrast, quantile_sharpness, sharpness
 
 
 def load_pretrained(models_dir: Path) -> tuple[TransFusion, dict[str, Any]]:
@@ -72,6 +73,19 @@ def layer_affinities(model: TransFusion, x: torch.Tensor, device: torch.device) 
     if not model.head.truncate_last and model.head.depth > 0:
         named.append(("output", cosine_affinity(out.embedding.float().cpu().numpy())))
     return named
+
+
+@torch.no_grad()
+def test_health(model: TransFusion, x: torch.Tensor, y: torch.Tensor, batch_size: int, device: torch.device,
+                seed: int = 0) -> dict[str, dict[str, float | None]]:
+    """Per-block health (``pipeline.health``) on one stratified test batch of the trained size, one view per
+    image (as at test time: ``other_view`` is n/a). x (N, ...) uint8, y (N,) -> {"block_1": {...}, ...}."""
+    if model.head.depth == 0:
+        return {}
+    k = min(batch_size, len(y))
+    sub = stratified_subset(y, k, seed=seed) if k < len(y) else torch.arange(len(y))
+    out = model(to_float(x[sub]).to(device), collect=True)
+    return head_health([a.float().cpu() for a in out.affinities], y[sub])
 
 
 @dataclass
@@ -120,7 +134,9 @@ def evaluate(params: Params, data: Dataset, model: TransFusion, train_batch: int
     labels = y_te[sub]
     for layer, a in named:
         ev.sharpness_rows.append({"layer": layer, "sharpness": sharpness(a, labels),
+                                  "sharpness_q10": quantile_sharpness(a, labels, 0.1),
                                   "contrast": affinity_contrast(a, labels)})
+    health = test_health(model, x_te, data.test.y, train_batch, device, p.seed)
     final_name, final = named[-1]
     clusters = spectral_scores(symmetric_affinity(final), labels, seed=p.seed)
 
@@ -128,7 +144,9 @@ def evaluate(params: Params, data: Dataset, model: TransFusion, train_batch: int
         "probes": probes,
         "spectral": {"affinity": final_name, **clusters},
         "sharpness": {r["layer"]: r["sharpness"] for r in ev.sharpness_rows},
+        "sharpness_q10": {r["layer"]: r["sharpness_q10"] for r in ev.sharpness_rows},
         "contrast": {r["layer"]: r["contrast"] for r in ev.sharpness_rows},
+        "health": health,
         "embed_seconds": embed_seconds,
         "n_probe_train": int(len(y_tr)),
         "n_test": int(len(y_te)),

@@ -60,7 +60,7 @@ def block_health(raw: Tensor, labels: Tensor | None = None, other: Tensor | None
     w = attention_weights(raw)  # (g, n, n)
     entropy = -(w * w.clamp_min(1e-300).log()).sum(-1) / math.log(n)  # (g, n)
     out: dict[str, float | None] = {
-        "positive": float(pos.sum() / (g * n * (n - 1))),
+        "positive": pos.sum().item() / (g * n * (n - 1)),
         "uniform_rows": float((~pos.any(-1)).double().mean()),
         "entropy": float(entropy.mean()),
         "same_class": None,

@@ -12,6 +12,7 @@ with k = 50 and k = 200; logistic regression is the usual linear probe, added fo
 - ``svm``:    StandardScaler -> SVC(kernel="rbf", C=1) (n_train <= 20000) or LinearSVC (larger)
 - ``knn50``:  KNeighborsClassifier(k=50, cosine distance, brute force) on the raw embeddings
 - ``knn200``: KNeighborsClassifier(k=200, cosine distance, brute force) on the raw embeddings
+  (a kNN with k >= the labelled samples is not run: its accuracy is None, "n/a", not the majority class)
 - ``logreg``: StandardScaler -> LogisticRegression
 
 Label fractions (semi-supervised evaluation): the probe sees a stratified subset of the train labels, see
@@ -56,11 +57,14 @@ _KNN_K = {"knn50": 50, "knn200": 200}
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """One fitted probe: its name, the label fraction, test accuracy, fit+predict seconds, train-subset size."""
+    """One fitted probe: its name, the label fraction, test accuracy, fit+predict seconds, train-subset size.
+
+    ``accuracy`` is None ("n/a") when the probe cannot run: a kNN whose k is not below the labelled samples
+    would let every sample vote and report the majority class."""
 
     probe: str
     fraction: float
-    accuracy: float
+    accuracy: float | None
     seconds: float
     n_train: int
 
@@ -215,6 +219,13 @@ def run_probes(
         sub_z, sub_y = tr_z[idx], tr_y[idx]  # (m, d), (m,)
         n_classes = int(np.unique(sub_y).shape[0])
         for name in probes:
+            k = _KNN_K.get(name)
+            if k is not None and k >= idx.shape[0]:  # every sample would vote: the majority class, not a kNN
+                results.append(ProbeResult(name, fraction, None, 0.0, int(idx.shape[0])))
+                if progress is not None:
+                    progress(f"{name} @ {_format_fraction(fraction)}: n/a (k = {k} needs more than {k} labelled "
+                             f"samples; this fraction has {idx.shape[0]})")
+                continue
             probe = make_probe(name, n_train=int(idx.shape[0]), seed=seed, n_classes=n_classes)
             start = time.perf_counter()
             with warnings.catch_warnings():

@@ -11,6 +11,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from pipeline.health import verdict, warnings_for
+
 COLUMNS = ("ffn", "svm", "knn50", "knn200")
 HEADER = "| Model | Batch Size | 3-FFN | SVM | K-NN (k=50) | K-NN (k=200) | Time (min) |"
 RULE = "|---|---|---|---|---|---|---|"
@@ -51,9 +53,16 @@ def table_row(name: str, batch: Any, accs: tuple, minutes: Any, *extra: str) -> 
     return f"| {name} | {batch} | {cells} | {fmt_cell(minutes, 1)} |" + "".join(f" {e} |" for e in extra)
 
 
+def our_value(by_fraction: Mapping[str, Any], fraction: str) -> Any:
+    """One of our measurements: None where it was not measured (not asked for), "n/a" where it could not be."""
+    if fraction in by_fraction and by_fraction[fraction] is None:
+        return NA
+    return by_fraction.get(fraction)
+
+
 def our_accuracies(probes: Mapping[str, Any], representation: str, fraction: str = "1") -> tuple:
     rep = probes.get(representation, {})
-    return tuple(rep.get(p, {}).get(fraction) for p in COLUMNS)
+    return tuple(our_value(rep.get(p, {}), fraction) for p in COLUMNS)
 
 
 def model_name(params: Mapping[str, Any]) -> str:
@@ -102,7 +111,7 @@ def render(params: Mapping[str, Any], pretrain: Mapping[str, Any], evaluation: M
     ]
     for rep, by_probe in probes.items():
         for probe, by_frac in by_probe.items():
-            cells = " | ".join(fmt_cell(by_frac.get(f)) for f in _fractions(probes))
+            cells = " | ".join(fmt_cell(our_value(by_frac, f)) for f in _fractions(probes))
             lines.append(f"| {rep} | {probe} | {cells} |")
     spectral = evaluation.get("spectral", {})
     lines += [
@@ -112,16 +121,52 @@ def render(params: Mapping[str, Any], pretrain: Mapping[str, Any], evaluation: M
         f"Spectral clustering of the `{spectral.get('affinity')}` affinity of a test batch: "
         f"NMI {fmt_cell(spectral.get('nmi'))}, ARI {fmt_cell(spectral.get('ari'))}.",
         "",
-        "| layer | sharpness (def. 2, worst pair) | contrast (mean same / mean different) |",
-        "|---|---|---|",
+        "Definition 2's sharpness takes the worst pairs: it is 0 as soon as one same-class pair of the batch has a "
+        "zero ReLU affinity, which is nearly always, so a 0 there says little. The 10 % quantile version "
+        "(10th percentile of same-class affinities over the 90th of different-class ones) and the contrast "
+        "(mean over mean) move with the bulk of the pairs.",
+        "",
+        "| layer | sharpness (def. 2, worst pair) | sharpness (10 % quantiles) | contrast (mean same / mean different) |",
+        "|---|---|---|---|",
     ]
     for layer, s in evaluation.get("sharpness", {}).items():
-        lines.append(f"| {layer} | {fmt_cell(s)} | {fmt_cell(evaluation.get('contrast', {}).get(layer))} |")
+        q10 = evaluation.get("sharpness_q10", {}).get(layer)
+        lines.append(f"| {layer} | {fmt_cell(s)} | {fmt_cell(NA if q10 is None else q10)} "
+                     f"| {fmt_cell(evaluation.get('contrast', {}).get(layer))} |")
+    lines += health_section(evaluation.get("health"), params["model"]["depth"])
     lines += ["", "## Figures", ""]
     for caption_, path in figures.items():
         lines += [f"**{caption_}**", "", f"![{caption_}]({path})", ""]
     lines += ["## Params", "", "```yaml", _yaml(params), "```", ""]
     return "\n".join(lines)
+
+
+def health_section(health: Mapping[str, Any] | None, depth: int) -> list[str]:
+    """The fusion health of every block on a test batch (``pipeline.health``), with a plain-words warning for a
+    dead or mostly uniform block."""
+    lines = ["", "## Fusion health", ""]
+    if depth == 0:
+        return lines + ["Depth 0: no TransFusion block, nothing fuses."]
+    if not health:
+        return lines + [f"{NA}: this evaluation has no health numbers (made by an older version)."]
+    chance = next(iter(health.values())).get("same_class_chance")
+    lines += [
+        f"Each block's attention on one test batch of the trained size (one view per image). Uniform attention gives "
+        f"entropy 1 and a same-class share of {fmt_cell(chance, 3) if chance is not None else NA} (chance); "
+        "a block below 1 % positive pairs is dead: its attention is uniform and it adds the batch mean to its input.",
+        "",
+        "| block | positive pairs | uniform rows | attention entropy | same-class share | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    for block, h in health.items():
+        share = NA if h.get("same_class") is None else f"{h['same_class']:.3f}"
+        lines.append(f"| {block} | {h['positive']:.1%} | {h['uniform_rows']:.1%} | {h['entropy']:.3f} | {share} "
+                     f"| {verdict(h) or 'alive'} |")
+    warnings = warnings_for(health)
+    lines += [""] + [f"**Warning: {w}.**" for w in warnings]
+    if warnings:
+        lines += ["", "What keeps blocks alive on these data, measured over seeds: `docs/fusion.md`."]
+    return lines
 
 
 def _fractions(probes: Mapping[str, Any]) -> list[str]:

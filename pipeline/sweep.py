@@ -36,6 +36,7 @@ from ray import tune
 
 from pipeline.cluster import connect, train_logging
 from pipeline.config import Params, ParamsError, flatten, validate_params
+from pipeline.health import dead_blocks, unflat
 from pipeline.resources import NodeType, TrialShape, trials_at_once
 from pipeline.storage import is_uri, join, stage_prepared
 from pipeline.tracking import log_missing_epochs
@@ -370,10 +371,14 @@ class SweepTracker(tune.Callback):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(k, float(h[k]), now, int(h["epoch"])) for h in history for k in self.METRICS
+        metrics = [Metric(k, float(h[k]), now, int(h["epoch"])) for h in history for k in self.metric_names(h)
                    if isinstance(h.get(k), int | float) and math.isfinite(h[k])]
         if metrics:
             self._client().log_batch(child, metrics=metrics, synchronous=True)
+
+    def metric_names(self, h: dict[str, Any]) -> tuple[str, ...]:
+        """:data:`METRICS` and the blocks' health (``block_1.positive``, ...) that ``h`` holds."""
+        return self.METRICS + tuple(k for k in h if k.startswith("block_"))
 
     def _end(self, trials, trial, status: str) -> None:
         epoch = self.last_epoch.get(trial.trial_id, 0)
@@ -387,7 +392,7 @@ class SweepTracker(tune.Callback):
             # epochs a resumed trial checkpointed before an interruption but never reported to Tune: from the
             # checkpoint's history, so that the run shows every epoch once
             history = _checkpoint_history((trial.last_result or {}).get("checkpoint_path")) or []
-            log_missing_epochs(self.uri, child, history, self.METRICS)
+            log_missing_epochs(self.uri, child, history, self.metric_names(history[-1] if history else {}))
             client.set_tag(child, "stopped_early", str(early))
             if reason:
                 client.set_tag(child, "error", reason)
@@ -477,8 +482,9 @@ def _rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
         last_reported = int(reported[-1].get("epoch", 0) or 0) if reported else 0
         if history is None or (history and int(history[-1]["epoch"]) < last_reported):
             history = reported  # no checkpoint of the last reported epoch: Tune's table is the latest word
-        history = [{k: v for k, v in h.items() if k in keep} for h in history]
+        history = [{k: v for k, v in h.items() if k in keep or k.startswith("block_")} for h in history]
         last = history[-1] if history else {}
+        blocks = unflat(last)  # the last epoch's health of each block ({} at depth 0)
         epoch = int(last.get("epoch", 0) or 0)
         knn = [h["knn_acc"] for h in history if isinstance(h.get("knn_acc"), float) and not math.isnan(h["knn_acc"])]
         rows.append({
@@ -488,6 +494,9 @@ def _rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
             "knn_acc": float(last.get("knn_acc", math.nan)),
             "best_knn_acc": max(knn, default=math.nan),
             "loss": float(last.get("loss", math.nan)),
+            "min_positive": min((h.get("positive", math.nan) for h in blocks.values()), default=math.nan),
+            "max_uniform_rows": max((h.get("uniform_rows", math.nan) for h in blocks.values()), default=math.nan),
+            "dead_blocks": len(dead_blocks(blocks)),
             "epochs": epoch,
             "stopped_early": bool(history) and result.error is None and epoch < epochs,
             "seconds": float(sum(h.get("seconds", 0.0) for h in history)),

@@ -208,7 +208,8 @@ class TablesTracker(SweepTracker):
         if not result.get("evaluated"):
             return super().on_trial_result(iteration, trials, trial, result, **info)
         row = trial.config["row"]
-        accs = ", ".join(f"{k} {result[f'probe.{k}']:.4f}" for k in PROBES)
+        probes = {k: result[f"probe.{k}"] for k in PROBES}
+        accs = ", ".join(f"{k} {fmt_cell(NA if v is None else v)}" for k, v in probes.items())
         _say(f"{self.PREFIX} table {row['table']} {row['name']!r}: {accs}; trained "
              f"{result['train_seconds'] / 60:.1f} min, {result['hours']:.4f} {self.unit}")
         child = self._child(trial)

@@ -418,6 +418,28 @@ def sharpness(a: ArrayLike, labels: ArrayLike) -> float:
     return _ratio_with_conventions(float(am[same_off].min()), float(am[diff].max()))
 
 
+def quantile_sharpness(a: ArrayLike, labels: ArrayLike, q: float = 0.1) -> float:
+    """Definition 2 with quantiles instead of the worst pairs, a measure that still discriminates:
+
+        S_q(A) = quantile_q(A_ij : c_i = c_j, i != j) / quantile_{1-q}(A_pq : c_p != c_q)
+
+    so S_0.1 > 1 means 90 % of same-cluster pairs have more affinity than 90 % of cross-cluster pairs. q = 0 is
+    :func:`sharpness`. Definition 2's infimum is 0 as soon as one same-cluster pair has a zero ReLU affinity, which
+    in a batch of hundreds is almost always; S_q moves with the bulk. Same conventions as :func:`sharpness`
+    (diagonal excluded, a non-positive denominator treated as 0+). a: (n, n), labels: (n,); q in [0, 0.5).
+    """
+    if not 0.0 <= q < 0.5:
+        raise ValueError(f"quantile q must be in [0, 0.5), got {q}")
+    am = _np64(a)
+    n = am.shape[0]
+    y = _labels(labels, n)
+    same = (y[:, None] == y[None, :]) & ~np.eye(n, dtype=bool)
+    diff = y[:, None] != y[None, :]
+    if not same.any() or not diff.any():
+        raise ValueError("quantile_sharpness needs a same-cluster pair i != j and two clusters")
+    return _ratio_with_conventions(float(np.quantile(am[same], q)), float(np.quantile(am[diff], 1.0 - q)))
+
+
 def affinity_contrast(a: ArrayLike, labels: ArrayLike) -> float:
     """The average-case counterpart of Definition 2: mean same-cluster affinity / mean different-cluster one.
 

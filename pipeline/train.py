@@ -28,6 +28,7 @@ import torch
 from pipeline.cluster import connect, train_logging, wait_for_workers
 from pipeline.config import Params, ParamsError, flatten
 from pipeline.datasets import load_prepared
+from pipeline.health import unflat
 from pipeline.io import load_torch
 from pipeline.loop import EpochMetrics, PretrainLoop
 from pipeline.step import NonFiniteLossError
@@ -37,6 +38,19 @@ EPOCH_METRICS = ("loss", "lr", "samples_per_s", "view_noise", "knn_acc", "second
 FAULT_ENV = "TRANSFUSION_FAULT"  # fault injection for tests: "crash@E" (rank 0 dies after epoch E), "nan@E"
 STATE_FILE = "state.pt"
 HISTORY_FILE = "history.json"  # per-epoch metrics up to the checkpoint, beside STATE_FILE
+
+
+def epoch_metric_names(history: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The per-epoch metrics MLflow gets: :data:`EPOCH_METRICS` and the blocks' health (``block_1.positive``, ...)."""
+    return EPOCH_METRICS + tuple(k for k in (history[-1] if history else {}) if k.startswith("block_"))
+
+
+def health_line(health: dict[str, Any]) -> str:
+    """The console's health of the blocks: " | positive pairs: b1 12.7% b2 0.0%" ("" at depth 0)."""
+    blocks = unflat(health)
+    if not blocks:
+        return ""
+    return " | positive pairs: " + " ".join(f"b{b.split('_')[1]} {h['positive']:.1%}" for b, h in blocks.items())
 
 
 class PretrainError(RuntimeError):
@@ -120,7 +134,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             if not spec.quiet:
                 knn = f" knn {m.knn_acc:.4f}" if m.knn_acc is not None else ""
                 _progress(f"[pretrain] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
-                          f"eps {m.view_noise:.4f} {m.samples_per_s:,.0f} samples/s")
+                          f"eps {m.view_noise:.4f} {m.samples_per_s:,.0f} samples/s{health_line(m.health)}")
         if checkpoint_now and rank == 0:
             # uploaded to storage in the background while training goes on; Ray deletes the temp dir after
             # (synchronously before an injected crash, so that the test knows which checkpoint exists)
@@ -268,7 +282,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     with result.checkpoint.as_directory() as d:
         state = load_torch(Path(d) / STATE_FILE)
     if run_id:  # epochs checkpointed before an interruption but never logged: the run shows every epoch once
-        trk.log_missing_epochs(uri, run_id, state["history"], EPOCH_METRICS)
+        trk.log_missing_epochs(uri, run_id, state["history"], epoch_metric_names(state["history"]))
     return PretrainResult(state=state, run_name=name, mlflow_run_id=run_id, input_shape=data.input_shape,
                           n_classes=len(data.classes))
 

@@ -29,8 +29,9 @@ def write_figures(ev: Evaluation, out: Path, curves_csv: Path) -> None:
 
     write_csv(out / "probes.csv", ev.probe_rows)
     layers = [r["layer"] for r in ev.sharpness_rows]
-    figures.sharpness_per_layer([r["sharpness"] for r in ev.sharpness_rows], out / "sharpness.png",
-                                out / "sharpness.csv", labels=layers)
+    # Definition 2's worst pair is 0 for nearly every ReLU affinity: the figure shows the 10 % quantile version
+    figures.sharpness_per_layer([r["sharpness_q10"] for r in ev.sharpness_rows], out / "sharpness.png",
+                                out / "sharpness.csv", labels=layers, name="sharpness_q10")
     figures.sharpness_per_layer([r["contrast"] for r in ev.sharpness_rows], out / "contrast.png",
                                 out / "contrast.csv", labels=layers, name="contrast")
     if ev.tsne is not None:
@@ -58,9 +59,13 @@ def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, fil
     for rep, by_probe in ev.metrics["probes"].items():
         for probe, by_frac in by_probe.items():
             for frac, acc in by_frac.items():
-                metrics[f"{rep}.{probe}.{round(float(frac) * 100)}pct"] = acc
+                if acc is not None:  # None: the probe could not run (n/a)
+                    metrics[f"{rep}.{probe}.{round(float(frac) * 100)}pct"] = acc
     metrics.update({f"spectral.{k}": v for k, v in ev.metrics["spectral"].items() if isinstance(v, float)})
-    metrics.update({f"sharpness.{k}": v for k, v in ev.metrics["sharpness"].items() if math.isfinite(v)})
+    for key in ("sharpness", "sharpness_q10"):
+        metrics.update({f"{key}.{k}": v for k, v in ev.metrics[key].items() if math.isfinite(v)})
+    metrics.update({f"health.{block}.{k}": v for block, h in ev.metrics["health"].items() for k, v in h.items()
+                    if v is not None})
     with mlflow.start_run(experiment_id=trk.experiment_id(uri, root), run_name="evaluate", tags=tags) as run:
         mlflow.log_params(trk.flat_params(flatten(params.probe, "probe.")))
         mlflow.log_metrics(metrics)
@@ -122,5 +127,6 @@ def evaluate_cmd(params: Params, data_dir: Path, model_dir: Path, no_tracking: b
             params, ev, config.get("mlflow_run_id"), [*sorted(PLOTS.iterdir())])
     write_json(metrics_path, json_safe(ev.metrics))
     best = ev.metrics["probes"].get("backbone", {})
-    line = ", ".join(f"{k} {max(v.values()):.4f}" for k, v in best.items())
+    line = ", ".join(f"{k} {max(a for a in v.values() if a is not None):.4f}" for k, v in best.items()
+                     if any(a is not None for a in v.values()))
     click.echo(f"evaluated: backbone {line}; spectral NMI {ev.metrics['spectral']['nmi']:.3f} -> metrics/evaluate.json")

@@ -16,6 +16,7 @@ import click
 from pipeline.cluster import ClusterError
 from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
+from pipeline.health import unflat, warnings_for
 from pipeline.io import atomic_dir, save_torch, write_csv, write_json
 from pipeline.tracking import TrackingError, project_root, set_tags
 from pipeline.train import PretrainError, PretrainResult, cleanup_run, pretrain
@@ -40,11 +41,18 @@ def write_outputs(params: Params, res: PretrainResult, models: Path, metrics: Pa
         "view_noise": sum(h["view_noise"] for h in history) / len(history),
         "samples_per_s": sorted(h["samples_per_s"] for h in history)[len(history) // 2],  # median epoch
         "train_seconds": sum(h["seconds"] for h in history),
+        "health": unflat(last),  # the last epoch's, on a training batch of two views (pipeline.health)
         "mlflow_run_id": res.mlflow_run_id,
     }
     write_json(metrics, summary)
-    write_csv(plots, history, CURVE_COLUMNS)
+    health_columns = tuple(k for k in last if k.startswith("block_"))
+    write_csv(plots, history, CURVE_COLUMNS + health_columns)
     return summary
+
+
+def health_warnings(summary: dict) -> list[str]:
+    """One console line per dead or mostly uniform block at the end of pretraining ([] when all are alive)."""
+    return [f"[pretrain] warning: {line}; what to change: docs/fusion.md" for line in warnings_for(summary["health"])]
 
 
 def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
@@ -93,3 +101,5 @@ def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     knn = f", kNN acc {summary['knn_acc']:.4f}" if summary["knn_acc"] is not None else ""
     click.echo(f"pretrained {summary['epochs']} epochs: loss {summary['loss']:.5f}{knn}, "
                f"{summary['samples_per_s']:,.0f} samples/s -> models/pretrain/")
+    for line in health_warnings(summary):
+        click.echo(line, err=True)

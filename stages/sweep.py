@@ -24,7 +24,8 @@ from pipeline.tracking import TrackingError, project_root
 from stages._common import ParamsUsageError, check_weights, params_options, runtime_errors
 
 COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "train.seed", "view_noise",
-           "knn_acc", "best_knn_acc", "loss", "epochs", "stopped_early", "seconds", "status", "error")
+           "knn_acc", "best_knn_acc", "loss", "min_positive", "max_uniform_rows", "dead_blocks", "epochs",
+           "stopped_early", "seconds", "status", "error")
 CURVE_COLUMNS = ("trial_id", "epoch", "loss", "knn_acc", "view_noise", "samples_per_s")
 
 
@@ -46,11 +47,14 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
     best = best_trial(rows)
     with atomic_dir(plots) as out:
         early = {(r["train.batch_size"], r["augment.strength"], r["model.depth"]) for r in rows if r["stopped_early"]}
+        dead = {(r["train.batch_size"], r["augment.strength"], r["model.depth"]) for r in rows if r.get("dead_blocks")}
         title = f"final online kNN accuracy after {params.sweep.epochs} epochs" + (f" ({dataset})" if dataset else "")
         figures.phase_diagram(
             rows, x="train.batch_size", y="augment.strength", value="knn_acc", panel="model.depth",
             png=out / "phase.png", csv=out / "phase.csv", title=title,
-            region=(lambda x, y, p: (x, y, p) in early) if early else None, region_label="stopped early by ASHA")
+            region=(lambda x, y, p: (x, y, p) in early) if early else None, region_label="stopped early by ASHA",
+            marked=(lambda x, y, p: (x, y, p) in dead) if dead else None,
+            marked_label="a dead TransFusion block (< 1 % positive pairs) in a trial of this cell")
         curves = [{"trial_id": r["trial_id"], **h} for r in rows for h in r["history"]]
         write_csv(out / "curves.csv", curves, CURVE_COLUMNS)
     write_csv(sweeps / "results.csv", rows, COLUMNS)

@@ -241,11 +241,13 @@ def test_run_probes_small_train_knn200_and_torch_inputs() -> None:
     )
     assert [r.probe for r in results] == ["knn200", "svm"]
     assert all(r.n_train == 100 for r in results)
-    # k clipped to 100 = every training point: the vote is the train class count, so the prediction is constant,
-    # the most frequent train label (smallest on a tie)
-    majority = int(np.bincount(train_y).argmax())
-    assert results[0].accuracy == pytest.approx(float(np.mean(test_y == majority)))
+    # k = 200 >= 100 labelled samples: every one would vote and the "accuracy" would be the majority class's
+    # share, so the probe is not run: n/a (None), not a number
+    assert results[0].accuracy is None and results[0].seconds == 0.0
     assert results[1].accuracy >= 0.95
+    lines: list[str] = []
+    run_probes(train_z, train_y, test_z, test_y, probes=("knn50", "knn200"), progress=lines.append)
+    assert lines[0].startswith("knn50 @ 100%: 0.") and lines[1].startswith("knn200 @ 100%: n/a (k = 200 needs")
 
 
 def test_run_probes_validates_inputs() -> None:
