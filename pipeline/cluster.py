@@ -121,15 +121,32 @@ def train_logging() -> ray.train.LoggingConfig:
     return ray.train.LoggingConfig(log_level=TRAIN_CONSOLE_LEVEL)
 
 
-def _auth_error(address: str | None, exc: Exception) -> ClusterError:
+def _auth_refused(exc: BaseException) -> bool:
+    """Ray's connect failed because the cluster wants a token this client did not send (or a different one)."""
+    from ray.exceptions import AuthenticationError
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, AuthenticationError) or "InvalidAuthToken" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _auth_error(address: str | None) -> ClusterError:
+    """The one line a user needs when token authentication stops the connect (Ray's own text is a page long)."""
     where = f"the Ray cluster at {address!r}" if address else "the local Ray cluster"
-    mode = os.environ.get("RAY_AUTH_MODE", "unset")
-    first = " ".join(str(getattr(exc, "message", "") or exc).split())[:200]
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode == "token":
+        return ClusterError(
+            f"{where} did not accept this machine's auth token (none found, or not the cluster's; "
+            "RAY_AUTH_MODE=token); give this machine the cluster's token (`ray get-auth-token` on the head node "
+            "prints it) in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN, or set RAY_AUTH_MODE=disabled "
+            "for a cluster started without authentication")
     return ClusterError(
-        f"{where} refused the connection: token authentication ({first}; RAY_AUTH_MODE is {mode}); set "
-        "RAY_AUTH_MODE=token and give this machine the cluster's token (`ray get-auth-token` on the head node, "
-        "saved to ~/.ray/auth_token or in RAY_AUTH_TOKEN), or set RAY_AUTH_MODE=disabled for a cluster started "
-        "without authentication")
+        f"{where} uses token authentication and this client sends no token (RAY_AUTH_MODE is "
+        f"{mode or 'unset'}); set RAY_AUTH_MODE=token and give this machine the cluster's token (`ray get-auth-token` "
+        "on the head node prints it) in ~/.ray/auth_token or RAY_AUTH_TOKEN")
 
 
 def init_ray(params: Params) -> None:
@@ -150,9 +167,11 @@ def init_ray(params: Params) -> None:
             _probe(*target, params.ray.connect_timeout_s)
     try:
         ray.init(address=address, log_to_driver=True, configure_logging=False)
-    except AuthenticationError as exc:
-        raise _auth_error(address, exc) from None
-    except ConnectionError as exc:  # e.g. "auto" with no cluster running
+    except AuthenticationError:  # token mode without a token (Ray's own check, before connecting)
+        raise _auth_error(address) from None
+    except ConnectionError as exc:  # e.g. "auto" with no cluster running, or a token the cluster refused
+        if _auth_refused(exc):
+            raise _auth_error(address) from None
         raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {str(exc).splitlines()[0]}; start "
                            "it, or unset ray.address / RAY_ADDRESS to run on a local Ray") from None
 
