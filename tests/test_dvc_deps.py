@@ -1,0 +1,167 @@
+"""dvc.yaml against the code: each stage's code deps cover its import closure, its params match what the code reads.
+
+A stage runs ``transfusion <name>``: the click command named ``<name>`` that ``stages/cli.py`` imports from
+``stages/<module>.py``. Its code is that module plus every project module it imports, transitively, read from the
+AST (module level and inside functions alike: a lazy import runs too). Third-party imports are ignored, and so is
+``stages/cli.py`` itself (it only gathers the commands).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("pipeline", "stages")
+DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+STAGES = DVC["stages"]
+
+
+# ------------------------------------------------------------------------------------------ import closure
+def module_file(dotted: str, root: Path = ROOT) -> Path | None:
+    """``pipeline.x`` -> ``pipeline/x.py`` (or a package's ``__init__.py``); None if not a project module."""
+    if dotted.split(".")[0] not in PACKAGES:
+        return None
+    base = root.joinpath(*dotted.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def imported_files(path: Path, root: Path = ROOT) -> set[Path]:
+    """The project files one file imports, anywhere in it (``import a.b``, ``from a import b``, ``from a.b import c``).
+
+    A package's ``__init__.py`` counts only when it holds code (an empty one changes nothing).
+    """
+    found: set[Path] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from pipeline import figures` imports pipeline/figures.py; `from pipeline.io import x` pipeline/io.py
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{path.relative_to(root)}:{node.lineno}: relative import; use the absolute form")
+        for dotted in names:
+            parts = dotted.split(".")
+            for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__.py and a/b/__init__.py too
+                file = module_file(".".join(parts[:i]), root)
+                if file is not None and (file.name != "__init__.py" or file.read_text().strip()):
+                    found.add(file)
+    return found
+
+
+def closure(start: Path, root: Path = ROOT) -> set[Path]:
+    seen: set[Path] = set()
+    todo = [start]
+    while todo:
+        path = todo.pop()
+        if path not in seen:
+            seen.add(path)
+            todo.extend(imported_files(path, root) - seen)
+    return seen
+
+
+def command_modules(root: Path = ROOT) -> dict[str, Path]:
+    """``{command name: stages/<module>.py}`` for every command ``stages/cli.py`` imports."""
+    commands: dict[str, Path] = {}
+    cli = ast.parse((root / "stages/cli.py").read_text())
+    for node in cli.body:
+        if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("stages.")):
+            continue
+        path = module_file(node.module, root)
+        assert path is not None, node.module
+        wanted = {alias.name for alias in node.names}
+        for fn in ast.parse(path.read_text()).body:
+            if isinstance(fn, ast.FunctionDef) and fn.name in wanted:
+                commands[command_name(fn)] = path
+    return commands
+
+
+def command_name(fn: ast.FunctionDef) -> str:
+    """The name of a ``@click.command("name")`` function (click's default: the function name, ``_`` -> ``-``)."""
+    for deco in fn.decorator_list:
+        if isinstance(deco, ast.Call) and ast.unparse(deco.func) in ("click.command", "command"):
+            if deco.args and isinstance(deco.args[0], ast.Constant):
+                return deco.args[0].value
+            for kw in deco.keywords:
+                if kw.arg == "name" and isinstance(kw.value, ast.Constant):
+                    return kw.value.value
+            return fn.name.replace("_", "-")
+    raise AssertionError(f"{fn.name} is imported by stages/cli.py but is not a click command")
+
+
+def stage_command(stage: dict) -> str:
+    words = stage["cmd"].split()
+    assert words[0] == "transfusion" and len(words) >= 2, f"cmd {stage['cmd']!r} is not `transfusion <stage>`"
+    return words[1]
+
+
+def listed(stage: dict) -> list[str]:
+    return [d if isinstance(d, str) else next(iter(d)) for d in stage.get("deps", [])]
+
+
+def code_problems(name: str, stage: dict, root: Path = ROOT) -> list[str]:
+    """What is wrong with one stage's code deps (empty when right)."""
+    commands = command_modules(root)
+    command = stage_command(stage)
+    if command not in commands:
+        return [f"stage {name}: `transfusion {command}` is not a command of stages/cli.py"]
+    needed = {p.relative_to(root).as_posix() for p in closure(commands[command], root)}
+    deps = listed(stage)
+    problems = [f"stage {name}: deps miss {f} (imported by `transfusion {command}`)" for f in sorted(needed - set(deps))]
+    problems += [f"stage {name}: deps list {d}, which does not exist" for d in deps
+                 if d.endswith(".py") and not (root / d).is_file()]
+    problems += [f"stage {name}: deps list {d}, which `transfusion {command}` never imports" for d in deps
+                 if d.endswith(".py") and (root / d).is_file() and d not in needed]
+    code = [d for d in deps if d.endswith(".py")]
+    if code != sorted(code):
+        problems.append(f"stage {name}: code deps are not sorted: {code}")
+    return problems
+
+
+def test_every_stage_command_is_found():
+    commands = command_modules()
+    assert {"prepare", "pretrain", "evaluate", "report", "sweep", "theory"} <= set(commands)
+    for name, stage in STAGES.items():
+        assert stage_command(stage) in commands, name
+
+
+def test_closure_follows_every_import_form(tmp_path):
+    (tmp_path / "pipeline").mkdir()
+    (tmp_path / "stages").mkdir()
+    for name in ("pipeline/__init__.py", "stages/__init__.py"):
+        (tmp_path / name).write_text("")
+    files = {
+        "stages/go.py": "import click\nfrom stages._c import x\nimport pipeline.a\n\ndef f():\n    from pipeline import b\n",
+        "stages/_c.py": "from pipeline.c import y\n",
+        "pipeline/a.py": "import numpy\n",
+        "pipeline/b.py": "import pipeline.d as d\n",
+        "pipeline/c.py": "y = 1\n",
+        "pipeline/d.py": "from pipeline.e import z\n",
+        "pipeline/e.py": "z = 1\n",
+        "pipeline/unused.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    got = {p.relative_to(tmp_path).as_posix() for p in closure(tmp_path / "stages/go.py", tmp_path)}
+    assert got == set(files) - {"pipeline/unused.py"}
+
+
+@pytest.mark.parametrize("name", sorted(STAGES))
+def test_code_deps_cover_the_import_closure(name):
+    problems = code_problems(name, STAGES[name])
+    assert not problems, "dvc.yaml is out of date with the code:\n  " + "\n  ".join(problems)
+
+
+def test_a_missing_dep_is_named(monkeypatch):
+    stage = {**STAGES["theory"], "deps": [d for d in listed(STAGES["theory"]) if d != "pipeline/io.py"]
+             + ["pipeline/gone.py"]}
+    problems = code_problems("theory", stage)
+    assert "stage theory: deps miss pipeline/io.py (imported by `transfusion theory`)" in problems
+    assert "stage theory: deps list pipeline/gone.py, which does not exist" in problems
