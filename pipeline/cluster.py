@@ -87,7 +87,7 @@ def address_of(params: Params) -> str | None:
     return params.ray.address or os.environ.get("RAY_ADDRESS") or None
 
 
-def _host_port(address: str) -> tuple[str, int] | None:
+def host_port(address: str) -> tuple[str, int] | None:
     """``host:port`` of an explicit address (``ray://h:p``, ``h:p``); None for ``auto``/``local``."""
     if address in ("auto", "local"):
         return None
@@ -162,7 +162,7 @@ def init_ray(params: Params) -> None:
         return
     address = address_of(params)
     if address:
-        target = _host_port(address)
+        target = host_port(address)
         if target:
             _probe(*target, params.ray.connect_timeout_s)
     try:

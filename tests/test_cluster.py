@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.cluster import _host_port, local_nodes, use_gpu
+from pipeline.cluster import host_port, local_nodes, use_gpu
 from pipeline.config import load_params
 from pipeline.datasets import DatasetError
 from pipeline.train import failure_message
@@ -23,7 +23,7 @@ def params(*overrides: str):
     ("head-without-port", None),
 ])
 def test_explicit_addresses_are_probed_others_left_to_ray(address, expected):
-    assert _host_port(address) == expected
+    assert host_port(address) == expected
 
 
 @pytest.mark.parametrize(("overrides", "gpus", "expected"), [
