@@ -197,3 +197,50 @@ def test_unknown_names_raise():
         build_backbone("vit", (3, 32, 32))
     with pytest.raises(ValueError, match="image inputs"):
         build_backbone("cnn_small", (64,))
+
+
+# ------------------------------------------------------------------ fusion scope and Q/K initialisation
+@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("truncated", [False, True])
+def test_per_view_fusion_equals_each_view_fused_alone(depth, truncated):
+    torch.manual_seed(0)
+    head = TransFusionHead(8, depth, truncate_last=truncated, fusion_scope="per_view").double()
+    x = torch.randn(12, 8, dtype=torch.float64)  # rows [view 1 (6); view 2 (6)]
+    out = head(x, collect=True, views=2)
+    full = head.blocks[:-1] if truncated else head.blocks
+    for half in (slice(0, 6), slice(6, 12)):  # naive: run the full blocks on one view's rows at a time
+        h = x[half]
+        for block in full:
+            h, _ = block(h)
+        torch.testing.assert_close(out.embedding[half], h)
+    if truncated:  # the last block's affinity still spans both views: the loss compares all 12 rows
+        assert out.affinities[-1].shape == (12, 12)
+    if depth - truncated:
+        assert out.affinities[0].shape == (2, 6, 6)
+    joint = TransFusionHead(8, depth, truncate_last=truncated, fusion_scope="joint").double()
+    joint.load_state_dict(head.state_dict())
+    torch.testing.assert_close(head(x, views=1).embedding, joint(x, views=2).embedding)  # one view: same as joint
+    with pytest.raises(ValueError, match="do not split"):
+        head(x[:11], views=2)
+
+
+def test_identity_init_gives_relu_of_the_input_cosine_and_tied_starts_symmetric():
+    torch.manual_seed(1)
+    x = torch.randn(10, 6, dtype=torch.float64)
+    block = TransFusionBlock(6, norm="none", qk_init="identity").double()
+    _, raw = block(x)
+    xn = F.normalize(x, dim=-1)
+    want = (xn @ xn.T).clamp_min(0)
+    want.fill_diagonal_(0)
+    torch.testing.assert_close(raw, want)
+    tied = TransFusionBlock(6, qk_init="tied").double()
+    torch.testing.assert_close(tied.key.weight, tied.query.weight)
+    torch.testing.assert_close(tied.key.bias, tied.query.bias)
+    _, raw = tied(x)
+    torch.testing.assert_close(raw, raw.T)  # Q = K: a symmetric affinity at the start
+    default = TransFusionBlock(6)
+    assert not torch.equal(default.key.weight, default.query.weight)
+    with pytest.raises(ValueError, match="qk_init"):
+        TransFusionBlock(6, qk_init="zeros")
+    with pytest.raises(ValueError, match="fusion_scope"):
+        TransFusionHead(6, 1, fusion_scope="pairs")

@@ -380,3 +380,21 @@ def test_warmup_cosine_state_dict_carries_hyperparameters() -> None:
 def test_warmup_cosine_rejects_bad_arguments(total: int, warmup: int, m: float) -> None:
     with pytest.raises(ValueError):
         warmup_cosine(_opt(), total_steps=total, warmup_steps=warmup, min_lr_ratio=m)
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd", "lars"])
+def test_head_lr_scale_gives_the_head_its_own_groups(name: str) -> None:
+    from pipeline.model import TransFusion, TransFusionHead
+
+    model = TransFusion(torch.nn.Linear(4, 8), 8, TransFusionHead(8, 2))
+    head = {id(p) for p in model.head.parameters()}
+    opt = build_optimizer(name, model, lr=0.1, head_lr_scale=5.0)
+    seen = 0
+    for g in opt.param_groups:
+        kinds = {id(p) in head for p in g["params"]}
+        assert len(kinds) == 1  # a group is all head or all backbone
+        assert g["lr"] == pytest.approx(0.5 if kinds.pop() else 0.1)
+        seen += len(g["params"])
+    assert seen == len(list(model.parameters()))
+    plain = build_optimizer(name, model, lr=0.1)
+    assert all(g["lr"] == 0.1 for g in plain.param_groups)
