@@ -54,6 +54,15 @@ TRIAL_CPU = 0.25
 SPACE_KEYS = {"depth": "model.depth", "batch_size": "train.batch_size", "strength": "augment.strength",
               "lr": "train.lr"}
 SEED_KEY = "train.seed"
+# The params.yaml keys a sweep's result depends on: dvc.yaml's sweep stage lists exactly these (a whole section
+# where every key is read). Its own section, and every trial's base (`base_params`) without what that overwrites
+# (train.epochs, knn_every, checkpoint_every; ray.cpus_per_worker) or always sweeps (model.depth, train.batch_size,
+# augment.strength; train.lr only when sweep.lr lists values); of ray only what changes results.
+# tests/test_dvc_deps.py checks it against dvc.yaml and against base_params.
+DVC_PARAMS = ("sweep", "model.backbone", "model.embed_dim", "model.hidden_dim", "model.activation", "model.block_norm",
+              "model.head", "model.weights", "loss", "augment.preset", "train.mode", "train.lr", "train.optimizer",
+              "train.weight_decay", "train.warmup_epochs", "train.seed", "train.device", "train.grad_cache_chunk",
+              "train.knn_k", "ray.num_workers", "ray.use_gpu")
 COUNT_ENV = "TRANSFUSION_TRIAL_LOG"  # tests: each trial start appends a line to this file
 STATE_DIR = ".transfusion"  # driver-side state of a sweep under the project root (MLflow parent run id)
 

@@ -165,3 +165,82 @@ def test_a_missing_dep_is_named(monkeypatch):
     problems = code_problems("theory", stage)
     assert "stage theory: deps miss pipeline/io.py (imported by `transfusion theory`)" in problems
     assert "stage theory: deps list pipeline/gone.py, which does not exist" in problems
+
+
+# ------------------------------------------------------------------------------------------------- params
+PARAMS_YAML = yaml.safe_load((ROOT / "params.yaml").read_text())
+# ray keys that say where and how patiently a job runs, never what it computes: no stage depends on them
+RAY_EXECUTION = {"ray.address", "ray.storage_path", "ray.max_failures", "ray.connect_timeout_s",
+                 "ray.resources_timeout_s"}
+
+
+def in_params_yaml(key: str) -> bool:
+    node = PARAMS_YAML
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def sweep_reads() -> list[str]:
+    """What the sweep's trials read, from ``base_params`` and ``axes`` run on params.yaml, in dvc.yaml's form:
+    the section name where every key of it (in params.yaml) is read, else the keys, in params.yaml's order."""
+    from pipeline.config import flatten, load_params
+    from pipeline.sweep import axes, base_params
+
+    # every value base_params might overwrite set to something else than what it would write
+    params = load_params(ROOT / "params.yaml", [
+        "sweep.epochs=3", "train.epochs=7", "train.knn_every=2", "train.checkpoint_every=2", "train.warmup_epochs=0",
+        "sweep.cpus_per_worker=0.5", "ray.cpus_per_worker=1.0", "sweep.lr=[]"])
+    before, after = flatten(params.model_dump()), flatten(base_params(params))
+    overwritten = {k for k in before if before[k] != after.get(k)}
+    swept = set(axes(params))  # with sweep.lr empty: what every sweep overrides
+    assert overwritten and swept, (overwritten, swept)
+    out = ["sweep"]
+    for section in ("model", "loss", "augment", "train", "ray"):
+        keys = [f"{section}.{k}" for k in PARAMS_YAML[section]]
+        read = [k for k in keys if k not in overwritten | swept | RAY_EXECUTION]
+        out += [section] if read == keys else read
+    return out
+
+
+def test_sweep_params_are_the_code_constant():
+    from pipeline.sweep import DVC_PARAMS
+
+    listed_params = STAGES["sweep"]["params"]
+    assert listed_params == list(DVC_PARAMS), (
+        "dvc.yaml's sweep params differ from pipeline.sweep.DVC_PARAMS: "
+        f"only in dvc.yaml {sorted(set(listed_params) - set(DVC_PARAMS))}, "
+        f"only in the code {sorted(set(DVC_PARAMS) - set(listed_params))} (same order too)")
+
+
+def test_sweep_params_constant_is_what_the_trials_read():
+    from pipeline.sweep import DVC_PARAMS
+
+    expected = sweep_reads()
+    assert list(DVC_PARAMS) == expected, (
+        "pipeline.sweep.DVC_PARAMS is not what base_params hands the trials: "
+        f"read but not listed {[k for k in expected if k not in DVC_PARAMS]}, "
+        f"listed but not read {[k for k in DVC_PARAMS if k not in expected]}")
+
+
+@pytest.mark.parametrize("name", sorted(STAGES))
+def test_stage_params_exist_and_cover_what_the_command_reads(name):
+    """Every listed key is in params.yaml (else DVC stops with MissingParamsError), and every ``params.<section>``
+    the stage's module reads is listed (the section or keys of it)."""
+    stage = STAGES[name]
+    keys = [p if isinstance(p, str) else next(iter(p)) for p in stage.get("params", [])]
+    assert all(isinstance(p, str) for p in stage.get("params", [])), "only params.yaml keys are expected"
+    missing = [k for k in keys if not in_params_yaml(k)]
+    assert not missing, f"stage {name}: params {missing} are not in params.yaml"
+    module = command_modules()[stage_command(stage)]
+    read = set()
+    for node in ast.walk(ast.parse(module.read_text())):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "params"
+                and node.attr in PARAMS_YAML):
+            read.add(node.attr)
+    if name == "theory":
+        read.add("theory")  # getattr(params, "theory")
+    uncovered = [s for s in sorted(read) if not any(k == s or k.startswith(s + ".") for k in keys)]
+    assert not uncovered, f"stage {name}: reads params.{uncovered} but dvc.yaml lists no key of them"
