@@ -31,13 +31,16 @@ if TYPE_CHECKING:
     from pipeline.resources import NodeType
 
 # Ray settings for a quiet console, defaults only (a user's own value wins). Set when this module is imported, because
-# Ray reads them when `ray` is first imported (every stage imports this module before Ray).
+# Ray reads some when `ray` is first imported (every stage imports this module before Ray).
 RAY_CONSOLE_ENV = {
     # Lines of Ray's C++ core (``[date time E pid tid] core_worker.cc:N: ...``, levels D/I/W/E; F = fatal still
     # shows) that Ray forwards from its worker processes to the driver, e.g. Ray Train's controller warning that its
     # PreemptionWatcher actor "has constructor arguments in the object store". They stay in the process's
     # ``worker-*.err`` and ``python-core-worker-*.log``; errors reach the user as Python exceptions anyway.
     "RAY_DEDUP_LOGS_SKIP_REGEX": r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d+ [DIWE] \d+ \d+\] \S+\.(cc|h):\d+: ",
+    # Ray Tune's output engine: the default one prints an experiment box, the results path and a TensorBoard hint even
+    # at ``verbose=0``; the legacy one is silent at ``verbose=0`` (the sweep prints its own lines per trial event).
+    "RAY_AIR_NEW_OUTPUT": "0",
 }
 
 
@@ -67,9 +70,9 @@ def _auth_mode_default() -> str | None:
     return None
 
 
-if "ray._raylet" not in sys.modules:  # Ray reads these at import; set later, the driver and Ray's processes disagree
-    for _key, _value in RAY_CONSOLE_ENV.items():
-        os.environ.setdefault(_key, _value)
+for _key, _value in RAY_CONSOLE_ENV.items():
+    os.environ.setdefault(_key, _value)
+if "ray._raylet" not in sys.modules:  # Ray reads the mode at import; set later, the driver and Ray's processes disagree
     _mode = _auth_mode_default()
     if _mode:
         os.environ["RAY_AUTH_MODE"] = _mode
