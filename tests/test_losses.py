@@ -26,7 +26,8 @@ from pipeline.losses import (
     target_affinity,
 )
 
-SIZES = [(4, 3), (4, 8), (6, 3), (6, 8), (10, 3), (10, 8)]
+SIZES = [(4, 3), pytest.param(4, 8, marks=pytest.mark.slow), pytest.param(6, 3, marks=pytest.mark.slow),
+         pytest.param(6, 8, marks=pytest.mark.slow), pytest.param(10, 3, marks=pytest.mark.slow), (10, 8)]
 # supervised labels, each with at least one singleton class (rows without a positive)
 SUP_IDS = {
     4: [1, 0, 1, 1],

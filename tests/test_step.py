@@ -328,6 +328,7 @@ def _loop(defer_sync: bool, backbone: str = "cnn_small"):
     return PretrainLoop(params, data, torch.device("cpu"), defer_sync=defer_sync)
 
 
+@pytest.mark.slow
 def test_deferred_sync_gives_the_per_step_results_bit_for_bit():
     """The CUDA path (0-d loss/noise tensors, one sync per epoch) run on CPU: the very same epoch metrics."""
     runs = []
