@@ -330,6 +330,18 @@ def test_phase_diagram_without_region_and_string_axes(tmp_path, captured):
     assert not [q for q in ax.patches if q.get_gid() == F.REGION_GID]
 
 
+def test_phase_diagram_marks_cells_with_a_dead_block(tmp_path, captured):
+    rows = [{"bs": b, "aug": a, "depth": 3, "acc": 0.5} for b in (16, 128) for a in (0.0, 1.0)]
+    dead = {(16, 1.0, 3)}
+    F.phase_diagram(rows, x="bs", y="aug", value="acc", panel="depth", png=tmp_path / "p.png", csv=tmp_path / "p.csv",
+                    marked=lambda x, y, p: (x, y, p) in dead, marked_label="a dead block")
+    fig = captured[-1]
+    ax = [a for a in fig.axes if a.images][0]
+    marks = [q for q in ax.patches if q.get_gid() == F.MARKED_GID]
+    assert len(marks) == 1 and marks[0].get_xy() == pytest.approx((0 - 0.42, 1 - 0.42))  # x = 16, y = 1.0
+    assert [t.get_text() for leg in fig.legends for t in leg.get_texts()] == ["a dead block"]
+
+
 # ---------------------------------------------------------------------------------------- atomicity
 def _call(kind: str, png: Path, csv_path: Path) -> None:
     if kind == "tsne":

@@ -33,3 +33,22 @@ def test_our_row_sits_in_the_paper_layout_beside_the_paper_rows():
 def test_supervised_runs_use_table_2():
     text = render(*sample("supervised"), {})
     assert "Table 2 (supervised)" in text and "paper: SupCon" in text and "paper: InfoNCE" not in text
+
+
+def test_a_probe_that_could_not_run_is_na_and_a_dead_block_is_warned_about():
+    params, pre, ev = sample()
+    ev["probes"]["backbone"]["knn200"] = {"1": 0.93, "0.1": None}  # k = 200 over 143 labels: not run
+    live = {"positive": 0.4, "uniform_rows": 0.0, "entropy": 0.8, "same_class": 0.3, "same_class_chance": 0.099,
+            "other_view": None}
+    dead = dict(live, positive=0.0, uniform_rows=1.0, entropy=1.0, same_class=0.099)
+    ev["health"] = {"block_1": live, "block_2": dead, "block_3": live}
+    text = render(params, pre, ev, {})
+    assert "| backbone | knn200 | n/a | 0.9300 |" in text
+    assert "| block_2 | 0.0% | 100.0% | 1.000 | 0.099 | dead |" in text
+    assert "| block_1 | 40.0% | 0.0% | 0.800 | 0.300 | alive |" in text
+    assert "**Warning: block 2 is dead: 0.0% of its pairs have a positive affinity" in text
+    assert "block 1 is" not in text and "docs/fusion.md" in text
+    ev["health"] = {"block_1": live, "block_2": live, "block_3": live}
+    assert "Warning" not in render(params, pre, ev, {})
+    params["model"]["depth"] = 0
+    assert "Depth 0: no TransFusion block" in render(params, pre, ev, {})

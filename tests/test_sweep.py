@@ -163,3 +163,26 @@ def test_cluster_preset_is_valid_and_is_the_documented_grid():
     assert len(grid_points(p)) == 240
     for point in grid_points(p):  # every point is a valid run (e.g. the batch splits over the workers)
         trial_params(base_params(p), point)
+
+
+def test_rows_carry_the_last_epochs_block_health():
+    import pandas as pd
+
+    from pipeline.sweep import _rows
+
+    class Result:  # what Tune's ResultGrid yields, as far as _rows reads it
+        def __init__(self, name, reported):
+            self.metrics_dataframe, self.path, self.config, self.error = pd.DataFrame(reported), f"/x/trial-{name}", {}, None
+
+    alive = {"block_1.positive": 0.4, "block_1.uniform_rows": 0.0, "block_2.positive": 0.2, "block_2.uniform_rows": 0.1}
+    dead = {"block_1.positive": 0.3, "block_1.uniform_rows": 0.0, "block_2.positive": 0.0, "block_2.uniform_rows": 1.0}
+    grid = [Result("a", [{"epoch": 1, "loss": 1.0, **dead}, {"epoch": 2, "loss": 0.9, **alive}]),
+            Result("b", [{"epoch": 1, "loss": 1.0, **alive}, {"epoch": 2, "loss": 0.9, **dead}]),
+            Result("c", [{"epoch": 1, "loss": 1.0}, {"epoch": 2, "loss": 0.9}])]  # depth 0: no blocks
+    a, b, c = _rows(grid, epochs=2, labels=lambda config: {})
+    assert (a["min_positive"], a["max_uniform_rows"], a["dead_blocks"]) == (0.2, 0.1, 0)
+    assert (b["min_positive"], b["max_uniform_rows"], b["dead_blocks"]) == (0.0, 1.0, 1)
+    assert math.isnan(c["min_positive"]) and c["dead_blocks"] == 0
+    assert "block_2.positive" in b["history"][-1]  # the curves keep the health too
+    for col in ("min_positive", "max_uniform_rows", "dead_blocks"):
+        assert col in COLUMNS
