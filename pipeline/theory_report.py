@@ -230,15 +230,18 @@ def write_outputs(
     *,
     setup: Mapping[str, Any] | None = None,
     learned_nmi: float = 0.9,
+    report: Path | None = None,
 ) -> dict[str, Any]:
-    """Write part (c) into ``out_dir`` and return the metrics (``summarize``, JSON-safe, plus the file list).
+    """Write part (c) into ``out_dir`` (and ``report``) and return the metrics (``summarize``, JSON-safe, plus the
+    file list of ``out_dir``).
 
     Files: ``theory.png`` (formula panels beside measurement panels), ``measured_nmi.{png,csv}`` and
     ``measured_gain.{png,csv}`` (``figures.phase_diagram``: x = ε, y = n, one panel per depth, hatched where the
     printed γ > 1 at the data's ρ), ``formula.csv`` (``FORMULA_COLUMNS``), ``empirical.csv`` (one row per run,
     ``EMPIRICAL_COLUMNS``), ``table.csv`` (per grid point, means over seeds, booleans as fractions,
-    ``TABLE_COLUMNS``) and ``theory.md`` (setup, verdict, per-n formula summary, the table). Each file is written
-    atomically; ``setup`` (e.g. the grid's fields) is listed in the Markdown.
+    ``TABLE_COLUMNS``); and, if ``report`` is given, the Markdown report there (setup, verdict, per-n formula summary,
+    the table; the stage's is ``reports/theory.md``, outside the plots directory, which holds only figures and their
+    data). Each file is written atomically; ``setup`` (e.g. the grid's fields) is listed in the Markdown.
     """
     from pipeline import figures  # matplotlib only when writing
 
@@ -295,24 +298,28 @@ def write_outputs(
         "",
         _markdown_table(table),
         "",
-        "Files: theory.png (formula | measurement), measured_nmi.png, measured_gain.png, formula.csv, empirical.csv, "
-        "table.csv.",
+        "Figures and tables (the stage's plots/theory/): theory.png (formula | measurement), measured_nmi.png, "
+        "measured_gain.png, formula.csv, empirical.csv, table.csv.",
         "",
     ])
-    write_text(out_dir / "theory.md", md)
+    if report is not None:
+        Path(report).parent.mkdir(parents=True, exist_ok=True)
+        write_text(report, md)
     metrics = json_safe(summary)
     metrics["files"] = sorted(p.name for p in out_dir.iterdir() if not p.name.startswith("."))
     return metrics
 
 
 def run_all(theory_grid: TheoryGrid, empirical_grid: EmpiricalGrid, out_dir: Path,
-            progress: Callable[[str], Any] | None = print) -> dict[str, Any]:
-    """Parts (a), (b), (c) in one call: returns ``write_outputs``' metrics plus ``seconds`` (wall time)."""
+            progress: Callable[[str], Any] | None = print, report: Path | None = None) -> dict[str, Any]:
+    """Parts (a), (b), (c) in one call: returns ``write_outputs``' metrics plus ``seconds`` (wall time); the
+    Markdown report goes to ``report`` (None: none)."""
     t0 = time.perf_counter()
     formula = formula_table(theory_grid)
     rows = run_empirical(empirical_grid, progress)
     setup = asdict(empirical_grid)
     setup["formula grid"] = f"{len(theory_grid.rho)} x {len(theory_grid.eps)} (ρ, ε) points, n = {list(theory_grid.n)}"
-    metrics = write_outputs(formula, rows, out_dir, setup=setup, learned_nmi=empirical_grid.learned_nmi)
+    metrics = write_outputs(formula, rows, out_dir, setup=setup, learned_nmi=empirical_grid.learned_nmi,
+                            report=report)
     metrics["seconds"] = round(time.perf_counter() - t0, 2)
     return metrics

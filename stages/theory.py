@@ -1,8 +1,9 @@
 """``theory`` stage: Theorem 2's γ over (ρ, ε, n) beside a TransFusion head trained on synthetic subspaces.
 
-Reads params: ``theory`` only. Writes (atomically): ``plots/theory/`` -- ``theory.png`` (formula panels | measured
-panels), ``measured_nmi.{png,csv}``, ``measured_gain.{png,csv}``, ``formula.csv``, ``empirical.csv``, ``table.csv``,
-``theory.md`` (setup, verdict, tables) -- and ``metrics/theory.json``. No input data: everything is generated from
+Reads params: ``theory`` only. Writes (atomically): ``plots/theory/``, figures and their data only (DVC renders
+them) -- ``theory.png`` (formula panels | measured panels), ``measured_nmi.{png,csv}``, ``measured_gain.{png,csv}``,
+``formula.csv``, ``empirical.csv``, ``table.csv`` --; ``reports/theory.md`` (setup, verdict, tables) and
+``metrics/theory.json``. No input data: everything is generated from
 the seeds in the params (see :mod:`pipeline.theory_experiments` and :mod:`pipeline.theory_report`).
 """
 
@@ -22,6 +23,7 @@ from stages._common import ParamsUsageError, params_options, runtime_errors
 
 PLOTS = Path("plots/theory")
 METRICS = Path("metrics/theory.json")
+REPORT = Path("reports/theory.md")
 
 
 def grids(cfg: Any) -> tuple[TheoryGrid, EmpiricalGrid]:
@@ -42,8 +44,10 @@ def grids(cfg: Any) -> tuple[TheoryGrid, EmpiricalGrid]:
     return tg, EmpiricalGrid.from_config(cfg)
 
 
-def run(params: Any, plots: Path = PLOTS, metrics: Path = METRICS, progress: Any = click.echo) -> dict:
-    """Formula table, empirical grid, figures and tables into ``plots`` (swapped in whole), metrics to ``metrics``.
+def run(params: Any, plots: Path = PLOTS, metrics: Path = METRICS, progress: Any = click.echo,
+        report: Path | None = None) -> dict:
+    """Formula table, empirical grid, figures and tables into ``plots`` (swapped in whole), metrics to ``metrics``,
+    the Markdown report to ``report`` (None: none; the command's default is ``reports/theory.md``).
 
     ``params`` needs a ``theory`` attribute (the validated section, or any object with the same fields).
     Returns the metrics written.
@@ -54,7 +58,7 @@ def run(params: Any, plots: Path = PLOTS, metrics: Path = METRICS, progress: Any
                          "to pipeline/config.py)")
     tg, eg = grids(cfg)
     with atomic_dir(plots) as out:
-        result = run_all(tg, eg, out, progress)
+        result = run_all(tg, eg, out, progress, report=report)
     write_json(metrics, result)
     return result
 
@@ -65,12 +69,14 @@ def run(params: Any, plots: Path = PLOTS, metrics: Path = METRICS, progress: Any
               show_default=True, help="Output directory for figures and tables.")
 @click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False, path_type=Path), default=METRICS,
               show_default=True, help="Metrics JSON.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), default=REPORT,
+              show_default=True, help="Markdown report (setup, verdict, tables).")
 @click.option("--quiet", is_flag=True, help="No per-run progress lines.")
 @runtime_errors()
-def theory_cmd(params: Any, plots_dir: Path, metrics_path: Path, quiet: bool) -> None:
+def theory_cmd(params: Any, plots_dir: Path, metrics_path: Path, report_path: Path, quiet: bool) -> None:
     """Theorem 2's γ regions per batch size, and the measured counterpart on union-of-subspaces data."""
     try:
-        m = run(params, plots_dir, metrics_path, progress=None if quiet else click.echo)
+        m = run(params, plots_dir, metrics_path, progress=None if quiet else click.echo, report=report_path)
     except ValueError as exc:
         if str(exc).startswith(("theory:", "params has no")):
             raise ParamsUsageError(str(exc)) from None
@@ -78,5 +84,5 @@ def theory_cmd(params: Any, plots_dir: Path, metrics_path: Path, quiet: bool) ->
     e = m["empirical"]
     click.echo(
         f"theory: learned in {e['learned']}/{e['runs']} runs; printed γ > 1 in {e['gamma_gt1']}, meaningful in "
-        f"{e['meaningful']}, both {e['learnable']}; {m['seconds']} s -> {plots_dir}/, {metrics_path}"
+        f"{e['meaningful']}, both {e['learnable']}; {m['seconds']} s -> {plots_dir}/, {report_path}, {metrics_path}"
     )

@@ -20,8 +20,7 @@ def run(cmd: list[str], cwd: Path) -> str:
     return proc.stdout + proc.stderr
 
 
-@pytest.fixture
-def repo(tmp_path, monkeypatch):
+def git_dvc_env(monkeypatch: pytest.MonkeyPatch) -> None:
     if shutil.which("dvc") is None:
         pytest.skip("dvc is not installed")
     for name in ("GIT_AUTHOR_NAME", "GIT_COMMITTER_NAME"):
@@ -29,7 +28,16 @@ def repo(tmp_path, monkeypatch):
     for name in ("GIT_AUTHOR_EMAIL", "GIT_COMMITTER_EMAIL"):
         monkeypatch.setenv(name, "test@example.invalid")
     monkeypatch.setenv("DVC_NO_ANALYTICS", "1")
-    dst = tmp_path / "proj"
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    git_dvc_env(monkeypatch)
+    return make_repo(tmp_path / "proj")
+
+
+def make_repo(dst: Path) -> Path:
+    """A git repository holding the project's pipeline files (params, dvc.yaml, the code), committed."""
     dst.mkdir()
     for name in ("params.yaml", "dvc.yaml", ".gitignore", ".dvcignore"):
         if (ROOT / name).exists():
@@ -102,24 +110,91 @@ def ran(out: str) -> set[str]:
     return set(re.findall(r"Running stage '(\w+)'", out))
 
 
+@pytest.fixture(scope="module")
+def tiny_repro(tmp_path_factory):
+    """One `dvc repro` of the whole pipeline with the TINY params, shared by this module's tests: (repo, output).
+
+    Its environment (git identity, the MLflow store in the repo) stays set while the module's tests run.
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        git_dvc_env(mp)
+        repo = make_repo(tmp_path_factory.mktemp("tiny") / "proj")
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{repo / 'mlflow.db'}")
+        mp.setenv("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
+        for (section, key), value in TINY.items():
+            set_param(repo, section, key, value)
+        run(["git", "commit", "-qam", "tiny params"], repo)
+        yield repo, run(["dvc", "repro"], repo)
+
+
+def declared_plots(repo: Path) -> list[str]:
+    """The ids `dvc plots show` gives the top-level plots of dvc.yaml: the name or path, non-word characters -> _."""
+    import re
+
+    names = [p if isinstance(p, str) else next(iter(p)) for p in yaml.safe_load((repo / "dvc.yaml").read_text())["plots"]]
+    return [re.sub(r"\W", "_", n) for n in names]
+
+
+# Stands in for vega-embed (the page loads it from a CDN this test never reaches): records each call's target and spec
+RECORD_VEGA = "window.__vega = []; window.vegaEmbed = (el, spec) => { window.__vega.push([el, spec]); };"
+
+
 @pytest.mark.timeout(900)
-def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(repo, monkeypatch):
+def test_dvc_plots_show_renders_every_declared_plot_once(tiny_repro, tmp_path):
+    """`dvc plots show` loads every plot, and in Chromium the page shows each plot of dvc.yaml exactly once: the
+    images loaded, the Vega-Lite plots with data in the field they plot. Nothing else is on the page."""
+    from tests.test_ui_browser import CHROMIUM, CHROMIUM_ARGS, sync_api  # skips without Chromium or Playwright
+
+    repo, _ = tiny_repro
+    out = run(["dvc", "plots", "show", "-o", str(tmp_path / "dvc_plots")], repo)
+    assert "failed to load" not in out and "could not find provided field" not in out, out
+    index = tmp_path / "dvc_plots" / "index.html"
+    declared = declared_plots(repo)
+    assert len(set(declared)) == len(declared), declared
+
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.route("http*://**", lambda route: route.abort())  # no network: only the file and its static/
+            page.add_init_script(RECORD_VEGA)
+            page.goto(index.as_uri())
+            page.wait_for_load_state("load")
+            blocks = page.eval_on_selector_all("body > div[id]", "els => els.map(e => e.id)")
+            images = page.eval_on_selector_all(
+                "body > div[id]", "els => Object.fromEntries(els.filter(e => e.querySelector('img')).map(e => "
+                "[e.id, [...e.querySelectorAll('img')].map(i => i.complete && i.naturalWidth > 0)]))")
+            vega = page.evaluate("window.__vega")
+        finally:
+            browser.close()
+    assert sorted(blocks) == sorted(declared), f"on the page: {sorted(blocks)}\ndeclared: {sorted(declared)}"
+    for name, loaded in images.items():
+        assert loaded == [True], f"{name}: images loaded {loaded}"
+    assert sorted(el for el, _ in vega) == sorted(f"#{n}" for n in declared if n not in images)
+    plotted = {el: spec for el, spec in vega}
+    for el, spec in plotted.items():
+        field = spec.get("encoding", {}).get("y", {}).get("field") if spec else None
+        values = (spec or {}).get("data", {}).get("values", [])
+        if field is None:  # layered specs: the first layer's y
+            layer = (spec or {}).get("layer", [{}])[0]
+            field = layer.get("encoding", {}).get("y", {}).get("field")
+        assert values and field and all(field in v for v in values), f"{el}: no data for {field!r}"
+
+
+@pytest.mark.timeout(900)
+def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
     import json
 
     import mlflow
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{repo / 'mlflow.db'}")
-    monkeypatch.setenv("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
-    for (section, key), value in TINY.items():
-        set_param(repo, section, key, value)
-    run(["git", "commit", "-qam", "tiny params"], repo)
-
-    out = run(["dvc", "repro"], repo)
+    repo, out = tiny_repro
     assert ran(out) == {"prepare", "pretrain", "evaluate", "report", "sweep", "theory"}
     results = (repo / "sweeps/results.csv").read_text().splitlines()
     assert len(results) == 3 and json.loads((repo / "sweeps/best.json").read_text())["epochs"] == 1
-    for name in ("sweep/phase.png", "sweep/phase.csv", "sweep/curves.csv", "theory/theory.png", "theory/theory.md"):
+    for name in ("sweep/phase.png", "sweep/phase.csv", "sweep/curves.csv", "theory/theory.png"):
         assert (repo / "plots" / name).stat().st_size > 0, name
+    assert "## Verdict" in (repo / "reports/theory.md").read_text()
+    assert not [p for p in (repo / "plots").rglob("*") if p.suffix == ".md"]  # dvc plots show would fail on them
     assert json.loads((repo / "metrics/theory.json").read_text())["empirical"]["runs"] == 2
     evaluation = json.loads((repo / "metrics/evaluate.json").read_text())
     assert set(evaluation["probes"]) == {"input", "backbone", "block_1"}

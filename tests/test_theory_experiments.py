@@ -317,11 +317,12 @@ def test_verdict_states_the_numbers(tiny_formula, tiny_rows):
 
 # ------------------------------------------------------------------------------------------- part (c)
 def test_write_outputs_files_headers_and_metrics(tmp_path, tiny_formula, tiny_rows):
-    metrics = TR.write_outputs(tiny_formula, tiny_rows, tmp_path / "out", setup={"steps": 20})
+    report = tmp_path / "reports" / "theory.md"
+    metrics = TR.write_outputs(tiny_formula, tiny_rows, tmp_path / "out", setup={"steps": 20}, report=report)
     out = tmp_path / "out"
     names = sorted(p.name for p in out.iterdir())
     assert names == ["empirical.csv", "formula.csv", "measured_gain.csv", "measured_gain.png", "measured_nmi.csv",
-                     "measured_nmi.png", "table.csv", "theory.md", "theory.png"]
+                     "measured_nmi.png", "table.csv", "theory.png"]  # the Markdown goes to `report`, not here
     assert metrics["files"] == names
     for png in ("theory.png", "measured_nmi.png", "measured_gain.png"):
         assert (out / png).read_bytes()[:8] == PNG_SIGNATURE
@@ -333,7 +334,7 @@ def test_write_outputs_files_headers_and_metrics(tmp_path, tiny_formula, tiny_ro
         assert tuple(rows[0]) == cols and len(rows) == count + 1
     with open(out / "measured_nmi.csv") as f:
         assert next(csv.reader(f)) == ["eps", "n", "depth", "nmi"]
-    md = (out / "theory.md").read_text()
+    md = report.read_text()
     assert "## Verdict" in md and "| n | ε | depth | ρ |" in md and "- steps: 20" in md
     assert md.count("\n| 8 | 0.1 |") == 2  # one table line per depth at n = 8
     assert metrics["empirical"]["runs"] == len(tiny_rows)

@@ -22,15 +22,15 @@ needs_integration = pytest.mark.skipif(
     not INTEGRATED, reason="params.theory is not in pipeline/config.py yet (the lead integrates TheoryConfig)")
 
 
-def check_outputs(plots: Path, metrics: Path, runs: int) -> dict:
+def check_outputs(plots: Path, metrics: Path, runs: int, report: Path) -> dict:
     names = sorted(p.name for p in plots.iterdir())
     assert names == ["empirical.csv", "formula.csv", "measured_gain.csv", "measured_gain.png", "measured_nmi.csv",
-                     "measured_nmi.png", "table.csv", "theory.md", "theory.png"]
+                     "measured_nmi.png", "table.csv", "theory.png"]  # no Markdown: DVC renders this directory
     assert (plots / "theory.png").read_bytes()[:8] == PNG_SIGNATURE
     m = json.loads(metrics.read_text())
     assert m["empirical"]["runs"] == runs and m["seconds"] > 0
     assert set(m["formula"]) == {"2", "8"} and all(v["overlap"] == 0 for v in m["formula"].values())
-    assert "## Verdict" in (plots / "theory.md").read_text()
+    assert "## Verdict" in report.read_text()
     leftovers = [p for p in plots.parent.rglob("*") if p.name.startswith(".")]
     assert not leftovers, leftovers
     return m
@@ -40,8 +40,9 @@ def test_run_with_a_params_like_object(tmp_path):
     params = SimpleNamespace(theory=SimpleNamespace(**TINY))
     plots, metrics = tmp_path / "plots" / "theory", tmp_path / "metrics" / "theory.json"
     lines = []
-    m = run(params, plots, metrics, progress=lines.append)
-    check_outputs(plots, metrics, runs=2)
+    report = tmp_path / "reports" / "theory.md"
+    m = run(params, plots, metrics, progress=lines.append, report=report)
+    check_outputs(plots, metrics, runs=2, report=report)
     assert len(lines) == 2 and m["empirical"]["runs"] == 2
     (plots / "stale.txt").write_text("old")  # the directory is swapped whole on a re-run
     run(params, plots, metrics, progress=None)
@@ -74,7 +75,9 @@ def test_cli_writes_plots_and_metrics(project):
     result = CliRunner().invoke(theory_cmd, [*overrides, "--quiet"])
     assert result.exit_code == 0, result.output
     assert "learned in" in result.output and "plots/theory" in result.output
-    check_outputs(project / "plots" / "theory", project / "metrics" / "theory.json", runs=2)
+    assert "reports/theory.md" in result.output
+    check_outputs(project / "plots" / "theory", project / "metrics" / "theory.json", runs=2,
+                  report=project / "reports" / "theory.md")
 
 
 @needs_integration
