@@ -34,12 +34,12 @@ from typing import Any
 
 from ray import tune
 
+from pipeline import tracking as trk
 from pipeline.cluster import connect, train_logging
 from pipeline.config import Params, ParamsError, flatten, validate_params
 from pipeline.health import dead_blocks, unflat
 from pipeline.resources import NodeType, TrialShape, trials_at_once
 from pipeline.storage import is_uri, join, stage_prepared
-from pipeline.tracking import log_missing_epochs
 from pipeline.train import (
     FAULT_ENV,
     HISTORY_FILE,
@@ -275,7 +275,7 @@ def _trial_error(trial) -> BaseException | None:
 
 
 # ------------------------------------------------------------------------------------ progress, tracking
-def _say(line: str) -> None:
+def say(line: str) -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
@@ -314,31 +314,14 @@ class SweepTracker(tune.Callback):
     def setup(self, **info) -> None:
         self.total = int(info.get("total_num_samples") or 0)
 
-    def _client(self):
-        import mlflow
-
-        return mlflow.MlflowClient(self.uri)
-
     def _child(self, trial) -> str | None:
         if not self.uri:
             return None
         tid = trial.trial_id
         if tid not in self.children:
-            client = self._client()
-            found = client.search_runs(
-                [self.experiment_id],
-                filter_string=f"tags.mlflow.parentRunId = '{self.parent_id}' and tags.trial_id = '{tid}'")
-            if found:
-                self.children[tid] = found[0].info.run_id
-                client.update_run(self.children[tid], status="RUNNING")
-            else:
-                from mlflow.entities import Param
-
-                tags = {"mlflow.parentRunId": self.parent_id, "stage": self.STAGE, "trial_id": tid}
-                run = client.create_run(self.experiment_id, run_name=f"trial-{tid}", tags=tags)
-                self.children[tid] = run.info.run_id
-                params = [Param(k, str(v)[:6000]) for k, v in self.labels(trial.config).items()]
-                client.log_batch(run.info.run_id, params=params)
+            self.children[tid] = trk.child_run(self.uri, self.experiment_id, self.parent_id, f"trial-{tid}",
+                                               match={"trial_id": tid}, tags={"stage": self.STAGE},
+                                               params=self.labels(trial.config))
         return self.children[tid]
 
     def _done(self, trials) -> str:
@@ -360,30 +343,21 @@ class SweepTracker(tune.Callback):
         return ids + ["(not started)"] * max(0, self.total - len(self.status))
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
-        _say(f"{self.PREFIX} {self._done(trials)} done; trial {trial.trial_id} started: "
-             f"{describe(self.labels(trial.config))}")
+        say(f"{self.PREFIX} {self._done(trials)} done; trial {trial.trial_id} started: "
+            f"{describe(self.labels(trial.config))}")
         self._child(trial)
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         epoch = int(result.get("epoch", 0))
         self.last_epoch[trial.trial_id] = epoch
         knn = result.get("knn_acc")
-        _say(f"{self.PREFIX} trial {trial.trial_id} epoch {epoch}/{self.epochs_of(trial)}: "
-             f"loss {result.get('loss', math.nan):.4f}"
-             + (f" knn {knn:.4f}" if knn is not None else "")
-             + f" eps {result.get('view_noise', math.nan):.4f}")
+        say(f"{self.PREFIX} trial {trial.trial_id} epoch {epoch}/{self.epochs_of(trial)}: "
+            f"loss {result.get('loss', math.nan):.4f}"
+            + (f" knn {knn:.4f}" if knn is not None else "")
+            + f" eps {result.get('view_noise', math.nan):.4f}")
         child = self._child(trial)
         if child:
-            self._log_epochs(child, [result])
-
-    def _log_epochs(self, child: str, history: list[dict[str, Any]]) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        metrics = [Metric(k, float(h[k]), now, int(h["epoch"])) for h in history for k in self.metric_names(h)
-                   if isinstance(h.get(k), int | float) and math.isfinite(h[k])]
-        if metrics:
-            self._client().log_batch(child, metrics=metrics, synchronous=True)
+            trk.log_metrics_batch(self.uri, child, [result], self.metric_names(result))
 
     def metric_names(self, h: dict[str, Any]) -> tuple[str, ...]:
         """:data:`METRICS` and the blocks' health (``block_1.positive``, ...) that ``h`` holds."""
@@ -394,18 +368,14 @@ class SweepTracker(tune.Callback):
         early = status == "FINISHED" and epoch < self.epochs_of(trial)
         reason = error_reason(_trial_error(trial)) if status == "FAILED" else ""
         what = f"failed: {reason}" if status == "FAILED" else f"stopped early at epoch {epoch}" if early else "finished"
-        _say(f"{self.PREFIX} trial {trial.trial_id} {what} ({self._done(trials)} done)")
+        say(f"{self.PREFIX} trial {trial.trial_id} {what} ({self._done(trials)} done)")
         child = self._child(trial)
         if child:
-            client = self._client()
             # epochs a resumed trial checkpointed before an interruption but never reported to Tune: from the
             # checkpoint's history, so that the run shows every epoch once
-            history = _checkpoint_history((trial.last_result or {}).get("checkpoint_path")) or []
-            log_missing_epochs(self.uri, child, history, self.metric_names(history[-1] if history else {}))
-            client.set_tag(child, "stopped_early", str(early))
-            if reason:
-                client.set_tag(child, "error", reason)
-            client.set_terminated(child, status)
+            history = checkpoint_history((trial.last_result or {}).get("checkpoint_path")) or []
+            trk.log_missing_epochs(self.uri, child, history, self.metric_names(history[-1] if history else {}))
+            trk.end_run(self.uri, child, status, tags={"stopped_early": early, **({"error": reason} if reason else {})})
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         self._end(trials, trial, "FINISHED")
@@ -417,7 +387,7 @@ class SweepTracker(tune.Callback):
         """After an interruption: the children of trials that did not finish are KILLED (a rerun revives them)."""
         for tid in self.unfinished():
             if tid in self.children:
-                self._client().set_terminated(self.children[tid], "KILLED")
+                trk.end_run(self.uri, self.children[tid], "KILLED")
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -430,36 +400,29 @@ class SweepResult:
     resumed: bool = False
 
 
-def _parent_run(params: Params, root: Path, name: str, stage: str = "sweep",
-                logged: dict[str, Any] | None = None) -> tuple[str, str, str]:
+def parent_run(params: Params, root: Path, name: str, stage: str = "sweep",
+               logged: dict[str, Any] | None = None) -> tuple[str, str, str]:
     """(uri, experiment id, parent run id): the job's MLflow run (tags ``stage``, ``<stage>: name``; params
     ``logged``, by default the sweep's), created once and found again on resume."""
-    import mlflow
-    from mlflow.entities import Param
-
-    from pipeline import tracking as trk
-
     uri = trk.tracking_uri(root)
     trk.check_reachable(uri)
     exp = trk.experiment_id(uri, root)
-    client = mlflow.MlflowClient(uri)
     id_file = root / STATE_DIR / name / "mlflow_run_id"
     if id_file.exists():
         run_id = id_file.read_text().strip()
-        client.update_run(run_id, status="RUNNING")
+        trk.resume_run(uri, run_id)
         return uri, exp, run_id
-    run = client.create_run(exp, run_name=name, tags={**trk.stage_tags(stage, root), stage: name})
     flat = logged if logged is not None else {
         **flatten(params.sweep, "sweep."),
         **{k: v for k, v in flatten(base_params(params)).items() if k.split(".")[0] in ("model", "loss", "augment",
                                                                                         "train")}}
-    client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in trk.flat_params(flat).items()])
+    run_id = trk.create_run(uri, root, name, {**trk.stage_tags(stage, root), stage: name}, flat)
     id_file.parent.mkdir(parents=True, exist_ok=True)
-    id_file.write_text(run.info.run_id)
-    return uri, exp, run.info.run_id
+    id_file.write_text(run_id)
+    return uri, exp, run_id
 
 
-def _checkpoint_history(checkpoint_path: Any) -> list[dict[str, Any]] | None:
+def checkpoint_history(checkpoint_path: Any) -> list[dict[str, Any]] | None:
     """The per-epoch history saved beside the trial's last Train checkpoint (local or remote storage), if any."""
     if not isinstance(checkpoint_path, str) or not checkpoint_path:
         return None
@@ -476,7 +439,7 @@ def _checkpoint_history(checkpoint_path: Any) -> list[dict[str, Any]] | None:
         return None
 
 
-def _rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
+def trial_rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
     """One row per trial (``labels(config)``: the columns that identify it; ``error``: why it failed, or "").
 
     The history comes from the trial's last checkpoint, which holds every epoch also across a resume (Tune's own
@@ -487,7 +450,7 @@ def _rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
         df = result.metrics_dataframe
         reported = [] if df is None else df.to_dict("records")
         paths = [h.get("checkpoint_path") for h in reported if isinstance(h.get("checkpoint_path"), str)]
-        history = _checkpoint_history(paths[-1]) if paths else None
+        history = checkpoint_history(paths[-1]) if paths else None
         last_reported = int(reported[-1].get("epoch", 0) or 0) if reported else 0
         if history is None or (history and int(history[-1]["epoch"]) < last_reported):
             history = reported  # no checkpoint of the last reported epoch: Tune's table is the latest word
@@ -526,12 +489,12 @@ def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, track
     path = join(storage, name)
     resumed = tune.Tuner.can_restore(path)
     if resumed:
-        _say(f"{tracker.PREFIX} resuming {path}")
+        say(f"{tracker.PREFIX} resuming {path}")
         tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True, param_space=space)
         # the restored run config holds an unpickled copy of the first run's tracker: use this run's instead
         tuner._local_tuner.get_run_config().callbacks = [tracker]
     else:
-        _say(announce)
+        say(announce)
         tuner = tune.Tuner(
             trainable,
             param_space=space,
@@ -556,10 +519,7 @@ def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, track
 
 
 def _end_parent(tracker: SweepTracker, status: str) -> None:
-    if tracker.uri and tracker.parent_id:
-        import mlflow
-
-        mlflow.MlflowClient(tracker.uri).set_terminated(tracker.parent_id, status)
+    trk.end_run(tracker.uri, tracker.parent_id, status)
 
 
 def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = True,
@@ -577,7 +537,7 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
                          what="a sweep trial")
     uri = exp = parent = None
     if tracking:  # the parent run only once the cluster can serve the sweep
-        uri, exp, parent = _parent_run(params, root, name)
+        uri, exp, parent = parent_run(params, root, name)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     fixed = {"base": base, "data": stage_prepared(data_dir, storage), "manifest": manifest, "storage": storage,
              "use_gpu": gpu, "count_file": count_file or os.environ.get(COUNT_ENV)}
@@ -596,35 +556,28 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     grid, resumed, seconds = tune_job(trainable, space, name=name, storage=storage, tracker=tracker,
                                       concurrent=concurrent, announce=announce, scheduler=scheduler,
                                       num_samples=samples)
-    rows = _rows(grid, s.epochs)
-    _say(f"[sweep] {len(rows)} trials in {seconds:.0f} s")
+    rows = trial_rows(grid, s.epochs)
+    say(f"[sweep] {len(rows)} trials in {seconds:.0f} s")
     return SweepResult(rows=rows, name=name, mlflow_run_id=parent, seconds=seconds, resumed=resumed)
 
 
 def finish_tracking(root: Path, result: SweepResult, best: dict[str, Any] | None, files: list[Path]) -> None:
     """The parent run gets the best trial's metrics and point, the output files, and ends FINISHED."""
-    import mlflow
-
-    from pipeline import tracking as trk
-
     if not result.mlflow_run_id:
         return
     uri = trk.tracking_uri(root)
-    client = mlflow.MlflowClient(uri)
     pid = result.mlflow_run_id
+    metrics, tags = {}, {}
     if best:
-        for k in ("knn_acc", "best_knn_acc", "view_noise"):
-            if isinstance(best.get(k), float) and math.isfinite(best[k]):
-                client.log_metric(pid, f"best.{k}", best[k])
-        for k, v in point_of(best).items():
-            client.set_tag(pid, f"best.{k}", str(v))
-        client.set_tag(pid, "best.trial_id", str(best["trial_id"]))
-    client.log_metric(pid, "trials", len(result.rows))
-    client.log_metric(pid, "trials_failed", sum(r["status"] == "ERROR" for r in result.rows))
-    for f in files:
-        if f.is_file():
-            client.log_artifact(pid, str(f))
-    client.set_terminated(pid, "FINISHED")
+        metrics = {f"best.{k}": best[k] for k in ("knn_acc", "best_knn_acc", "view_noise")
+                   if isinstance(best.get(k), float) and math.isfinite(best[k])}
+        tags = {**{f"best.{k}": v for k, v in point_of(best).items()}, "best.trial_id": best["trial_id"]}
+    metrics["trials"] = len(result.rows)
+    metrics["trials_failed"] = sum(r["status"] == "ERROR" for r in result.rows)
+    trk.log_metrics(uri, pid, metrics)
+    trk.set_tags(pid, tags, uri=uri)
+    trk.log_artifacts(uri, pid, files)
+    trk.end_run(uri, pid, "FINISHED")
 
 
 def cleanup(params: Params, root: Path, result: SweepResult) -> None:

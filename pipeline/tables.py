@@ -29,6 +29,7 @@ from typing import Any
 
 from ray import tune
 
+from pipeline import tracking as trk
 from pipeline.config import Params, ParamsError, flatten
 from pipeline.report import HEADER, NA, PAPER_TABLES, RULE, fmt_cell, table_row
 from pipeline.sweep import (
@@ -36,13 +37,13 @@ from pipeline.sweep import (
     TRIAL_CPU,
     SweepResult,
     SweepTracker,
-    _checkpoint_history,
-    _parent_run,
-    _say,
+    checkpoint_history,
     error_reason,
     fit_trial,
     log_trial_start,
     max_concurrent,
+    parent_run,
+    say,
     stable_name,
     trial_fault,
     trial_params,
@@ -200,8 +201,8 @@ class TablesTracker(SweepTracker):
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
         row = trial.config["row"]
         params = ", ".join(f"{k} {v}" for k, v in row["params"].items())
-        _say(f"{self.PREFIX} {self._done(trials)} done; trial {trial.trial_id} started: table {row['table']} "
-             f"{row['name']!r} ({params})")
+        say(f"{self.PREFIX} {self._done(trials)} done; trial {trial.trial_id} started: table {row['table']} "
+            f"{row['name']!r} ({params})")
         self._child(trial)
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
@@ -210,17 +211,13 @@ class TablesTracker(SweepTracker):
         row = trial.config["row"]
         probes = {k: result[f"probe.{k}"] for k in PROBES}
         accs = ", ".join(f"{k} {fmt_cell(NA if v is None else v)}" for k, v in probes.items())
-        _say(f"{self.PREFIX} table {row['table']} {row['name']!r}: {accs}; trained "
-             f"{result['train_seconds'] / 60:.1f} min, {result['hours']:.4f} {self.unit}")
+        say(f"{self.PREFIX} table {row['table']} {row['name']!r}: {accs}; trained "
+            f"{result['train_seconds'] / 60:.1f} min, {result['hours']:.4f} {self.unit}")
         child = self._child(trial)
         if child:
-            from mlflow.entities import Metric
-
-            now, step = int(time.time() * 1000), int(result["epoch"])
             keys = [f"probe.{k}" for k in PROBES] + ["train_seconds", "fit_seconds", "eval_seconds", "hours"]
-            metrics = [Metric(k, float(result[k]), now, step) for k in keys]
-            self._client().log_batch(child, metrics=metrics, synchronous=True)
-            self._client().set_tag(child, "hours_unit", self.unit)
+            trk.log_epoch(self.uri, child, {k: result[k] for k in keys}, step=int(result["epoch"]))
+            trk.set_tags(child, {"hours_unit": self.unit}, uri=self.uri)
 
 
 # -------------------------------------------------------------------------------------------------- driver
@@ -236,7 +233,7 @@ def collect(grid, rows: list[Row], unit: str) -> list[dict[str, Any]]:
         m = evaluated[-1] if evaluated else (result.metrics or {})
         p = row.params
         done = result.error is None and bool(m.get("evaluated"))
-        history = _checkpoint_history(m.get("checkpoint_path")) or []
+        history = checkpoint_history(m.get("checkpoint_path")) or []
         out.append({
             "index": row.index, "table": row.table, "name": row.name, "paper": row.paper,
             "trial_id": Path(result.path).name.removeprefix("trial-"),
@@ -274,7 +271,7 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
         logged = {**{k: v for k, v in flatten(params).items() if k.split(".")[0] in ("model", "loss", "augment",
                                                                                         "train", "probe")},
                   **{f"tables.{r.table}.{r.name}": json.dumps(r.overrides, sort_keys=True) for r in rows}}
-        uri, exp, parent = _parent_run(params, root, name, stage=STAGE, logged=logged)
+        uri, exp, parent = parent_run(params, root, name, stage=STAGE, logged=logged)
     unit = hours_unit(gpu)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     fixed = {"base": base_params(params), "data": stage_prepared(data_dir, storage), "manifest": manifest,
@@ -289,7 +286,7 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     grid, resumed, seconds = tune_job(trainable, space, name=name, storage=storage, tracker=tracker,
                                       concurrent=concurrent, announce=announce, what="tables job")
     records = collect(grid, rows, unit)
-    _say(f"[tables] {len(records)} rows in {seconds:.0f} s")
+    say(f"[tables] {len(records)} rows in {seconds:.0f} s")
     return SweepResult(rows=records, name=name, mlflow_run_id=parent, seconds=seconds, resumed=resumed), unit
 
 

@@ -5,6 +5,9 @@ both absolute, so Ray workers (whose cwd is under /tmp/ray) and ``dvc exp run --
 ``.dvc/tmp/exps``) all write to the project's one store. ``MLFLOW_TRACKING_URI`` overrides it (e.g. a
 shared ``mlflow server``). Only the driver's node ever writes: the driver, and Ray Train's controller, which Ray
 places there (:func:`epoch_logger`).
+
+This is the one module that imports MLflow (tests/test_tracking.py checks it): the stages and the sweep/tables
+jobs create, continue, log to and end their runs through the functions below.
 """
 
 from __future__ import annotations
@@ -126,6 +129,43 @@ def create_run(uri: str, root: Path, name: str, tags: Mapping[str, str], params:
     return run.info.run_id
 
 
+def resume_run(uri: str, run_id: str) -> None:
+    """Mark a run that is being continued (a resumed stage) RUNNING again."""
+    from mlflow import MlflowClient
+
+    MlflowClient(uri).update_run(run_id, status="RUNNING")
+
+
+def child_run(uri: str, experiment_id: str, parent_id: str, name: str, match: Mapping[str, str],
+              tags: Mapping[str, str], params: Mapping[str, Any]) -> str:
+    """The child of ``parent_id`` tagged ``match`` (e.g. a trial id), found again and set RUNNING, or else created:
+    named ``name``, tagged ``mlflow.parentRunId``, ``match`` and ``tags``, with ``params``. Returns its id."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Param
+
+    client = MlflowClient(uri)
+    wanted = {"mlflow.parentRunId": parent_id, **match}
+    found = client.search_runs([experiment_id], filter_string=" and ".join(f"tags.{k} = '{v}'"
+                                                                           for k, v in wanted.items()))
+    if found:
+        client.update_run(found[0].info.run_id, status="RUNNING")
+        return found[0].info.run_id
+    run = client.create_run(experiment_id, run_name=name, tags={**wanted, **tags})
+    client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in flat_params(params).items()])
+    return run.info.run_id
+
+
+def end_run(uri: str | None, run_id: str | None, status: str, tags: Mapping[str, Any] | None = None) -> None:
+    """Set ``tags`` on the run, then end it with ``status`` (FINISHED, FAILED, KILLED); nothing without a run."""
+    if not (uri and run_id):
+        return
+    from mlflow import MlflowClient
+
+    if tags:
+        set_tags(run_id, tags, uri=uri)
+    MlflowClient(uri).set_terminated(run_id, status)
+
+
 def epoch_logger(uri: str, run_id: str):
     """A Ray Train callback that logs rank 0's per-epoch metrics to ``run_id``.
 
@@ -207,29 +247,117 @@ def log_epoch(uri: str, run_id: str, metrics: Mapping[str, float], step: int, cl
 def log_missing_epochs(uri: str, run_id: str, history: list[Mapping[str, Any]], keys: tuple[str, ...]) -> int:
     """Log the epochs of ``history`` (per-epoch metric dicts with ``epoch``) that ``run_id`` lacks, e.g. those an
     interrupted run checkpointed but never got to log; finite numbers of ``keys`` only. Returns how many epochs."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    logged = {m.step for m in client.get_metric_history(run_id, "loss")}
+    missing = [h for h in history if int(h["epoch"]) not in logged]
+    log_metrics_batch(uri, run_id, missing, keys, client=client)
+    return len(missing)
+
+
+def log_metrics_batch(uri: str, run_id: str, rows: list[Mapping[str, Any]], keys: tuple[str, ...],
+                      client: Any = None) -> None:
+    """Log the finite numbers of ``keys`` of every row (a per-epoch metric dict) with step = the row's ``epoch``, in
+    one batch (through ``client`` when given)."""
     import math
     import time
 
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
-    client = MlflowClient(uri)
-    logged = {m.step for m in client.get_metric_history(run_id, "loss")}
-    missing = [h for h in history if int(h["epoch"]) not in logged]
     now = int(time.time() * 1000)
-    batch = [Metric(k, float(h[k]), now, int(h["epoch"])) for h in missing for k in keys
+    batch = [Metric(k, float(h[k]), now, int(h["epoch"])) for h in rows for k in keys
              if isinstance(h.get(k), int | float) and not isinstance(h.get(k), bool) and math.isfinite(h[k])]
     if batch:
-        client.log_batch(run_id, metrics=batch, synchronous=True)
-    return len(missing)
+        (client or MlflowClient(uri)).log_batch(run_id, metrics=batch, synchronous=True)
 
 
-def set_tags(run_id: str, tags: Mapping[str, str], root: Path | None = None) -> None:
+def log_metrics(uri: str, run_id: str, metrics: Mapping[str, float]) -> None:
+    """Log single values (step 0, e.g. a finished job's summary) to ``run_id``."""
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri(root))
+    client = MlflowClient(uri)
+    for k, v in metrics.items():
+        client.log_metric(run_id, k, v)
+
+
+def log_artifacts(uri: str, run_id: str, files: list[Path]) -> None:
+    """Upload the files of ``files`` that exist to the root of ``run_id``'s artifacts."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    for f in files:
+        if f.is_file():
+            client.log_artifact(run_id, str(f))
+
+
+def set_tags(run_id: str, tags: Mapping[str, Any], root: Path | None = None, *, uri: str | None = None) -> None:
+    """Set ``tags`` (values as strings of at most 5000 characters) on ``run_id`` in ``uri`` (default: the store of
+    ``root``)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri or tracking_uri(root))
     for k, v in tags.items():
         client.set_tag(run_id, k, str(v)[:5000])
+
+
+def log_stage_run(stage: str, root: Path, *, params: Mapping[str, Any], metrics: Mapping[str, float],
+                  files: list[Path], parent: str | None = None, artifact_path: str | None = None) -> str:
+    """One finished run named ``stage`` (tags :func:`stage_tags`, a child of ``parent`` when given) with ``params``,
+    ``metrics`` and the existing ``files`` under ``artifact_path``; returns its id."""
+    import mlflow
+
+    uri = tracking_uri(root)
+    mlflow.set_tracking_uri(uri)
+    tags = stage_tags(stage, root)
+    if parent:
+        tags["mlflow.parentRunId"] = parent
+    with mlflow.start_run(experiment_id=experiment_id(uri, root), run_name=stage, tags=tags) as run:
+        mlflow.log_params(flat_params(params))
+        mlflow.log_metrics(dict(metrics))
+        for f in files:
+            if f.is_file():
+                mlflow.log_artifact(str(f), artifact_path=artifact_path)
+        return run.info.run_id
+
+
+def log_pytorch_model(uri: str, run_id: str, model: Any, files: list[Path]) -> None:
+    """Continue ``run_id`` to upload ``files`` and the model (``model``, pickled, pinned to this torch), then end it
+    FINISHED."""
+    os.environ.setdefault("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
+    import mlflow
+    import mlflow.pytorch
+    import torch
+
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run(run_id=run_id):
+        for f in files:
+            mlflow.log_artifact(str(f))
+        mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
+                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+
+
+class SystemMetrics:
+    """MLflow system metrics (CPU, memory, GPU) of this node logged to ``run_id`` until :meth:`stop`."""
+
+    def __init__(self, uri: str, run_id: str) -> None:
+        self.monitor = None
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self.monitor = SystemMetricsMonitor(run_id, sampling_interval=5, samples_before_logging=1,
+                                                tracking_uri=uri)
+            self.monitor.start()
+        except Exception:  # system metrics are a nicety; never fail training over them
+            self.monitor = None
+
+    def stop(self) -> None:
+        if self.monitor is not None:
+            try:
+                self.monitor.finish()
+            except Exception:
+                pass
 
 
 def flat_params(flat: Mapping[str, Any]) -> dict[str, str]:

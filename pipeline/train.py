@@ -260,11 +260,11 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
             logging_config=train_logging(),
         ),
     )
-    system = _SystemMetrics(uri, run_id) if run_id else None
+    system = trk.SystemMetrics(uri, run_id) if run_id else None  # the driver's node while Ray trains
     try:
         result = trainer.fit()
     except Exception as exc:
-        _end_run(uri, run_id, "FAILED")
+        trk.end_run(uri, run_id, "FAILED")
         message = failure_message(exc)
         if "prepared data" not in message:  # a worker that cannot read the data has nothing to resume
             message += f"; rerun the stage to resume from the last checkpoint in {run_dir}"
@@ -274,7 +274,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
             system.stop()
     status = read_status(run_dir)
     if status:
-        _end_run(uri, run_id, "FAILED")
+        trk.end_run(uri, run_id, "FAILED")
         raise PretrainError(f"pretraining stopped: {status['message']}; the last good checkpoint is kept in "
                             f"{run_dir} (lower train.lr, or check the data for NaN)")
     if result.checkpoint is None:
@@ -319,35 +319,6 @@ def _root_message(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     text = lines[-1] if lines else type(exc).__name__
     return text if len(text) < 2000 else text[:2000] + "..."
-
-
-def _end_run(uri: str | None, run_id: str | None, status: str) -> None:
-    if uri and run_id:
-        import mlflow
-
-        mlflow.MlflowClient(uri).set_terminated(run_id, status)
-
-
-class _SystemMetrics:
-    """MLflow system metrics (CPU, memory, GPU) for the driver's node while Ray trains."""
-
-    def __init__(self, uri: str, run_id: str) -> None:
-        self.monitor = None
-        try:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            self.monitor = SystemMetricsMonitor(run_id, sampling_interval=5, samples_before_logging=1,
-                                                tracking_uri=uri)
-            self.monitor.start()
-        except Exception:  # system metrics are a nicety; never fail training over them
-            self.monitor = None
-
-    def stop(self) -> None:
-        if self.monitor is not None:
-            try:
-                self.monitor.finish()
-            except Exception:
-                pass
 
 
 def cleanup_run(params: Params, root: Path, name: str) -> None:

@@ -45,16 +45,9 @@ def write_figures(ev: Evaluation, out: Path, curves_csv: Path) -> None:
 
 
 def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, files: list[Path]) -> str:
-    import mlflow
-
+    """The stage's run (a child of the pretraining run): probe params, the metrics' flat numbers, the figures."""
     from pipeline import tracking as trk
 
-    root = trk.project_root()
-    uri = trk.tracking_uri(root)
-    mlflow.set_tracking_uri(uri)
-    tags = trk.stage_tags("evaluate", root)
-    if parent_run_id:
-        tags["mlflow.parentRunId"] = parent_run_id
     metrics = {}
     for rep, by_probe in ev.metrics["probes"].items():
         for probe, by_frac in by_probe.items():
@@ -66,13 +59,8 @@ def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, fil
         metrics.update({f"{key}.{k}": v for k, v in ev.metrics[key].items() if math.isfinite(v)})
     metrics.update({f"health.{block}.{k}": v for block, h in ev.metrics["health"].items() for k, v in h.items()
                     if v is not None})
-    with mlflow.start_run(experiment_id=trk.experiment_id(uri, root), run_name="evaluate", tags=tags) as run:
-        mlflow.log_params(trk.flat_params(flatten(params.probe, "probe.")))
-        mlflow.log_metrics(metrics)
-        for f in files:
-            if f.is_file():
-                mlflow.log_artifact(str(f), artifact_path="evaluate")
-        return run.info.run_id
+    return trk.log_stage_run("evaluate", trk.project_root(), params=flatten(params.probe, "probe."), metrics=metrics,
+                             files=files, parent=parent_run_id, artifact_path="evaluate")
 
 
 class ModelError(RuntimeError):

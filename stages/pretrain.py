@@ -8,7 +8,6 @@ Writes (atomically): ``models/pretrain/{model.pt,config.json}``, ``metrics/pretr
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import click
@@ -18,7 +17,7 @@ from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
 from pipeline.health import unflat, warnings_for
 from pipeline.io import atomic_dir, save_torch, write_csv, write_json
-from pipeline.tracking import TrackingError, project_root, set_tags
+from pipeline.tracking import TrackingError, log_pytorch_model, project_root, set_tags, tracking_uri
 from pipeline.train import PretrainError, PretrainResult, cleanup_run, pretrain
 from stages._common import ParamsUsageError, check_weights, params_options, runtime_errors
 
@@ -56,22 +55,12 @@ def health_warnings(summary: dict) -> list[str]:
 
 
 def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
-    import mlflow
-    import mlflow.pytorch
-    import torch
-
+    """The pretraining run gets the stage's files and the model (MLflow's pytorch flavour), and ends FINISHED."""
     from pipeline.model import build_model
-    from pipeline.tracking import tracking_uri
 
-    os.environ.setdefault("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
     model = build_model(params.model, res.input_shape)
     model.load_state_dict(res.state["model"])
-    mlflow.set_tracking_uri(tracking_uri(project_root()))
-    with mlflow.start_run(run_id=res.mlflow_run_id):
-        for f in files:
-            mlflow.log_artifact(str(f))
-        mlflow.pytorch.log_model(model.eval(), name="model", serialization_format="pickle",
-                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+    log_pytorch_model(tracking_uri(project_root()), res.mlflow_run_id, model.eval(), files)
 
 
 @click.command("pretrain")

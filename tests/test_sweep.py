@@ -168,9 +168,9 @@ def test_cluster_preset_is_valid_and_is_the_documented_grid():
 def test_rows_carry_the_last_epochs_block_health():
     import pandas as pd
 
-    from pipeline.sweep import _rows
+    from pipeline.sweep import trial_rows
 
-    class Result:  # what Tune's ResultGrid yields, as far as _rows reads it
+    class Result:  # what Tune's ResultGrid yields, as far as trial_rows reads it
         def __init__(self, name, reported):
             self.metrics_dataframe, self.path, self.config, self.error = pd.DataFrame(reported), f"/x/trial-{name}", {}, None
 
@@ -179,7 +179,7 @@ def test_rows_carry_the_last_epochs_block_health():
     grid = [Result("a", [{"epoch": 1, "loss": 1.0, **dead}, {"epoch": 2, "loss": 0.9, **alive}]),
             Result("b", [{"epoch": 1, "loss": 1.0, **alive}, {"epoch": 2, "loss": 0.9, **dead}]),
             Result("c", [{"epoch": 1, "loss": 1.0}, {"epoch": 2, "loss": 0.9}])]  # depth 0: no blocks
-    a, b, c = _rows(grid, epochs=2, labels=lambda config: {})
+    a, b, c = trial_rows(grid, epochs=2, labels=lambda config: {})
     assert (a["min_positive"], a["max_uniform_rows"], a["dead_blocks"]) == (0.2, 0.1, 0)
     assert (b["min_positive"], b["max_uniform_rows"], b["dead_blocks"]) == (0.0, 1.0, 1)
     assert math.isnan(c["min_positive"]) and c["dead_blocks"] == 0
