@@ -67,7 +67,7 @@ def _channel_shape(x: Tensor) -> list[int]:
     return [1, x.shape[1]] + [1] * (x.dim() - 2)
 
 
-class _GlobalBatchNormFn(torch.autograd.Function):
+class GlobalBatchNormFn(torch.autograd.Function):
     """y = γ (x − μ_global) / sqrt(σ²_global + eps) + β with exact gradients (see the module docstring)."""
 
     @staticmethod
@@ -117,7 +117,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
-def _world(group) -> int:
+def world_size(group) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
@@ -139,10 +139,10 @@ class GlobalBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, input: Tensor) -> Tensor:
-        if not self.training or _world(self.process_group) == 1:
+        if not self.training or world_size(self.process_group) == 1:
             return super().forward(input)  # exactly nn.BatchNorm
         self._check_input_dim(input)
-        y, mean, var, count = _GlobalBatchNormFn.apply(input, self.weight, self.bias, self.eps, self.process_group)
+        y, mean, var, count = GlobalBatchNormFn.apply(input, self.weight, self.bias, self.eps, self.process_group)
         n = int(count.item()) if not input.is_cuda else None  # CUDA: no host sync; N>1 is checked on CPU only
         if n is not None and n <= 1:
             raise ValueError(f"expected more than 1 value per channel over all ranks when training, got {n}")

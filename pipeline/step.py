@@ -73,7 +73,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _reduce_scatter_works(t: Tensor) -> bool:
+def reduce_scatter_works(t: Tensor) -> bool:
     """Use a reduce-scatter in the gather's backward: NCCL with CUDA tensors (gloo: all-reduce + slice)."""
     return t.is_cuda and "nccl" in str(dist.get_backend())
 
@@ -108,7 +108,7 @@ def all_gather_rows(z: Tensor, reduce_scatter: bool | None = None) -> Tensor:
 
     ``reduce_scatter``: the backward's collective; None chooses (reduce-scatter on NCCL, else all-reduce + slice).
     """
-    rs = _reduce_scatter_works(z) if reduce_scatter is None else reduce_scatter
+    rs = reduce_scatter_works(z) if reduce_scatter is None else reduce_scatter
     return _AllGatherRows.apply(z, rs)
 
 

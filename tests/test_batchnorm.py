@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.backbones import build_backbone
-from pipeline.batchnorm import GlobalBatchNorm, _GlobalBatchNormFn, convert_batchnorm, has_batchnorm
+from pipeline.batchnorm import GlobalBatchNorm, GlobalBatchNormFn, convert_batchnorm, has_batchnorm
 
 
 def _net() -> nn.Module:
@@ -88,7 +88,7 @@ def test_global_function_matches_batch_norm_in_a_world_of_one(world_of_one, shap
     ws = [w.clone().requires_grad_() for _ in range(2)]
     bs = [b.clone().requires_grad_() for _ in range(2)]
     ref = F.batch_norm(xs[0], None, None, ws[0], bs[0], training=True, eps=1e-5)
-    ours, mean, var, count = _GlobalBatchNormFn.apply(xs[1], ws[1], bs[1], 1e-5, None)
+    ours, mean, var, count = GlobalBatchNormFn.apply(xs[1], ws[1], bs[1], 1e-5, None)
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
     dims = [0, *range(2, x.dim())]
     torch.testing.assert_close(mean, x.mean(dims)), torch.testing.assert_close(var, x.var(dims, correction=0))
@@ -96,7 +96,7 @@ def test_global_function_matches_batch_norm_in_a_world_of_one(world_of_one, shap
     (ref * up).sum().backward(), (ours * up).sum().backward()
     for a, c in ((xs, "x"), (ws, "weight"), (bs, "bias")):
         torch.testing.assert_close(a[1].grad, a[0].grad, rtol=1e-10, atol=1e-12, msg=c)
-    assert torch.autograd.gradcheck(lambda x_, w_, b_: _GlobalBatchNormFn.apply(x_, w_, b_, 1e-5, None)[0],
+    assert torch.autograd.gradcheck(lambda x_, w_, b_: GlobalBatchNormFn.apply(x_, w_, b_, 1e-5, None)[0],
                                     (x.clone().requires_grad_(), w.clone().requires_grad_(),
                                      b.clone().requires_grad_()))
 
@@ -105,7 +105,7 @@ def test_fp32_statistics_do_not_cancel_with_a_large_mean(world_of_one):
     """Post-ReLU-like activations with |mean| >> std: Σx²/N − μ² in fp32 would lose the variance."""
     g = torch.Generator().manual_seed(0)
     x64 = 1000.0 + 0.01 * torch.randn(64, 4, 3, 3, generator=g, dtype=torch.float64)
-    _, _, var, _ = _GlobalBatchNormFn.apply(x64.float(), None, None, 1e-5, None)
+    _, _, var, _ = GlobalBatchNormFn.apply(x64.float(), None, None, 1e-5, None)
     true = x64.var([0, 2, 3], correction=0)
     naive = (x64.float().square().mean([0, 2, 3]) - x64.float().mean([0, 2, 3]).square())  # the sums form
     assert float(((var.double() - true) / true).abs().max()) < 1e-2
@@ -115,7 +115,7 @@ def test_fp32_statistics_do_not_cancel_with_a_large_mean(world_of_one):
 def test_too_few_values_per_channel_is_an_error(world_of_one, monkeypatch):
     import pipeline.batchnorm as bn
 
-    monkeypatch.setattr(bn, "_world", lambda group: 2)  # the global path with this one rank's values
+    monkeypatch.setattr(bn, "world_size", lambda group: 2)  # the global path with this one rank's values
     m = GlobalBatchNorm(3).train()
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         m(torch.randn(1, 3))

@@ -107,7 +107,7 @@ def _worker(rank, world, init_file, out_dir, spec: Spec):
             step_mod.gather_ids = lambda i, w: i
             step_mod.local_rows = lambda r, b, w: (slice(0, b), slice(b, 2 * b))
         if spec.reduce_scatter is not None:
-            step_mod._reduce_scatter_works = lambda t: spec.reduce_scatter
+            step_mod.reduce_scatter_works = lambda t: spec.reduce_scatter
         result = _run_step(spec, rank, world)
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
