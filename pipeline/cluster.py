@@ -77,9 +77,13 @@ if "ray._raylet" not in sys.modules:  # Ray reads the mode at import; set later,
     if _mode:
         os.environ["RAY_AUTH_MODE"] = _mode
 
-#: Ray Train's own log level for its ``ray.train`` logs on the console (controller: "Requesting resources", "Started
-#: training worker group", ...); every level still goes to ``logs/train/ray-train-sys-*.log`` in Ray's session dir.
-TRAIN_CONSOLE_LEVEL = "WARNING"
+#: Ray Train's own log level for its ``ray.train`` logs on the console and in ``logs/train/ray-train-app-*.log``; every
+#: level still goes to ``logs/train/ray-train-sys-*.log`` in Ray's session dir. INFO is the controller's chatter
+#: ("Requesting resources", "Started training worker group", ...); its WARNINGs are about Ray Train's own internals
+#: (e.g. "Failed to send resource request ... safe to ignore", with a traceback, whenever the 2-core machine is busy
+#: for 5 s; "... is being ignored to preserve the original error"). ERROR stays: a worker's "Error in training
+#: function" traceback, and failures reach the driver as exceptions anyway.
+TRAIN_CONSOLE_LEVEL = "ERROR"
 
 
 class ClusterError(RuntimeError):
@@ -117,8 +121,8 @@ def _probe(host: str, port: int, timeout: float) -> None:
 
 
 def train_logging() -> ray.train.LoggingConfig:
-    """Ray Train's logging for every Train run of the stages (``RunConfig(logging_config=...)``): warnings and errors
-    on the console, everything in Ray's session logs."""
+    """Ray Train's logging for every Train run of the stages (``RunConfig(logging_config=...)``): errors on the
+    console, everything in Ray's session logs (:data:`TRAIN_CONSOLE_LEVEL`)."""
     import ray.train
 
     return ray.train.LoggingConfig(log_level=TRAIN_CONSOLE_LEVEL)
