@@ -114,7 +114,8 @@ def code_problems(name: str, stage: dict, root: Path = ROOT) -> list[str]:
         return [f"stage {name}: `transfusion {command}` is not a command of stages/cli.py"]
     needed = {p.relative_to(root).as_posix() for p in closure(commands[command], root)}
     deps = listed(stage)
-    problems = [f"stage {name}: deps miss {f} (imported by `transfusion {command}`)" for f in sorted(needed - set(deps))]
+    problems = [f"stage {name}: deps miss {f} (imported by `transfusion {command}`)"
+                for f in sorted(needed - set(deps))]
     problems += [f"stage {name}: deps list {d}, which does not exist" for d in deps
                  if d.endswith(".py") and not (root / d).is_file()]
     problems += [f"stage {name}: deps list {d}, which `transfusion {command}` never imports" for d in deps
@@ -138,7 +139,8 @@ def test_closure_follows_every_import_form(tmp_path):
     for name in ("pipeline/__init__.py", "stages/__init__.py"):
         (tmp_path / name).write_text("")
     files = {
-        "stages/go.py": "import click\nfrom stages._c import x\nimport pipeline.a\n\ndef f():\n    from pipeline import b\n",
+        "stages/go.py": ("import click\nfrom stages._c import x\nimport pipeline.a\n\n"
+                         "def f():\n    from pipeline import b\n"),
         "stages/_c.py": "from pipeline.c import y\n",
         "pipeline/a.py": "import numpy\n",
         "pipeline/b.py": "import pipeline.d as d\n",

@@ -131,7 +131,8 @@ def declared_plots(repo: Path) -> list[str]:
     """The ids `dvc plots show` gives the top-level plots of dvc.yaml: the name or path, non-word characters -> _."""
     import re
 
-    names = [p if isinstance(p, str) else next(iter(p)) for p in yaml.safe_load((repo / "dvc.yaml").read_text())["plots"]]
+    plots = yaml.safe_load((repo / "dvc.yaml").read_text())["plots"]
+    names = [p if isinstance(p, str) else next(iter(p)) for p in plots]
     return [re.sub(r"\W", "_", n) for n in names]
 
 
