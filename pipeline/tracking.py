@@ -12,6 +12,8 @@ jobs create, continue, log to and end their runs through the functions below.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import subprocess
 import urllib.error
@@ -331,11 +333,23 @@ def log_pytorch_model(uri: str, run_id: str, model: Any, files: list[Path]) -> N
     import torch
 
     mlflow.set_tracking_uri(uri)
-    with mlflow.start_run(run_id=run_id):
+    with mlflow.start_run(run_id=run_id), _quiet("mlflow.pytorch"):  # pickle is our choice: no caution notice
         for f in files:
             mlflow.log_artifact(str(f))
         mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
                                  pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+
+
+@contextlib.contextmanager
+def _quiet(logger: str, level: int = logging.ERROR):
+    """Raise one MLflow logger's level for the block: its INFO/WARNING lines are about what we chose on purpose."""
+    log = logging.getLogger(logger)
+    before = log.level
+    log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.setLevel(before)
 
 
 class SystemMetrics:
@@ -343,6 +357,8 @@ class SystemMetrics:
 
     def __init__(self, uri: str, run_id: str) -> None:
         self.monitor = None
+        # its start/stop/"skip GPU metrics" INFO lines would sit between the epochs' progress lines
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
