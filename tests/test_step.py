@@ -171,7 +171,8 @@ def test_without_the_gather_the_gradients_differ(tmp_path):
         assert_grads_close(grads0, ref_grads)
 
 
-@pytest.mark.parametrize("loss_name,mode", [("jsd", "self"), ("supcon", "sup"), ("barlow_twins", "self")])
+@pytest.mark.parametrize("loss_name,mode", [("jsd", "self"), pytest.param("supcon", "sup", marks=pytest.mark.slow),
+                                            pytest.param("barlow_twins", "self", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 3, pytest.param(5, marks=pytest.mark.slow)])
 def test_grad_cache_equals_plain_step(loss_name, mode, chunk):
     loss, grads = single_process(loss_name, mode)
