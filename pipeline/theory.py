@@ -430,14 +430,20 @@ def quantile_sharpness(a: ArrayLike, labels: ArrayLike, q: float = 0.1) -> float
     """
     if not 0.0 <= q < 0.5:
         raise ValueError(f"quantile q must be in [0, 0.5), got {q}")
+    same, diff = _same_and_different(a, labels, "quantile_sharpness")
+    return _ratio_with_conventions(float(np.quantile(same, q)), float(np.quantile(diff, 1.0 - q)))
+
+
+def _same_and_different(a: ArrayLike, labels: ArrayLike, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """The same-cluster (i != j) and the different-cluster entries of a (n, n) affinity, as flat float64 arrays."""
     am = _np64(a)
     n = am.shape[0]
     y = _labels(labels, n)
     same = (y[:, None] == y[None, :]) & ~np.eye(n, dtype=bool)
     diff = y[:, None] != y[None, :]
     if not same.any() or not diff.any():
-        raise ValueError("quantile_sharpness needs a same-cluster pair i != j and two clusters")
-    return _ratio_with_conventions(float(np.quantile(am[same], q)), float(np.quantile(am[diff], 1.0 - q)))
+        raise ValueError(f"{what} needs a same-cluster pair i != j and two clusters")
+    return am[same], am[diff]
 
 
 def affinity_contrast(a: ArrayLike, labels: ArrayLike) -> float:
@@ -447,14 +453,8 @@ def affinity_contrast(a: ArrayLike, labels: ArrayLike) -> float:
     of means (diagonal excluded, like the Silhouette index the paper compares with) shows progress that the
     infimum hides. a: (n, n), labels: (n,). +inf when the different-cluster mean is <= 0 < same mean.
     """
-    am = _np64(a)
-    n = am.shape[0]
-    y = _labels(labels, n)
-    same = (y[:, None] == y[None, :]) & ~np.eye(n, dtype=bool)
-    diff = y[:, None] != y[None, :]
-    if not same.any() or not diff.any():
-        raise ValueError("affinity_contrast needs a same-cluster pair i != j and two clusters")
-    return _ratio_with_conventions(float(am[same].mean()), float(am[diff].mean()))
+    same, diff = _same_and_different(a, labels, "affinity_contrast")
+    return _ratio_with_conventions(float(same.mean()), float(diff.mean()))
 
 
 def sharpness_per_layer(affinities: Sequence[ArrayLike], labels: ArrayLike) -> list[float]:

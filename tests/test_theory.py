@@ -421,3 +421,35 @@ def test_affinity_contrast_matches_a_loop(n):
     assert affinity_contrast(a, y) == pytest.approx((sum(same) / len(same)) / (sum(diff) / len(diff)))
     block = (y[:, None] == y[None, :]).astype(float)
     assert affinity_contrast(block, y) == float("inf")
+
+
+@pytest.mark.parametrize("n", [6, 11, 40])
+@pytest.mark.parametrize("q", [0.0, 0.1, 0.25])
+def test_quantile_sharpness_matches_sorted_pairs(n, q):
+    rng = np.random.default_rng(n)
+    a = np.maximum(rng.normal(size=(n, n)), 0.0)  # ReLU-like: many exact zeros
+    y = np.arange(n) % 3
+    same = sorted(a[i, j] for i in range(n) for j in range(n) if i != j and y[i] == y[j])
+    diff = sorted(a[i, j] for i in range(n) for j in range(n) if y[i] != y[j])
+
+    def quantile(v, p):  # linear interpolation between order statistics, NumPy's default
+        pos = p * (len(v) - 1)
+        lo = int(math.floor(pos))
+        return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
+
+    lo, hi = quantile(same, q), quantile(diff, 1 - q)
+    want = lo / hi if hi > 0 else (math.inf if lo > 0 else 0.0)
+    assert T.quantile_sharpness(a, y, q) == pytest.approx(want)
+    if q == 0.0:
+        assert T.quantile_sharpness(a, y, 0.0) == T.sharpness(a, y)  # q = 0 is Definition 2
+
+
+def test_quantile_sharpness_discriminates_where_definition_2_is_zero():
+    y = np.repeat(np.arange(4), 8)  # (32,)
+    a = np.where(y[:, None] == y[None, :], 0.8, 0.05)
+    np.fill_diagonal(a, 0.0)
+    a[0, 1] = 0.0  # one dead same-class pair: Definition 2 drops to 0
+    assert T.sharpness(a, y) == 0.0
+    assert T.quantile_sharpness(a, y, 0.1) == pytest.approx(0.8 / 0.05)
+    with pytest.raises(ValueError, match="0.5"):
+        T.quantile_sharpness(a, y, 0.5)
