@@ -98,9 +98,14 @@ def _copy(open_src: Any, open_dst: Any) -> None:
 
 def staged_manifest(location: str) -> dict[str, Any] | None:
     """The manifest of a staged copy, or None if there is none (or it is unreadable)."""
+    return _read_json(location, MANIFEST)
+
+
+def _read_json(location: str, name: str) -> dict[str, Any] | None:
+    """``<location>/<name>`` (a local path or a URI) parsed as JSON, or None if missing or unreadable."""
     try:
         filesystem, path = _fs(location)
-        with filesystem.open_input_stream(f"{path}/{MANIFEST}") as f:
+        with filesystem.open_input_stream(f"{path}/{name}") as f:
             return json.loads(f.read())
     except (OSError, ValueError):
         return None
@@ -170,12 +175,7 @@ def write_status(run_dir: str, status: dict[str, Any]) -> None:
 
 def read_status(run_dir: str) -> dict[str, Any] | None:
     """The status a worker left in ``run_dir`` (a local path or a URI), or None."""
-    try:
-        filesystem, path = _fs(run_dir)
-        with filesystem.open_input_stream(f"{path}/{STATUS_FILE}") as f:
-            return json.loads(f.read())
-    except (OSError, ValueError):
-        return None
+    return _read_json(run_dir, STATUS_FILE)
 
 
 def clear_status(run_dir: str) -> None:

@@ -357,29 +357,30 @@ def _ref_contrast(img: torch.Tensor, f: float) -> torch.Tensor:
     return out
 
 
-def _ref_saturation(img: torch.Tensor, f: float) -> torch.Tensor:
+def _ref_rgb_pixels(img: torch.Tensor, pixel) -> torch.Tensor:
+    """``pixel(i, j) -> (r, g, b)`` at every pixel of a (3, H, W) image; a grey (1, H, W) image is unchanged."""
     if img.shape[0] == 1:
         return img.clone()
     out = torch.empty_like(img)
     for i in range(img.shape[1]):
         for j in range(img.shape[2]):
-            gray = _ref_gray(img, i, j)
-            for c in range(3):
-                out[c, i, j] = _clamp01(f * float(img[c, i, j]) + (1 - f) * gray)
-    return out
-
-
-def _ref_hue(img: torch.Tensor, shift: float) -> torch.Tensor:
-    if img.shape[0] == 1:
-        return img.clone()
-    out = torch.empty_like(img)
-    for i in range(img.shape[1]):
-        for j in range(img.shape[2]):
-            h, s, v = colorsys.rgb_to_hsv(*(float(img[c, i, j]) for c in range(3)))
-            rgb = colorsys.hsv_to_rgb((h + shift) % 1.0, s, v)
+            rgb = pixel(i, j)
             for c in range(3):
                 out[c, i, j] = rgb[c]
     return out
+
+
+def _ref_saturation(img: torch.Tensor, f: float) -> torch.Tensor:
+    return _ref_rgb_pixels(img, lambda i, j: [_clamp01(f * float(img[c, i, j]) + (1 - f) * _ref_gray(img, i, j))
+                                              for c in range(3)])
+
+
+def _ref_hue(img: torch.Tensor, shift: float) -> torch.Tensor:
+    def pixel(i: int, j: int) -> tuple[float, float, float]:
+        h, s, v = colorsys.rgb_to_hsv(*(float(img[c, i, j]) for c in range(3)))
+        return colorsys.hsv_to_rgb((h + shift) % 1.0, s, v)
+
+    return _ref_rgb_pixels(img, pixel)
 
 
 COLOUR_SHAPES = [(3, 1, 5, 4), (4, 3, 6, 5), (2, 3, 3, 7)]
