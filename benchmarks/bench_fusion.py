@@ -39,6 +39,7 @@ REMEDIES = {  # name -> (what it is, params overrides on top of params.yaml's re
     "head_lr_10": ("(e) head lr = 10 × backbone lr", ["train.head_lr_scale=10.0"]),
     "identity+per_view": ("(a)+(b)", ["model.qk_init=identity", "model.fusion_scope=per_view"]),
     "tied+per_view": ("(a)+(b)", ["model.qk_init=tied", "model.fusion_scope=per_view"]),
+    "identity+head_lr_0.1": ("(b)+(e)", ["model.qk_init=identity", "train.head_lr_scale=0.1"]),
 }
 DATASETS = {  # name -> overrides
     "digits": ["data.dataset=digits", "model.backbone=cnn_small"],
@@ -146,8 +147,8 @@ def main() -> None:
             if line.strip():
                 r = json.loads(line)
                 done[_key(r)] = r
-    jobs = [{"dataset": d, "remedy": m, "depth": depth, "seed": s, "epochs": args.epochs}
-            for d in args.datasets for m in args.remedies for depth in args.depths for s in args.seeds]
+    jobs = [{"dataset": d, "remedy": m, "depth": depth, "seed": s, "epochs": args.epochs}  # remedy by remedy
+            for m in args.remedies for d in args.datasets for depth in args.depths for s in args.seeds]
     todo = [j for j in jobs if _key(j) not in done] if not args.table_only else []
     print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already in {args.out}, {len(todo)} to go", flush=True)
     start = time.perf_counter()
