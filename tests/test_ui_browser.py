@@ -74,6 +74,22 @@ def close_assistant(page) -> None:
         expect(panel).to_have_count(0, timeout=UI_MS)
 
 
+def scroll_until_visible(page, locator, steps: int = 40) -> None:
+    """Scroll the chart grid (MLflow draws a chart only once it is scrolled into view) until ``locator`` shows.
+
+    Each run logs the blocks' health per epoch too (``block_1.positive``, ...), so a metric's chart may sit below
+    the first screen."""
+    expect = sync_api.expect
+    page.mouse.move(1000, 600)
+    for _ in range(steps):
+        try:
+            expect(locator).to_be_visible(timeout=3_000)
+            return
+        except AssertionError:
+            page.mouse.wheel(0, 500)
+    expect(locator).to_be_visible(timeout=UI_MS)
+
+
 def screenshot_path(tmp_path: Path) -> Path:
     where = os.environ.get("TRANSFUSION_SCREENSHOT_DIR")
     path = (ROOT / where if where else tmp_path) / "mlflow-compare.png"  # ROOT / an absolute dir = that dir
@@ -128,7 +144,7 @@ def test_runs_table_and_run_comparison_in_chromium(project, ray_session, tmp_pat
                 for metric in ("knn_acc", "loss"):
                     for run in runs:
                         legend = page.get_by_text(f"{run['name']} ({metric})", exact=True).first
-                        expect(legend).to_be_visible(timeout=SLOW_UI_MS)
+                        scroll_until_visible(page, legend)
                 close_assistant(page)
                 page.wait_for_timeout(1000)  # let the charts finish drawing
                 shot = screenshot_path(tmp_path)
