@@ -110,8 +110,9 @@ def table(rows: list[dict], dataset: str, remedies: list[str], depths: list[int]
     lines = [f"**{dataset}** ({len({r['seed'] for r in rows if r['dataset'] == dataset})} seeds, "
              f"{rows[0]['epochs']} epochs; same-class share at chance: {statistics.mean(chance):.3f})" if chance
              else f"**{dataset}**", "",
-             "| remedy | depth | fused kNN-200 | backbone kNN-200 | fused SVM | backbone SVM | fused FFN | backbone FFN "
-             "| weakest block: positive pairs | most uniform rows | last block same-class share | seeds with a dead block |",
+             "| remedy | depth | fused kNN-200 | backbone kNN-200 | fused SVM | backbone SVM | fused FFN "
+             "| backbone FFN | weakest block: positive pairs | most uniform rows | last block same-class share "
+             "| seeds with a dead block |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for remedy in remedies:
         for depth in depths:

@@ -126,7 +126,8 @@ def render(params: Mapping[str, Any], pretrain: Mapping[str, Any], evaluation: M
         "(10th percentile of same-class affinities over the 90th of different-class ones) and the contrast "
         "(mean over mean) move with the bulk of the pairs.",
         "",
-        "| layer | sharpness (def. 2, worst pair) | sharpness (10 % quantiles) | contrast (mean same / mean different) |",
+        "| layer | sharpness (def. 2, worst pair) | sharpness (10 % quantiles) "
+        "| contrast (mean same / mean different) |",
         "|---|---|---|---|",
     ]
     for layer, s in evaluation.get("sharpness", {}).items():

@@ -28,10 +28,10 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from stages.cli import main
 from pipeline.config import load_params
 from pipeline.datasets import save_prepared
 from pipeline.io import save_torch, sha256_file, write_json
+from stages.cli import main
 from tests.conftest import ROOT
 from tests.test_datasets import _uint8_dataset, idx_bytes, write_cifar, write_fmnist, write_png_folder
 

@@ -172,7 +172,8 @@ def test_rows_carry_the_last_epochs_block_health():
 
     class Result:  # what Tune's ResultGrid yields, as far as trial_rows reads it
         def __init__(self, name, reported):
-            self.metrics_dataframe, self.path, self.config, self.error = pd.DataFrame(reported), f"/x/trial-{name}", {}, None
+            self.metrics_dataframe, self.path = pd.DataFrame(reported), f"/x/trial-{name}"
+            self.config, self.error = {}, None
 
     alive = {"block_1.positive": 0.4, "block_1.uniform_rows": 0.0, "block_2.positive": 0.2, "block_2.uniform_rows": 0.1}
     dead = {"block_1.positive": 0.3, "block_1.uniform_rows": 0.0, "block_2.positive": 0.0, "block_2.uniform_rows": 1.0}

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from click.testing import CliRunner
 
-from stages.cli import main
 from pipeline.datasets import load_prepared
+from stages.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
