@@ -26,17 +26,14 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from sklearn.exceptions import ConvergenceWarning
-from sklearn.linear_model import LogisticRegression
-from sklearn.neighbors import KNeighborsClassifier
-from sklearn.neural_network import MLPClassifier
-from sklearn.pipeline import Pipeline
-from sklearn.preprocessing import StandardScaler
-from sklearn.svm import SVC, LinearSVC
 
 from pipeline.datasets import stratified_subset
+
+if TYPE_CHECKING:
+    from sklearn.pipeline import Pipeline
 
 __all__ = [
     "FFN_EARLY_STOP_PER_CLASS",
@@ -133,6 +130,15 @@ def make_probe(name: str, *, n_train: int, seed: int = 0, n_classes: int | None 
     Returns:
         sklearn.pipeline.Pipeline whose last step is named ``"clf"``.
     """
+    # scikit-learn loads in ~2 s; imported here, so that what only validates params (every stage, every Ray
+    # worker through pipeline.config) does not pay for it
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.neighbors import KNeighborsClassifier
+    from sklearn.neural_network import MLPClassifier
+    from sklearn.pipeline import Pipeline
+    from sklearn.preprocessing import StandardScaler
+    from sklearn.svm import SVC, LinearSVC
+
     if name not in PROBES:
         raise ValueError(f"unknown probe {name!r}; expected one of {PROBES}")
     if n_train < 1:
@@ -212,6 +218,7 @@ def run_probes(
         if name not in PROBES:
             raise ValueError(f"unknown probe {name!r}; expected one of {PROBES}")
     fractions = tuple(_check_fraction(f) for f in fractions)
+    from sklearn.exceptions import ConvergenceWarning
 
     results: list[ProbeResult] = []
     for fraction in fractions:

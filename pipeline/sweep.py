@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import math
 import os
 import shutil
@@ -38,14 +39,19 @@ from pipeline import tracking as trk
 from pipeline.cluster import connect, train_logging
 from pipeline.config import Params, ParamsError, flatten, validate_params
 from pipeline.health import dead_blocks, unflat
+from pipeline.io import load_torch
 from pipeline.resources import NodeType, TrialShape, trials_at_once
-from pipeline.storage import is_uri, join, stage_prepared
+from pipeline.storage import clear_status, is_uri, join, stage_prepared
 from pipeline.train import (
     FAULT_ENV,
     HISTORY_FILE,
+    STATE_FILE,
+    Session,
     WorkerSpec,
     read_status,
     recover_run_snapshot,
+    run_worker,
+    status_reason,
     storage_location,
     train_loop_per_worker,
 )
@@ -168,8 +174,9 @@ class TrialFailed(RuntimeError):
 
 @dataclass
 class TrialRun:
-    result: Any  # the Ray Train ``Result`` (``.checkpoint`` holds the final state)
-    seconds: float  # wall time of the Train run: what its workers (and their GPUs) were held for
+    state: dict[str, Any]  # the final checkpoint's state (model, history, epoch, ...)
+    checkpoint_path: str | None  # where that checkpoint is stored (None: a trial trained inside Tune)
+    seconds: float  # wall time of the training: what its workers (and their GPUs) were held for
 
 
 def trial_fault(spec: str | None, labels: dict[str, Any]) -> str | None:
@@ -182,22 +189,88 @@ def trial_fault(spec: str | None, labels: dict[str, Any]) -> str | None:
     return fault if all(str(labels.get(k)) == v for k, v in wanted.items()) else None
 
 
+def inline(params: Params) -> bool:
+    """A trial of one worker trains inside the Tune trial itself (:class:`TuneSession`): the same loop, checkpoints
+    and resume, without a Ray Train run's start-up (about 25 s per trial on 2 cores). Several workers need Ray
+    Train (one process per worker, torch.distributed between them)."""
+    return params.ray.num_workers == 1
+
+
+class TuneSession(Session):
+    """A one-worker trial's: checkpoints are Tune's (``tune.get_checkpoint`` / ``tune.report``), kept under the
+    trial's directory on the storage; a restored sweep resumes the trial from its last one."""
+
+    def __init__(self) -> None:
+        # Tune's session logs every persisted checkpoint at INFO (from the ray.train package): the driver's progress
+        # lines already say it all
+        logging.getLogger("ray.train").setLevel(logging.WARNING)
+
+    def get_checkpoint(self) -> Any:
+        return tune.get_checkpoint()
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, sync: bool) -> None:
+        if checkpoint_dir is None:
+            tune.report(metrics)
+            return
+        try:
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))  # persisted on return
+        finally:
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)
+
+
+def trial_placement(params: Params, gpu: bool) -> tune.PlacementGroupFactory:
+    """What a trial on ``params`` (a trial's: ``ray.cpus_per_worker`` is the sweep's) holds: its own ``TRIAL_CPU``
+    and ``ray.num_workers`` worker bundles (``pipeline.resources``'s :class:`TrialShape`, which ``max_concurrent``
+    packs). A Ray Train trial asks for its workers' bundles itself;
+    an inline trial reserves its one worker's bundle and trains in it (the GPU, if any, is its own)."""
+    if not inline(params):
+        return tune.PlacementGroupFactory([{"CPU": TRIAL_CPU}])
+    worker = TrialShape(1, params.ray.cpus_per_worker, gpu).worker
+    return tune.PlacementGroupFactory([worker, {"CPU": TRIAL_CPU}])
+
+
 def fit_trial(params: Params, fixed: dict[str, Any], trial_id: str, fault: str | None = None) -> TrialRun:
-    """Inside a Tune trial: a Ray Train run (``trial-<trial_id>`` on the storage) of the pretraining loop on
-    ``params``, its rank-0 metrics passed to Tune per epoch. Raises :class:`TrialFailed` with the reason when the
-    worker left an error status (a diverged run returns normally from ``fit``, so the status is the only record).
+    """Inside a Tune trial: the pretraining loop on ``params``, its rank-0 metrics passed to Tune per epoch, in this
+    process (one worker, :func:`inline`) or as a Ray Train run (``trial-<trial_id>`` on the storage). Raises
+    :class:`TrialFailed` with the reason when the loss became non-finite (the last good checkpoint is kept).
 
     ``fixed``: what every trial of the job shares (staged data, manifest, storage, use_gpu).
     """
+    storage = fixed["storage"]
+    run_dir = f"{storage.rstrip('/')}/trial-{trial_id}"
+    spec = WorkerSpec(params=params.model_dump(), data_dir=fixed["data"], manifest=fixed["manifest"], run_dir=run_dir,
+                      use_gpu=fixed["use_gpu"], fault=fault, quiet=True)
+    start = time.time()
+    if inline(params):
+        import torch
+
+        clear_status(run_dir)
+        device = torch.device("cuda") if fixed["use_gpu"] else torch.device("cpu")
+        loop = run_worker(spec, TuneSession(), device=device)
+        state, path = (loop.state_dict() if loop else None), None
+    else:
+        spec.resume_dir = recover_run_snapshot(None if is_uri(storage) else run_dir)
+        result = _fit_train(params, fixed, spec, trial_id)
+        state = None
+        if result.checkpoint is not None:
+            with result.checkpoint.as_directory() as d:
+                state = load_torch(Path(d) / STATE_FILE)
+        path = result.checkpoint.path if result.checkpoint is not None else None
+    seconds = time.time() - start
+    status = read_status(run_dir)  # kept with the run: a restored trial whose run had diverged fails again
+    if status:
+        raise TrialFailed(status_reason(status))
+    if state is None:
+        raise TrialFailed("the trial's training finished without a checkpoint")
+    return TrialRun(state=state, checkpoint_path=path, seconds=seconds)
+
+
+def _fit_train(params: Params, fixed: dict[str, Any], spec: WorkerSpec, trial_id: str) -> Any:
+    """A Ray Train run of the trial's workers; returns its ``Result``."""
     import ray.train
     from ray.train.torch import TorchTrainer
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    storage = fixed["storage"]
-    run_dir = f"{storage.rstrip('/')}/trial-{trial_id}"
-    spec = WorkerSpec(params=params.model_dump(), data_dir=fixed["data"], manifest=fixed["manifest"], run_dir=run_dir,
-                      use_gpu=fixed["use_gpu"], fault=fault, quiet=True,
-                      resume_dir=recover_run_snapshot(None if is_uri(storage) else run_dir))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=asdict(spec),
@@ -206,23 +279,12 @@ def fit_trial(params: Params, fixed: dict[str, Any], trial_id: str, fault: str |
             resources_per_worker={"CPU": params.ray.cpus_per_worker},
         ),
         run_config=ray.train.RunConfig(
-            name=f"trial-{trial_id}", storage_path=storage, callbacks=[TuneReportCallback()],
+            name=f"trial-{trial_id}", storage_path=fixed["storage"], callbacks=[TuneReportCallback()],
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
             logging_config=train_logging(),
         ),
     )
-    start = time.time()
-    result = trainer.fit()
-    seconds = time.time() - start
-    status = read_status(run_dir)  # kept with the run: a restored trial whose run had diverged fails again
-    if status:
-        reason = " ".join(str(status.get("message") or status).split())
-        if status.get("error"):
-            reason = f"{status['error']}: {reason}"
-        if status.get("epoch") is not None:
-            reason += f" (last good epoch {status['epoch']})"
-        raise TrialFailed(reason)
-    return TrialRun(result=result, seconds=seconds)
+    return trainer.fit()
 
 
 def log_trial_start(fixed: dict[str, Any], trial_id: str, labels: dict[str, Any]) -> None:
@@ -374,7 +436,7 @@ class SweepTracker(tune.Callback):
         if child:
             # epochs a resumed trial checkpointed before an interruption but never reported to Tune: from the
             # checkpoint's history, so that the run shows every epoch once
-            history = checkpoint_history((trial.last_result or {}).get("checkpoint_path")) or []
+            history = checkpoint_history(last_checkpoint_path(trial.last_result, trial.checkpoint)) or []
             trk.log_missing_epochs(self.uri, child, history, self.metric_names(history[-1] if history else {}))
             trk.end_run(self.uri, child, status, tags={"stopped_early": early, **({"error": reason} if reason else {})})
 
@@ -423,6 +485,15 @@ def parent_run(params: Params, root: Path, name: str, stage: str = "sweep",
     return uri, exp, run_id
 
 
+def last_checkpoint_path(reported: Any, checkpoint: Any) -> str | None:
+    """Where a trial's last checkpoint is: the path a Ray Train trial reported (``checkpoint_path`` of its metrics,
+    or the metrics themselves), else the Tune checkpoint an inline trial reported."""
+    path = reported.get("checkpoint_path") if isinstance(reported, dict) else reported
+    if isinstance(path, str) and path:
+        return path
+    return getattr(checkpoint, "path", None)
+
+
 def checkpoint_history(checkpoint_path: Any) -> list[dict[str, Any]] | None:
     """The per-epoch history saved beside the trial's last Train checkpoint (local or remote storage), if any."""
     if not isinstance(checkpoint_path, str) or not checkpoint_path:
@@ -451,7 +522,7 @@ def trial_rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
         df = result.metrics_dataframe
         reported = [] if df is None else df.to_dict("records")
         paths = [h.get("checkpoint_path") for h in reported if isinstance(h.get("checkpoint_path"), str)]
-        history = checkpoint_history(paths[-1]) if paths else None
+        history = checkpoint_history(last_checkpoint_path(paths[-1] if paths else None, result.checkpoint))
         last_reported = int(reported[-1].get("epoch", 0) or 0) if reported else 0
         if history is None or (history and int(history[-1]["epoch"]) < last_reported):
             history = reported  # no checkpoint of the last reported epoch: Tune's table is the latest word
@@ -548,7 +619,8 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     samples = 1 if s.search == "grid" else s.num_samples
     scheduler = (ASHAScheduler(time_attr="epoch", max_t=s.epochs, grace_period=min(s.grace_period, s.epochs),
                                reduction_factor=2) if s.asha else FIFOScheduler())
-    trainable = tune.with_resources(tune.with_parameters(_trial, fixed=fixed), {"CPU": TRIAL_CPU})
+    trainable = tune.with_resources(tune.with_parameters(_trial, fixed=fixed),
+                                    trial_placement(trial_params(base, {}), gpu))
     tracker = SweepTracker(s.epochs, uri, exp, parent)
     n = len(grid_points(params)) if s.search == "grid" else samples
     concurrent = max_concurrent(params, nodes, gpu, n)

@@ -47,6 +47,7 @@ from pipeline.sweep import (
     stable_name,
     trial_fault,
     trial_params,
+    trial_placement,
     tune_job,
 )
 
@@ -150,10 +151,8 @@ def row_labels(row: dict[str, Any]) -> dict[str, Any]:
 
 def _row_trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
     """One row: the sweep's Train trial on the row's params, then the probes; reported to Tune as the last result."""
-    from pipeline.io import load_torch
     from pipeline.model import build_model
     from pipeline.storage import fetch_prepared
-    from pipeline.train import STATE_FILE
 
     row = config["row"]
     trial_id = tune.get_context().get_trial_id()
@@ -161,10 +160,7 @@ def _row_trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
     log_trial_start(fixed, trial_id, labels)
     params = trial_params(fixed["base"], row["params"], source=f"tables row {row['name']!r}")
     run = fit_trial(params, fixed, trial_id, trial_fault(fixed.get("fault"), labels))
-    if run.result.checkpoint is None:
-        raise RuntimeError("the row's training finished without a checkpoint")
-    with run.result.checkpoint.as_directory() as d:
-        state = load_torch(Path(d) / STATE_FILE)
+    state = run.state
     data = fetch_prepared(fixed["data"], fixed["manifest"])
     model = build_model(params.model, data.input_shape)
     model.load_state_dict(state["model"])
@@ -178,7 +174,7 @@ def _row_trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
         **{f"probe.{k}": v for k, v in accuracies.items()}, "n_probe_train": n_probe,
         "train_seconds": float(sum(h["seconds"] for h in history)), "fit_seconds": run.seconds,
         "eval_seconds": time.time() - start, "workers": workers, "gpus": workers if fixed["use_gpu"] else 0,
-        "hours": run.seconds * workers / 3600, "checkpoint_path": run.result.checkpoint.path,
+        "hours": run.seconds * workers / 3600, "checkpoint_path": run.checkpoint_path,
     })
 
 
@@ -278,7 +274,10 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
              "storage": storage, "use_gpu": gpu, "count_file": os.environ.get(COUNT_ENV),
              "fault": os.environ.get(FAULT_ENV)}
     space = {"row": tune.grid_search([r.config() for r in rows])}
-    trainable = tune.with_resources(tune.with_parameters(_row_trial, fixed=fixed), {"CPU": TRIAL_CPU})
+    base = fixed["base"]
+    trainable = tune.with_resources(  # a row's workers may differ from the base's: its own placement
+        tune.with_parameters(_row_trial, fixed=fixed),
+        lambda config: trial_placement(trial_params(base, config["row"]["params"]), gpu))
     tracker = TablesTracker(params.train.epochs, uri, exp, parent, unit=unit)
     concurrent = max_concurrent(as_sweep(params), nodes, gpu, len(rows))
     announce = (f"[tables] {name}: {len(rows)} rows (table 1: {sum(r.table == 1 for r in rows)}, table 2: "

@@ -24,18 +24,23 @@ Three parts, matching the paper's Figure 2 and its empirical counterpart:
     Every training batch is fresh (``steps × n`` training samples in all, drawn from the same subspaces as the test
     batch), so a larger n also means more data seen in the same number of steps. Training and measuring run on
     one thread (``torch.set_num_threads(1)`` and a threadpool limit, restored afterwards): these matrices are
-    small, and on a loaded 2-core machine two threads made a training step ~100x slower.
+    small, and on a loaded 2-core machine two threads made a training step ~100x slower. The (seed, n, ε) cells
+    run in parallel instead, one process per CPU (``run_empirical(workers=)``), with the same rows.
 (c) ``pipeline.theory_report`` aggregates the runs, writes the verdict, the CSV tables and ``theory.md``;
     ``pipeline.figures.theory_figure`` draws the formula panels beside the measurement panels.
 
-Pure core: torch, numpy, scipy and scikit-learn; no matplotlib, no file output.
+Pure core: torch, numpy, scipy, scikit-learn and the standard library's process pool; no matplotlib, no file
+output.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import multiprocessing
+import os
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,10 +67,12 @@ __all__ = [
     "formula_at",
     "formula_table",
     "measure",
+    "run_cell",
     "run_empirical",
     "split_test",
     "squared_cosine",
     "train_head",
+    "usable_cpus",
 ]
 
 FORMULA_COLUMNS = ("n", "rho", "eps", "delta", "Delta", "gamma", "meaningful", "gamma_gt1", "learnable")
@@ -320,42 +327,68 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def run_empirical(grid: EmpiricalGrid, progress: Callable[[str], Any] | None = print) -> list[dict[str, Any]]:
-    """Part (b) over the whole grid: one row per (seed, n, ε, depth), columns ``EMPIRICAL_COLUMNS``.
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, else the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
-    Per (seed, n, ε): one draw of ``union_of_subspaces(steps·n + n, K, r, m, ε, seed)`` (the subspaces depend on the
-    seed only: they are the generator's first draw), split by ``split_test`` into a stratified test batch of n
-    and a training stream of steps·n samples; ρ = ``cluster_integrity`` of the clean test samples; Theorem 2 at
-    (ρ, ε, n) (``formula_at``). Per depth: ``train_head`` then ``measure``. Deterministic given the grid (one
-    thread, seeded weights and data). ``progress`` gets one line per run (None: silent).
+
+def run_cell(grid: EmpiricalGrid, seed: int, n: int, eps: float) -> list[tuple[dict[str, Any], str]]:
+    """One (seed, n, ε) of part (b), every depth, on one thread: ``(row, progress line)`` per depth.
+
+    One draw of ``union_of_subspaces(steps·n + n, K, r, m, ε, seed)`` (the subspaces depend on the seed only: they are
+    the generator's first draw), split by ``split_test`` into a stratified test batch of n and a training stream of
+    steps·n samples; ρ = ``cluster_integrity`` of the clean test samples; Theorem 2 at (ρ, ε, n) (``formula_at``).
+    Per depth: ``train_head`` then ``measure``. Deterministic given its arguments.
     """
-    rows = []
+    out = []
     with _one_thread():
-        for seed in grid.seeds:
-            for n in grid.n:
-                for eps in grid.eps:
-                    data = theory.union_of_subspaces(
-                        grid.steps * n + n, grid.n_clusters, grid.rank, grid.dim, eps, seed=seed)
-                    test, train = split_test(data.labels, n, grid.n_clusters)
-                    rho = theory.cluster_integrity(data.clean[test], data.labels[test], data.bases, seed=seed)
-                    formula = formula_at(rho, eps, n)
-                    for depth in grid.depth:
-                        head, losses = train_head(
-                            data.x[train], data.labels[train], n=n, depth=depth, steps=grid.steps, lr=grid.lr,
-                            seed=seed, loss=grid.loss)
-                        tail = losses[-min(10, len(losses)):]
-                        m = measure(head, data.x[test], data.labels[test], learned_nmi=grid.learned_nmi,
-                                    loss=grid.loss, seed=seed)
-                        row = {"n": n, "eps": eps, "depth": depth, "seed": seed, "rho": rho, **formula,
-                               "train_loss": float(np.mean(tail)), **m}
-                        rows.append({c: row[c] for c in EMPIRICAL_COLUMNS})
-                        if progress is not None:
-                            progress(
-                                f"theory: n={n} eps={eps:g} depth={depth} seed={seed}: rho {rho:.3f}, gamma "
-                                f"{formula['gamma']:.3g}{'' if formula['meaningful'] else ' (not meaningful)'}; "
-                                f"NMI {m['nmi_in']:.2f} -> {m['nmi']:.2f}, contrast gain/block "
-                                f"{m['contrast_gain']:.3g}")
-    return rows
+        data = theory.union_of_subspaces(grid.steps * n + n, grid.n_clusters, grid.rank, grid.dim, eps, seed=seed)
+        test, train = split_test(data.labels, n, grid.n_clusters)
+        rho = theory.cluster_integrity(data.clean[test], data.labels[test], data.bases, seed=seed)
+        formula = formula_at(rho, eps, n)
+        for depth in grid.depth:
+            head, losses = train_head(data.x[train], data.labels[train], n=n, depth=depth, steps=grid.steps,
+                                      lr=grid.lr, seed=seed, loss=grid.loss)
+            tail = losses[-min(10, len(losses)):]
+            m = measure(head, data.x[test], data.labels[test], learned_nmi=grid.learned_nmi, loss=grid.loss,
+                        seed=seed)
+            row = {"n": n, "eps": eps, "depth": depth, "seed": seed, "rho": rho, **formula,
+                   "train_loss": float(np.mean(tail)), **m}
+            line = (f"theory: n={n} eps={eps:g} depth={depth} seed={seed}: rho {rho:.3f}, gamma "
+                    f"{formula['gamma']:.3g}{'' if formula['meaningful'] else ' (not meaningful)'}; "
+                    f"NMI {m['nmi_in']:.2f} -> {m['nmi']:.2f}, contrast gain/block {m['contrast_gain']:.3g}")
+            out.append(({c: row[c] for c in EMPIRICAL_COLUMNS}, line))
+    return out
+
+
+def run_empirical(grid: EmpiricalGrid, progress: Callable[[str], Any] | None = print,
+                  workers: int | None = None) -> list[dict[str, Any]]:
+    """Part (b) over the whole grid: one row per (seed, n, ε, depth), columns ``EMPIRICAL_COLUMNS``, in that order.
+
+    Each (seed, n, ε) is a :func:`run_cell`, on ``workers`` processes (default: one per usable CPU; each runs one
+    thread), the largest n first. The rows do not depend on ``workers``. ``progress`` gets one line per run as it
+    ends (None: silent).
+    """
+    cells = [(seed, n, eps) for seed in grid.seeds for n in grid.n for eps in grid.eps]
+    workers = max(1, min(workers or usable_cpus(), len(cells)))
+    done: dict[int, list[tuple[dict[str, Any], str]]] = {}
+
+    def collect(i: int, result: list[tuple[dict[str, Any], str]]) -> None:
+        done[i] = result
+        for _, line in result:
+            if progress is not None:
+                progress(line)
+
+    if workers == 1:
+        for i, cell in enumerate(cells):
+            collect(i, run_cell(grid, *cell))
+    else:  # spawned, not forked: a fork of a process whose OpenMP pool has run can hang
+        order = sorted(range(len(cells)), key=lambda i: -cells[i][1])  # the slowest cells first
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(run_cell, grid, *cells[i]): i for i in order}
+            for future in as_completed(futures):
+                collect(futures[future], future.result())
+    return [row for i in range(len(cells)) for row, _ in done[i]]
 
 
 # ------------------------------------------------------------------------------------------------ formatting

@@ -91,6 +91,106 @@ def _placement(rank: int, world: int, device: torch.device) -> list[dict[str, An
     return everyone
 
 
+class Session:
+    """Where a worker's checkpoint comes from and where its per-epoch reports go.
+
+    Two implementations: :class:`TrainSession` (a Ray Train worker, :func:`train_loop_per_worker`) and
+    ``pipeline.sweep.TuneSession`` (a one-worker sweep trial that trains inside the Tune trial itself).
+    """
+
+    def get_checkpoint(self) -> Any:  # a ``ray.train.Checkpoint`` (or Tune's, the same class) or None
+        raise NotImplementedError
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, sync: bool) -> None:
+        """Report one epoch; ``checkpoint_dir`` (a temp directory, the session deletes it after the upload) holds
+        its checkpoint, if any. ``sync``: the upload must finish before this returns (an injected crash follows)."""
+        raise NotImplementedError
+
+
+class TrainSession(Session):
+    """Ray Train's: rank 0's checkpoint is uploaded in the background while training goes on."""
+
+    def get_checkpoint(self) -> Any:
+        import ray.train
+
+        return ray.train.get_checkpoint()
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, sync: bool) -> None:
+        import ray.train
+
+        if checkpoint_dir is None:
+            ray.train.report(metrics)
+            return
+        mode = ray.train.CheckpointUploadMode
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir),
+                         checkpoint_upload_mode=mode.SYNC if sync else mode.ASYNC,
+                         delete_local_checkpoint_after_upload=True)
+
+
+def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1,
+               device: torch.device | None = None) -> PretrainLoop | None:
+    """One worker's pretraining: resume from the session's checkpoint (or ``spec.resume_dir``), train the remaining
+    epochs, report each through ``session`` with a checkpoint every ``train.checkpoint_every`` epochs (rank 0).
+
+    Returns the loop, or None when the loss became non-finite: then rank 0 has written the error status
+    (``pipeline.storage.write_status`` on ``spec.run_dir``) and the last good checkpoint is kept.
+    """
+    import ray.train
+
+    params = Params.model_validate(spec.params, strict=False)
+    torch.set_num_threads(max(1, int(params.ray.cpus_per_worker)))
+    device = device or torch.device("cpu")
+    data = fetch_prepared(spec.data_dir, spec.manifest)  # the copy the driver staged, or a clear error
+    loop = PretrainLoop(params, data, device, rank=rank, world_size=world)
+    workers = _placement(rank, world, device)
+
+    checkpoint = session.get_checkpoint()
+    if checkpoint is None and spec.resume_dir:  # Ray's own record of the run was lost: ours is the checkpoint
+        checkpoint = ray.train.Checkpoint.from_directory(spec.resume_dir)
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            loop.load_state_dict(torch.load(Path(d) / STATE_FILE, map_location=device, weights_only=True))
+        if rank == 0 and not spec.quiet:
+            _progress(f"[pretrain] resumed from the checkpoint after epoch {loop.epoch}")
+
+    kind, _, at = (spec.fault or "").partition("@")
+    crash_at = int(at) if kind == "crash" and rank == 0 else None
+    if kind == "nan":
+        loop.poison_epoch = int(at)
+
+    def report(m: EpochMetrics, checkpoint_now: bool) -> None:
+        metrics = {k: v for k, v in m.as_dict().items() if v is not None}
+        if rank == 0 and not spec.quiet:
+            knn = f" knn {m.knn_acc:.4f}" if m.knn_acc is not None else ""
+            _progress(f"[pretrain] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
+                      f"eps {m.view_noise:.4f} {m.samples_per_s:,.0f} samples/s{health_line(m.health)}")
+        if checkpoint_now and rank == 0:
+            d = tempfile.mkdtemp(prefix="transfusion-ckpt-")
+            torch.save({**loop.state_dict(), "workers": workers}, Path(d) / STATE_FILE)
+            Path(d, HISTORY_FILE).write_text(json.dumps(loop.history))  # readable without loading the model
+            session.report(metrics, d, sync=m.epoch == crash_at)
+        else:
+            session.report(metrics, None, sync=False)
+
+    try:
+        loop.fit(report, crash_at_epoch=crash_at)
+    except NonFiniteLossError as exc:  # every rank sees the same all-reduced loss and stops alike
+        if rank == 0:
+            write_status(spec.run_dir, {"error": "non_finite", "message": str(exc), "epoch": loop.epoch})
+        return None
+    return loop
+
+
+def status_reason(status: dict[str, Any]) -> str:
+    """One line from a worker's error status: ``"<kind>: <message> (last good epoch N)"``."""
+    reason = " ".join(str(status.get("message") or status).split())
+    if status.get("error"):
+        reason = f"{status['error']}: {reason}"
+    if status.get("epoch") is not None:
+        reason += f" (last good epoch {status['epoch']})"
+    return reason
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train worker entry point."""
     import ray.train
@@ -105,55 +205,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     except (ImportError, AttributeError):
         pass
     spec = WorkerSpec(**config)
-    params = Params.model_validate(spec.params, strict=False)
     ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(max(1, int(params.ray.cpus_per_worker)))
     device = ray.train.torch.get_device() if spec.use_gpu else torch.device("cpu")
-    data = fetch_prepared(spec.data_dir, spec.manifest)  # the copy the driver staged, or a clear error
-    loop = PretrainLoop(params, data, device, rank=rank, world_size=world)
-    workers = _placement(rank, world, device)
-
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None and spec.resume_dir:  # Ray's own record of the run was lost: ours is the checkpoint
-        checkpoint = ray.train.Checkpoint.from_directory(spec.resume_dir)
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            loop.load_state_dict(torch.load(Path(d) / STATE_FILE, map_location=device, weights_only=True))
-        if rank == 0:
-            _progress(f"[pretrain] resumed from the checkpoint after epoch {loop.epoch}")
-
-    kind, _, at = (spec.fault or "").partition("@")
-    crash_at = int(at) if kind == "crash" and rank == 0 else None
-    if kind == "nan":
-        loop.poison_epoch = int(at)
-
-    def report(m: EpochMetrics, checkpoint_now: bool) -> None:
-        metrics = {k: v for k, v in m.as_dict().items() if v is not None}
-        if rank == 0:
-            if not spec.quiet:
-                knn = f" knn {m.knn_acc:.4f}" if m.knn_acc is not None else ""
-                _progress(f"[pretrain] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
-                          f"eps {m.view_noise:.4f} {m.samples_per_s:,.0f} samples/s{health_line(m.health)}")
-        if checkpoint_now and rank == 0:
-            # uploaded to storage in the background while training goes on; Ray deletes the temp dir after
-            # (synchronously before an injected crash, so that the test knows which checkpoint exists)
-            d = tempfile.mkdtemp(prefix="transfusion-ckpt-")
-            torch.save({**loop.state_dict(), "workers": workers}, Path(d) / STATE_FILE)
-            Path(d, HISTORY_FILE).write_text(json.dumps(loop.history))  # readable without loading the model
-            mode = ray.train.CheckpointUploadMode
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d),
-                             checkpoint_upload_mode=mode.SYNC if m.epoch == crash_at else mode.ASYNC,
-                             delete_local_checkpoint_after_upload=True)
-        else:
-            ray.train.report(metrics)
-
-    try:
-        loop.fit(report, crash_at_epoch=crash_at)
-    except NonFiniteLossError as exc:  # every rank sees the same all-reduced loss and stops alike
-        if rank == 0:
-            write_status(spec.run_dir, {"error": "non_finite", "message": str(exc), "epoch": loop.epoch})
-        return
+    run_worker(spec, TrainSession(), ctx.get_world_rank(), ctx.get_world_size(), device)
 
 
 # ---------------------------------------------------------------------------------------------- driver

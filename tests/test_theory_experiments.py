@@ -54,7 +54,7 @@ def empirical_grid(**theory: object) -> TE.EmpiricalGrid:
 
 @pytest.fixture(scope="module")
 def tiny_rows():
-    return TE.run_empirical(empirical_grid(**TINY), progress=None)
+    return TE.run_empirical(empirical_grid(**TINY), progress=None, workers=1)
 
 
 @pytest.fixture(scope="module")
@@ -219,8 +219,9 @@ def test_train_head_keeps_global_rng_and_is_seeded():
 
 
 def test_run_empirical_rows_complete_and_deterministic(tiny_rows):
+    """Also across processes: two workers (spawned, the slowest cells first) give the serial rows, in grid order."""
     threads = torch.get_num_threads()
-    again = TE.run_empirical(empirical_grid(**TINY), progress=None)
+    again = TE.run_empirical(empirical_grid(**TINY), progress=None, workers=2)
     assert torch.get_num_threads() == threads
     assert len(tiny_rows) == 2 * 1 * 2 * 1
     assert [(r["n"], r["depth"]) for r in tiny_rows] == [(8, 1), (8, 2), (16, 1), (16, 2)]
@@ -247,7 +248,7 @@ def test_progress_lines(capsys):
 
 def test_easy_data_beats_very_noisy_data():
     grid = empirical_grid(n=[16], eps=[0.0, 0.9], depth=[1], steps=20, n_clusters=3, rank=1, dim=8, seeds=[0])
-    easy, noisy = TE.run_empirical(grid, progress=None)
+    easy, noisy = TE.run_empirical(grid, progress=None, workers=1)
     assert (easy["eps"], noisy["eps"]) == (0.0, 0.9)
     assert easy["nmi"] >= noisy["nmi"] + 0.3
     assert easy["contrast_out"] > 2.0 * noisy["contrast_out"]

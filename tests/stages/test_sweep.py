@@ -142,15 +142,19 @@ def run_cli(project, args, log):
 
 @pytest.mark.timeout(900)
 def test_interrupted_sweep_resumes_without_redoing_finished_trials(prepared):
-    args = ["sweep", *TINY, "-S", "sweep.epochs=3", "-S", "sweep.max_concurrent_trials=1"]
+    args = ["sweep", *TINY, "-S", "sweep.epochs=30", "-S", "sweep.max_concurrent_trials=1"]
     log = prepared / "trials.log"
     proc = run_cli(prepared, args, log)
     deadline = time.time() + 400
-    while len(started(log)) < 3 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.5)
-    assert len(started(log)) == 3, "the sweep did not reach its third trial"
-    time.sleep(8)  # into the third trial's training
-    proc.send_signal(signal.SIGINT)  # Ctrl-C
+
+    def third_checkpointed() -> bool:  # the third trial has a checkpoint (under the sweep's or its Train run's dir)
+        ids = started(log)
+        return len(ids) >= 3 and any((prepared / "ray_results").glob(f"**/trial-{ids[2]}/checkpoint_*"))
+
+    while not third_checkpointed() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(started(log)) == 3 and third_checkpointed(), "the sweep did not reach its third trial's training"
+    proc.send_signal(signal.SIGINT)  # Ctrl-C, into the third trial's training
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out
     assert "interrupted" in out and "rerun the stage to resume" in out
@@ -169,5 +173,5 @@ def test_interrupted_sweep_resumes_without_redoing_finished_trials(prepared):
     assert first[2] in again and len(again) == 2  # the interrupted trial and the one never started
     rows = read_csv(prepared / "sweeps/results.csv")
     assert sorted(r["trial_id"] for r in rows) == sorted(set(first) | set(again))
-    assert all(r["status"] == "TERMINATED" and r["epochs"] == "3" for r in rows)
-    check_sweep(prepared, rows, epochs=3)
+    assert all(r["status"] == "TERMINATED" and r["epochs"] == "30" for r in rows)
+    check_sweep(prepared, rows, epochs=30)
