@@ -1,12 +1,16 @@
 """Ray Tune sweeps over depth, batch size and augmentation strength (and lr): the paper's claims, tested.
 
-Train V2 pattern: each Tune trial is a plain function that launches a ``TorchTrainer`` running the
-pretraining worker loop (``pipeline.train.train_loop_per_worker``), named after the trial id so that a
-restored sweep resumes each trial's own run from its last checkpoint; ``TuneReportCallback`` passes rank 0's
-per-epoch metrics (online kNN accuracy, loss, measured view noise ε) to Tune, and ASHA (optional) stops the
+Each Tune trial is a plain function running the pretraining worker loop (``pipeline.train.run_worker``) on its point
+of the space. A trial of one worker (:func:`inline`) runs it in the trial itself, reporting per-epoch metrics and
+checkpoints to Tune (:class:`TuneSession`): a Ray Train run's start-up (controller, worker group, about 25 s on 2
+cores) would cost more than the training of a small trial. A trial of several workers launches a ``TorchTrainer``
+(the Train V2 pattern), named after the trial id so that a restored sweep resumes each trial's own run from its
+last checkpoint; ``TuneReportCallback`` passes rank 0's metrics to Tune. Either way Tune gets the same per-epoch
+metrics (online kNN accuracy, loss, measured view noise ε, the blocks' health), and ASHA (optional) stops the
 hopeless trials early.
 
-Resources: a trial's function holds ``TRIAL_CPU`` and its workers ``ray.num_workers × sweep.cpus_per_worker``;
+Resources: a trial holds ``TRIAL_CPU`` and its workers ``ray.num_workers × sweep.cpus_per_worker``
+(:func:`trial_placement`);
 ``max_concurrent_trials`` follows from packing trials onto the cluster's nodes (CPUs and GPUs, at the largest size its
 autoscaler can reach) unless ``sweep.max_concurrent_trials`` is set
 (two 1-CPU workers under a 1-CPU trial never start on 2 cores).
@@ -436,7 +440,7 @@ class SweepTracker(tune.Callback):
         if child:
             # epochs a resumed trial checkpointed before an interruption but never reported to Tune: from the
             # checkpoint's history, so that the run shows every epoch once
-            history = checkpoint_history(last_checkpoint_path(trial.last_result, trial.checkpoint)) or []
+            history = checkpoint_history(last_checkpoint_path(trial.last_result, trial)) or []
             trk.log_missing_epochs(self.uri, child, history, self.metric_names(history[-1] if history else {}))
             trk.end_run(self.uri, child, status, tags={"stopped_early": early, **({"error": reason} if reason else {})})
 
@@ -485,13 +489,14 @@ def parent_run(params: Params, root: Path, name: str, stage: str = "sweep",
     return uri, exp, run_id
 
 
-def last_checkpoint_path(reported: Any, checkpoint: Any) -> str | None:
-    """Where a trial's last checkpoint is: the path a Ray Train trial reported (``checkpoint_path`` of its metrics,
-    or the metrics themselves), else the Tune checkpoint an inline trial reported."""
+def last_checkpoint_path(reported: Any, trial: Any) -> str | None:
+    """Where a trial's last checkpoint is: the path a Ray Train trial reported (``reported``: its metrics, or their
+    ``checkpoint_path``), else that of the Tune checkpoint an inline trial reported (``trial``: Tune's ``Trial`` or
+    ``Result``, both have ``.checkpoint``)."""
     path = reported.get("checkpoint_path") if isinstance(reported, dict) else reported
     if isinstance(path, str) and path:
         return path
-    return getattr(checkpoint, "path", None)
+    return getattr(getattr(trial, "checkpoint", None), "path", None)
 
 
 def checkpoint_history(checkpoint_path: Any) -> list[dict[str, Any]] | None:
@@ -522,7 +527,7 @@ def trial_rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
         df = result.metrics_dataframe
         reported = [] if df is None else df.to_dict("records")
         paths = [h.get("checkpoint_path") for h in reported if isinstance(h.get("checkpoint_path"), str)]
-        history = checkpoint_history(last_checkpoint_path(paths[-1] if paths else None, result.checkpoint))
+        history = checkpoint_history(last_checkpoint_path(paths[-1] if paths else None, result))
         last_reported = int(reported[-1].get("epoch", 0) or 0) if reported else 0
         if history is None or (history and int(history[-1]["epoch"]) < last_reported):
             history = reported  # no checkpoint of the last reported epoch: Tune's table is the latest word

@@ -10,7 +10,18 @@ import pytest
 import yaml
 
 from pipeline.config import ParamsError, load_params
-from pipeline.sweep import axes, base_params, grid_points, max_concurrent, sweep_name, trial_params
+from pipeline.resources import NodeType, TrialShape, packing
+from pipeline.sweep import (
+    TRIAL_CPU,
+    axes,
+    base_params,
+    grid_points,
+    inline,
+    max_concurrent,
+    sweep_name,
+    trial_params,
+    trial_placement,
+)
 from stages.sweep import COLUMNS, best_trial, write_outputs
 from tests.conftest import ROOT
 
@@ -81,6 +92,25 @@ def _nodes(*specs: tuple[int, float, float]) -> list:
 ])
 def test_max_concurrent_packs_trials_onto_the_nodes(overrides, nodes, gpu, n_trials, expected):
     assert max_concurrent(params(*overrides), _nodes(*nodes), gpu, n_trials) == expected
+
+
+@pytest.mark.parametrize(("overrides", "gpu"), [((), False), ((), True), (("ray.num_workers=2",), False),
+                                                (("ray.num_workers=4", "sweep.cpus_per_worker=3"), True)])
+def test_a_trial_holds_the_bundles_max_concurrent_packs(overrides, gpu):
+    """One worker trains inside the trial, in its worker's bundle (the GPU is the trial's own); more need Ray Train,
+    whose workers ask for their bundles themselves. Either way the trial's bundles plus its workers' are the shape
+    ``max_concurrent`` packs, so the two never disagree."""
+    p = params(*overrides)
+    trial = trial_params(base_params(p), {})
+    held = trial_placement(trial, gpu).bundles
+    shape = TrialShape(p.ray.num_workers, p.sweep.cpus_per_worker, gpu, TRIAL_CPU)
+    if inline(trial):
+        assert p.ray.num_workers == 1 and held == shape.bundles()
+        assert held[0] == {"CPU": p.sweep.cpus_per_worker, **({"GPU": 1.0} if gpu else {})}  # where the trial runs
+    else:
+        assert held == [{"CPU": TRIAL_CPU}] and shape.bundles()[-1] == {"CPU": TRIAL_CPU}
+    node = [NodeType("n", {"CPU": 2.0, "GPU": 4.0 if gpu else 0.0})]
+    assert max_concurrent(p, node, gpu, 8) == max(1, packing(node, shape, cap=8).trials)
 
 
 def test_sweep_name_ignores_swept_keys_and_follows_the_rest():
