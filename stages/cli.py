@@ -1,35 +1,51 @@
-"""The ``transfusion`` command: one subcommand per DVC stage."""
+"""The ``transfusion`` command: one subcommand per DVC stage.
+
+Each subcommand's module is imported when that subcommand runs, not before: a stage pays for its own imports only
+(all of them together, from torch and scikit-learn to Ray Tune and matplotlib, take seconds).
+"""
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
-from stages.check import check
-from stages.evaluate import evaluate_cmd
-from stages.prepare import prepare
-from stages.pretrain import pretrain_cmd
-from stages.report import report_cmd
-from stages.sweep import sweep_cmd
-from stages.tables import tables_cmd
-from stages.theory import theory_cmd
-from stages.ui import ui_cmd
+# subcommand -> "module:click command", in the order of --help
+COMMANDS = {
+    "check": "stages.check:check",
+    "prepare": "stages.prepare:prepare",
+    "pretrain": "stages.pretrain:pretrain_cmd",
+    "evaluate": "stages.evaluate:evaluate_cmd",
+    "report": "stages.report:report_cmd",
+    "sweep": "stages.sweep:sweep_cmd",
+    "tables": "stages.tables:tables_cmd",
+    "theory": "stages.theory:theory_cmd",
+    "ui": "stages.ui:ui_cmd",
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """A group whose subcommands (:data:`COMMANDS`) are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        command = getattr(importlib.import_module(module), attr)
+        if command.name != cmd_name:
+            raise RuntimeError(f"{target} is the command {command.name!r}, listed as {cmd_name!r}")
+        return command
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="transfusion-pipeline")
 def main() -> None:
     """TransFusion contrastive learning: the stages of the DVC pipeline (`dvc repro` runs them all)."""
 
-
-main.add_command(check)
-main.add_command(prepare)
-main.add_command(pretrain_cmd)
-main.add_command(evaluate_cmd)
-main.add_command(report_cmd)
-main.add_command(sweep_cmd)
-main.add_command(tables_cmd)
-main.add_command(theory_cmd)
-main.add_command(ui_cmd)
 
 if __name__ == "__main__":
     main()

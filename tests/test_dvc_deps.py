@@ -68,18 +68,21 @@ def closure(start: Path, root: Path = ROOT) -> set[Path]:
 
 
 def command_modules(root: Path = ROOT) -> dict[str, Path]:
-    """``{command name: stages/<module>.py}`` for every command ``stages/cli.py`` imports."""
-    commands: dict[str, Path] = {}
+    """``{command name: stages/<module>.py}`` for every command of ``stages/cli.py`` (its ``COMMANDS`` table,
+    read from the AST: the modules are imported only when their command runs)."""
     cli = ast.parse((root / "stages/cli.py").read_text())
-    for node in cli.body:
-        if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("stages.")):
-            continue
-        path = module_file(node.module, root)
-        assert path is not None, node.module
-        wanted = {alias.name for alias in node.names}
-        for fn in ast.parse(path.read_text()).body:
-            if isinstance(fn, ast.FunctionDef) and fn.name in wanted:
-                commands[command_name(fn)] = path
+    table = next(node.value for node in cli.body if isinstance(node, ast.Assign | ast.AnnAssign)
+                 and ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target) == "COMMANDS")
+    commands: dict[str, Path] = {}
+    for key, value in zip(table.keys, table.values, strict=True):
+        module, attr = value.value.split(":")
+        path = module_file(module, root)
+        assert path is not None, module
+        fn = next((f for f in ast.parse(path.read_text()).body if isinstance(f, ast.FunctionDef) and f.name == attr),
+                  None)
+        assert fn is not None, f"{value.value}: no such function"
+        assert command_name(fn) == key.value, f"{value.value} is the command {command_name(fn)!r}, not {key.value!r}"
+        commands[key.value] = path
     return commands
 
 
@@ -93,7 +96,7 @@ def command_name(fn: ast.FunctionDef) -> str:
                 if kw.arg == "name" and isinstance(kw.value, ast.Constant):
                     return kw.value.value
             return fn.name.replace("_", "-")
-    raise AssertionError(f"{fn.name} is imported by stages/cli.py but is not a click command")
+    raise AssertionError(f"{fn.name} is listed by stages/cli.py but is not a click command")
 
 
 def stage_command(stage: dict) -> str:
