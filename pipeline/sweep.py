@@ -576,7 +576,7 @@ def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, track
             trainable,
             param_space=space,
             tune_config=tune.TuneConfig(metric="knn_acc", mode="max", scheduler=scheduler, num_samples=num_samples,
-                                        max_concurrent_trials=concurrent,
+                                        max_concurrent_trials=concurrent, reuse_actors=True,
                                         trial_dirname_creator=lambda t: f"trial-{t.trial_id}"),
             run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0, callbacks=[tracker]),
         )
