@@ -189,10 +189,9 @@ def local_nodes() -> list[NodeType]:
     uses Ray's own count)."""
     import torch
 
-    from pipeline.resources import NodeType
+    from pipeline.resources import NodeType, usable_cpus
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return [NodeType("local", {"CPU": float(cpus), "GPU": float(torch.cuda.device_count())}, 1)]
+    return [NodeType("local", {"CPU": float(usable_cpus()), "GPU": float(torch.cuda.device_count())}, 1)]
 
 
 def cluster_gpus(nodes: list[NodeType] | None = None) -> float:

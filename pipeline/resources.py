@@ -46,6 +46,11 @@ AWS_INSTANCES: dict[str, dict[str, float]] = {
 }
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, else the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 # ------------------------------------------------------------------------------------------------- model
 @dataclass(frozen=True)
 class NodeType:

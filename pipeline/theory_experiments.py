@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing
-import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from pipeline import theory
 from pipeline.clustering import cosine_affinity, spectral_scores
 from pipeline.losses import make_loss
 from pipeline.model import TransFusionHead
+from pipeline.resources import usable_cpus
 
 if TYPE_CHECKING:
     from pipeline.config import TheoryConfig
@@ -72,7 +72,6 @@ __all__ = [
     "split_test",
     "squared_cosine",
     "train_head",
-    "usable_cpus",
 ]
 
 FORMULA_COLUMNS = ("n", "rho", "eps", "delta", "Delta", "gamma", "meaningful", "gamma_gt1", "learnable")
@@ -327,11 +326,6 @@ def _one_thread() -> Iterator[None]:
             yield
     finally:
         torch.set_num_threads(before)
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, else the machine's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def run_cell(grid: EmpiricalGrid, seed: int, n: int, eps: float) -> list[tuple[dict[str, Any], str]]:
