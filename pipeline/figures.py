@@ -195,12 +195,15 @@ def tsne_layers(
         init = "pca" if np.ptp(x, axis=0).max() > 0 else "random"  # PCA init crashes on identical points
         tsne = TSNE(n_components=2, perplexity=perp, init=init, learning_rate="auto", max_iter=max_iter,
                     random_state=seed)
-        return tsne.fit_transform(x)  # (m, 2)
+        # one OpenMP thread: the Barnes-Hut sums then do not depend on the core count (same CSV on every machine),
+        # and a loaded machine cannot stall each of the max_iter parallel regions on a descheduled thread. Set in
+        # the thread that runs the t-SNE: OpenMP's thread count is a per-thread setting
+        with threadpool_limits(limits=1, user_api="openmp"):
+            return tsne.fit_transform(x)  # (m, 2)
 
-    # one OpenMP thread per t-SNE: the Barnes-Hut sums then do not depend on the core count (same CSV on every
-    # machine), and a loaded machine cannot stall each of the max_iter parallel regions on a descheduled thread;
-    # the panels run side by side instead (scikit-learn's t-SNE releases the GIL: the same numbers, in ~2/3 the time)
-    with threadpool_limits(limits=1, user_api="openmp"), ThreadPoolExecutor(min(len(arrays), usable_cpus())) as pool:
+    # the panels side by side instead (scikit-learn's t-SNE releases the GIL: the same numbers in ~2/3 the time);
+    # BLAS (the PCA init) on one thread too: its thread count is process-wide, so set it once around the pool
+    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(min(len(arrays), usable_cpus())) as pool:
         embeddings = list(pool.map(embed, arrays))
     for emb, title, ax in zip(embeddings, titles, axes, strict=True):
         ax.scatter(emb[:, 0], emb[:, 1], c=point_colors, s=6, linewidths=0)

@@ -147,6 +147,24 @@ def test_tsne_layers_subset_colours_and_determinism(tmp_path, captured):
     assert (tmp_path / "t3.csv").read_text() != first
 
 
+def test_tsne_panels_side_by_side_equal_one_at_a_time(tmp_path):
+    """The panels run on a thread each: every panel equals scikit-learn's t-SNE run alone on one thread."""
+    from sklearn.manifold import TSNE
+    from threadpoolctl import threadpool_limits
+
+    x, y = blobs([50, 50, 50], d=32, seed=3)
+    reps = [x, np.tanh(x[:, :16]), np.maximum(x, 0) ** 2]
+    titles = ["input", "backbone", "block 1"]
+    F.tsne_layers(reps, y, titles, tmp_path / "t.png", tmp_path / "t.csv", seed=1, max_iter=TSNE_ITERS)
+    _, rows = read_csv(tmp_path / "t.csv")
+    for a, title in zip(reps, titles, strict=True):
+        with threadpool_limits(limits=1):
+            alone = TSNE(n_components=2, perplexity=30.0, init="pca", learning_rate="auto", max_iter=TSNE_ITERS,
+                         random_state=1).fit_transform(a)  # every point is in the subset (150 <= max_points)
+        got = {int(r[1]): (float(r[2]), float(r[3])) for r in rows if r[0] == title}
+        assert got == {i: (float(e0), float(e1)) for i, (e0, e1) in enumerate(alone)}, title
+
+
 def test_tsne_layers_tiny_input_and_degenerate_panel(tmp_path):
     """12 points with the default perplexity 30 (clipped) and a panel where every point is identical."""
     x, y = blobs([4, 4, 4], d=3)
