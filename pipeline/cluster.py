@@ -72,6 +72,8 @@ def _auth_mode_default() -> str | None:
 
 for _key, _value in RAY_CONSOLE_ENV.items():
     os.environ.setdefault(_key, _value)
+if not sys.stdout.isatty():  # a log file or a pipe: the "(RayTrainWorker pid=...)" prefix without colour codes
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 if "ray._raylet" not in sys.modules:  # Ray reads the mode at import; set later, the driver and Ray's processes disagree
     _mode = _auth_mode_default()
     if _mode:

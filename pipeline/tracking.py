@@ -99,14 +99,26 @@ def _check_sqlite(path: Path, uri: str) -> None:
                             f"{result[0] if result else 'no answer'}); {fix}")
 
 
+def _client(uri: str):
+    """An ``MlflowClient`` of ``uri``. Opening a new sqlite store creates its tables, which MLflow and alembic announce
+    line by line at INFO: here that is one line of ours instead."""
+    from mlflow import MlflowClient
+
+    path = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+    new = path is not None and (not path.exists() or path.stat().st_size == 0)
+    with _quiet("mlflow.store.db.utils", logging.WARNING), _quiet("alembic", logging.WARNING):
+        client = MlflowClient(uri)
+    if new:
+        print(f"[mlflow] new tracking store {path} (browse it with `transfusion ui`)")
+    return client
+
+
 def experiment_id(uri: str, root: Path | None = None, name: str = EXPERIMENT) -> str:
     """Get or create the project's experiment; local stores get an absolute artifact location.
 
     The first call that touches the store: an MLflow or database error becomes a one-paragraph TrackingError."""
-    from mlflow import MlflowClient
-
     try:
-        client = MlflowClient(uri)
+        client = _client(uri)
         exp = client.get_experiment_by_name(name)
         if exp is not None:
             return exp.experiment_id
@@ -122,10 +134,9 @@ def experiment_id(uri: str, root: Path | None = None, name: str = EXPERIMENT) ->
 
 def create_run(uri: str, root: Path, name: str, tags: Mapping[str, str], params: Mapping[str, Any]) -> str:
     """A new run in the project's experiment, with its params; returns its id."""
-    from mlflow import MlflowClient
     from mlflow.entities import Param
 
-    client = MlflowClient(uri)
+    client = _client(uri)
     run = client.create_run(experiment_id(uri, root), run_name=name, tags=dict(tags))
     client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in flat_params(params).items()])
     return run.info.run_id
@@ -133,19 +144,16 @@ def create_run(uri: str, root: Path, name: str, tags: Mapping[str, str], params:
 
 def resume_run(uri: str, run_id: str) -> None:
     """Mark a run that is being continued (a resumed stage) RUNNING again."""
-    from mlflow import MlflowClient
-
-    MlflowClient(uri).update_run(run_id, status="RUNNING")
+    _client(uri).update_run(run_id, status="RUNNING")
 
 
 def child_run(uri: str, experiment_id: str, parent_id: str, name: str, match: Mapping[str, str],
               tags: Mapping[str, str], params: Mapping[str, Any]) -> str:
     """The child of ``parent_id`` tagged ``match`` (e.g. a trial id), found again and set RUNNING, or else created:
     named ``name``, tagged ``mlflow.parentRunId``, ``match`` and ``tags``, with ``params``. Returns its id."""
-    from mlflow import MlflowClient
     from mlflow.entities import Param
 
-    client = MlflowClient(uri)
+    client = _client(uri)
     wanted = {"mlflow.parentRunId": parent_id, **match}
     found = client.search_runs([experiment_id], filter_string=" and ".join(f"tags.{k} = '{v}'"
                                                                            for k, v in wanted.items()))
@@ -161,11 +169,9 @@ def end_run(uri: str | None, run_id: str | None, status: str, tags: Mapping[str,
     """Set ``tags`` on the run, then end it with ``status`` (FINISHED, FAILED, KILLED); nothing without a run."""
     if not (uri and run_id):
         return
-    from mlflow import MlflowClient
-
     if tags:
         set_tags(run_id, tags, uri=uri)
-    MlflowClient(uri).set_terminated(run_id, status)
+    _client(uri).set_terminated(run_id, status)
 
 
 def epoch_logger(uri: str, run_id: str):
@@ -192,9 +198,7 @@ def epoch_logger(uri: str, run_id: str):
             self.__dict__.update(state)
             self.client = None
             try:  # warm up: the first MLflow import and store initialisation take seconds
-                from mlflow import MlflowClient
-
-                self.client = MlflowClient(uri)
+                self.client = _client(uri)
                 self.client.get_run(run_id)
             except Exception as exc:
                 self._warn(exc)
@@ -238,20 +242,17 @@ def log_epoch(uri: str, run_id: str, metrics: Mapping[str, float], step: int, cl
     """Log one epoch's metrics to ``run_id`` (through ``client`` when given)."""
     import time
 
-    from mlflow import MlflowClient
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
     batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
-    (client or MlflowClient(uri)).log_batch(run_id, metrics=batch, synchronous=True)
+    (client or _client(uri)).log_batch(run_id, metrics=batch, synchronous=True)
 
 
 def log_missing_epochs(uri: str, run_id: str, history: list[Mapping[str, Any]], keys: tuple[str, ...]) -> int:
     """Log the epochs of ``history`` (per-epoch metric dicts with ``epoch``) that ``run_id`` lacks, e.g. those an
     interrupted run checkpointed but never got to log; finite numbers of ``keys`` only. Returns how many epochs."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(uri)
+    client = _client(uri)
     logged = {m.step for m in client.get_metric_history(run_id, "loss")}
     missing = [h for h in history if int(h["epoch"]) not in logged]
     log_metrics_batch(uri, run_id, missing, keys, client=client)
@@ -265,30 +266,25 @@ def log_metrics_batch(uri: str, run_id: str, rows: list[Mapping[str, Any]], keys
     import math
     import time
 
-    from mlflow import MlflowClient
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
     batch = [Metric(k, float(h[k]), now, int(h["epoch"])) for h in rows for k in keys
              if isinstance(h.get(k), int | float) and not isinstance(h.get(k), bool) and math.isfinite(h[k])]
     if batch:
-        (client or MlflowClient(uri)).log_batch(run_id, metrics=batch, synchronous=True)
+        (client or _client(uri)).log_batch(run_id, metrics=batch, synchronous=True)
 
 
 def log_metrics(uri: str, run_id: str, metrics: Mapping[str, float]) -> None:
     """Log single values (step 0, e.g. a finished job's summary) to ``run_id``."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(uri)
+    client = _client(uri)
     for k, v in metrics.items():
         client.log_metric(run_id, k, v)
 
 
 def log_artifacts(uri: str, run_id: str, files: list[Path]) -> None:
     """Upload the files of ``files`` that exist to the root of ``run_id``'s artifacts."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(uri)
+    client = _client(uri)
     for f in files:
         if f.is_file():
             client.log_artifact(run_id, str(f))
@@ -297,9 +293,7 @@ def log_artifacts(uri: str, run_id: str, files: list[Path]) -> None:
 def set_tags(run_id: str, tags: Mapping[str, Any], root: Path | None = None, *, uri: str | None = None) -> None:
     """Set ``tags`` (values as strings of at most 5000 characters) on ``run_id`` in ``uri`` (default: the store of
     ``root``)."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(uri or tracking_uri(root))
+    client = _client(uri or tracking_uri(root))
     for k, v in tags.items():
         client.set_tag(run_id, k, str(v)[:5000])
 

@@ -59,6 +59,18 @@ def ray_chatter(lines: list[str]) -> list[str]:
     return [line for line in lines if CPP_LINE.search(line) or any(word in line for word in RAY_INTERNALS)]
 
 
+# Every line a default run may print: our progress lines ("[pretrain] ...", from the worker behind Ray's plain
+# "(RayTrainWorker pid=N) " prefix: the console is a pipe here, so no colour codes), the closing line, the one line
+# about a new MLflow store, and our warnings.
+OURS = re.compile(r"^(\(RayTrainWorker pid=\d+\) )?\[pretrain\] "
+                  r"|^pretrained \d+ epochs: "
+                  r"|^\[mlflow\] new tracking store ")
+
+
+def not_ours(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.strip() and not OURS.match(line)]
+
+
 def session_logs(tmp: str) -> Path:
     sessions = sorted(Path(tmp).glob("**/session_2*/logs"))
     assert len(sessions) == 1, sessions
@@ -71,6 +83,8 @@ def test_a_default_run_prints_our_lines_and_ray_keeps_its_own_logs(sandbox):
     console = "\n".join(lines)
     assert code == 0, console
     assert not ray_chatter(lines), console
+    assert not not_ours(lines), console  # nothing else either: no MLflow, alembic or torch chatter, no colour codes
+    assert sum(line.startswith("[mlflow] new tracking store ") for line in lines) == 1, console  # a fresh store
     assert any("[pretrain] epoch 1/2 loss" in line for line in lines), console
     assert any("[pretrain] epoch 2/2 loss" in line for line in lines), console
     assert any(line.startswith("pretrained 2 epochs: loss") for line in lines), console
