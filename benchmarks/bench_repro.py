@@ -34,13 +34,17 @@ OWN = {
     "sweep": re.compile(r"^\[sweep\] \d+ trials in ([\d.]+) s"),
     "theory": re.compile(r"^theory: learned in .*; ([\d.]+) s ->"),
 }
+# the stages that say where their time went, in a line of their own
+SPLIT = re.compile(r"^\[(pretrain|evaluate)\] \d+ s in all: (.*)$")
 
 
-def run_repro(cwd: Path, log) -> tuple[float, dict[str, float], dict[str, float]]:
-    """`dvc repro -f` in cwd, its output echoed to ``log``: (total s, wall s per stage, own s per stage)."""
+def run_repro(cwd: Path, log) -> tuple[float, dict[str, float], dict[str, float], dict[str, str]]:
+    """`dvc repro -f` in cwd, its output echoed to ``log``: (total s, wall s per stage, own s per stage, the stages'
+    own lines on where their time went)."""
     start = time.perf_counter()
     marks: list[tuple[str, float]] = []
     own: dict[str, float] = {}
+    split: dict[str, str] = {}
     proc = subprocess.Popen(["dvc", "repro", "-f"], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1)
     assert proc.stdout is not None
@@ -51,6 +55,8 @@ def run_repro(cwd: Path, log) -> tuple[float, dict[str, float], dict[str, float]
         for stage, pattern in OWN.items():
             if m := pattern.match(line):
                 own[stage] = float(m.group(1))
+        if m := SPLIT.match(line.strip()):
+            split[m.group(1)] = m.group(2)
     if proc.wait() != 0:
         sys.exit(f"dvc repro -f failed (exit {proc.returncode}); its output is above")
     end = time.perf_counter()
@@ -59,7 +65,7 @@ def run_repro(cwd: Path, log) -> tuple[float, dict[str, float], dict[str, float]
     train = json.loads((cwd / "metrics" / "pretrain.json").read_text()).get("train_seconds")
     if train is not None:
         own["pretrain"] = float(train)
-    return end - start, wall, own
+    return end - start, wall, own, split
 
 
 def cpu_model() -> str:
@@ -92,7 +98,7 @@ def main() -> None:
         subprocess.run(["git", "clone", "-q", str(ROOT), str(cwd)], check=True)
     log = open(os.devnull, "w") if args.quiet else sys.stdout  # noqa: SIM115 - closed below
     try:
-        total, wall, own = run_repro(cwd, log)
+        total, wall, own, split = run_repro(cwd, log)
         t0 = time.perf_counter()
         noop = subprocess.run(["dvc", "repro"], cwd=cwd, capture_output=True, text=True)
         noop_s = time.perf_counter() - t0
@@ -112,6 +118,8 @@ def main() -> None:
         print(f"  {name:<10}{s:8.1f}{s / total:8.0%}{mine}")
     print(f"  {'total':<10}{total:8.1f}          {total / GOAL_S:.2f}x the {GOAL_S:.0f} s goal")
     print(f"  no-op `dvc repro`: {noop_s:.1f} s, {noop_s / NOOP_GOAL_S:.2f}x the {NOOP_GOAL_S:.0f} s goal")
+    for stage, text in split.items():
+        print(f"  {stage}: {text}")
 
     if not args.no_record:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
@@ -121,7 +129,7 @@ def main() -> None:
                   "cpus": os.cpu_count(), "cpu": cpu_model(),
                   "total_s": round(total, 1), "noop_s": round(noop_s, 1),
                   "stages_s": {k: round(v, 1) for k, v in wall.items()},
-                  "own_s": {k: round(v, 1) for k, v in own.items()}}
+                  "own_s": {k: round(v, 1) for k, v in own.items()}, "split": split}
         out = ROOT / "benchmarks" / "results" / "repro.jsonl"
         with out.open("a") as f:
             f.write(json.dumps(record) + "\n")

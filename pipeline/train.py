@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -266,6 +267,8 @@ class PretrainResult:
     mlflow_run_id: str | None
     input_shape: tuple[int, ...]
     n_classes: int
+    fit_started: float = 0.0  # when Ray Train's run started (time.time())
+    fit_seconds: float = 0.0  # its wall time: Ray Train's start and stop, the epochs and their reports
 
 
 def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = True) -> PretrainResult:
@@ -315,6 +318,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
         ),
     )
     system = trk.SystemMetrics(uri, run_id) if run_id else None  # the driver's node while Ray trains
+    fit_started, fit_start = time.time(), time.perf_counter()
     try:
         result = trainer.fit()
     except Exception as exc:
@@ -326,6 +330,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     finally:
         if system:
             system.stop()
+    fit_seconds = time.perf_counter() - fit_start
     status = read_status(run_dir)
     if status:
         trk.end_run(uri, run_id, "FAILED")
@@ -338,7 +343,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     if run_id:  # epochs checkpointed before an interruption but never logged: the run shows every epoch once
         trk.log_missing_epochs(uri, run_id, state["history"], epoch_metric_names(state["history"]))
     return PretrainResult(state=state, run_name=name, mlflow_run_id=run_id, input_shape=data.input_shape,
-                          n_classes=len(data.classes))
+                          n_classes=len(data.classes), fit_started=fit_started, fit_seconds=fit_seconds)
 
 
 def _mlflow_run(params: Params, root: Path, name: str, uri: str, state_dir: Path) -> str:

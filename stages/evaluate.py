@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,17 @@ def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, fil
                              files=files, parent=parent_run_id, artifact_path="evaluate")
 
 
+def time_line(started: float, marks: list[float], ev: Evaluation) -> str:
+    """Where the stage's wall time went: ``marks`` are the ``time.time()`` of the evaluation's start, its end, the
+    figures' end and the MLflow run's end; ``started`` the process's start (imports, loading the model and data)."""
+    evaluation, figures, mlflow = (b - a for a, b in zip(marks[:-1], marks[1:], strict=True))
+    probes = sum(r["seconds"] for r in ev.probe_rows)
+    rest = evaluation - probes - ev.metrics["embed_seconds"]
+    return (f"[evaluate] {marks[-1] - started:.0f} s in all: {marks[0] - started:.1f} s of start (imports, model, "
+            f"data), embeddings {ev.metrics['embed_seconds']:.1f} s, probes {probes:.1f} s, affinities, clustering "
+            f"and health {rest:.1f} s, figures (t-SNE included) {figures:.1f} s, MLflow run {mlflow:.1f} s")
+
+
 class ModelError(RuntimeError):
     """The pretrained model is missing, unreadable or does not fit the data; the message names the file."""
 
@@ -95,6 +107,9 @@ def load_model(model_dir: Path) -> tuple[Any, dict[str, Any]]:
 @runtime_errors(DatasetError, TrackingError, ModelError, FileNotFoundError)
 def evaluate_cmd(params: Params, data_dir: Path, model_dir: Path, no_tracking: bool) -> None:
     """Probe the frozen embeddings of every layer, cluster the learned affinity, draw the figures."""
+    import psutil
+
+    started = psutil.Process().create_time()  # the process's start: the interpreter and the imports count too
     if not no_tracking:  # fail fast, before the probes, if the store is unreachable
         from pipeline.tracking import check_reachable, project_root, tracking_uri
 
@@ -105,16 +120,21 @@ def evaluate_cmd(params: Params, data_dir: Path, model_dir: Path, no_tracking: b
         raise ModelError(f"the model in {model_dir} was pretrained on inputs of shape {tuple(config['input_shape'])}"
                          f" but {data_dir} holds {data.input_shape}; run `transfusion pretrain` again on this data "
                          "(or `dvc repro`)")
+    marks = [time.time()]  # the evaluation, the figures, the MLflow run
     ev = evaluate(params, data, model, config["params"]["train"]["batch_size"], progress=click.echo)
     ev.metrics["pretrain_mlflow_run_id"] = config.get("mlflow_run_id")
+    marks.append(time.time())
     with atomic_dir(PLOTS) as out:
         write_figures(ev, out, Path("plots/pretrain.csv"))
+    marks.append(time.time())
     metrics_path = Path("metrics/evaluate.json")
     if not no_tracking:
         ev.metrics["mlflow_run_id"] = log_to_mlflow(
             params, ev, config.get("mlflow_run_id"), [*sorted(PLOTS.iterdir())])
+    marks.append(time.time())
     write_json(metrics_path, json_safe(ev.metrics))
     best = ev.metrics["probes"].get("backbone", {})
     line = ", ".join(f"{k} {max(a for a in v.values() if a is not None):.4f}" for k, v in best.items()
                      if any(a is not None for a in v.values()))
     click.echo(f"evaluated: backbone {line}; spectral NMI {ev.metrics['spectral']['nmi']:.3f} -> metrics/evaluate.json")
+    click.echo(time_line(started, marks, ev))

@@ -8,6 +8,7 @@ Writes (atomically): ``models/pretrain/{model.pt,config.json}``, ``metrics/pretr
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import click
@@ -54,6 +55,22 @@ def health_warnings(summary: dict) -> list[str]:
     return [f"[pretrain] warning: {line}; what to change: docs/fusion.md" for line in warnings_for(summary["health"])]
 
 
+def time_line(started: float, res: PretrainResult, now: float | None = None) -> str:
+    """Where the stage's wall time went, from the process's start (``started``, ``time.time()`` seconds) to ``now``.
+
+    Before Ray Train's run: imports, Ray's start, the checks, the MLflow run. The run (``res.fit_seconds``), of which
+    the training steps of the epochs it trained (a resumed run's earlier epochs are not counted); the rest is Ray
+    Train's start and stop and each epoch's kNN, health, report and checkpoint. After it: the outputs and the MLflow
+    model."""
+    total = (time.time() if now is None else now) - started
+    train_seconds = sum(h["seconds"] for h in res.state["history"] if h["ended_at"] >= res.fit_started)
+    before_fit = max(res.fit_started - started, 0.0)
+    after = max(total - before_fit - res.fit_seconds, 0.0)
+    return (f"[pretrain] {total:.0f} s in all: {before_fit:.1f} s before training (imports, Ray's start, checks, "
+            f"MLflow run), Ray Train's run {res.fit_seconds:.1f} s ({train_seconds:.1f} s of training steps), "
+            f"{after:.1f} s after (outputs, MLflow model)")
+
+
 def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
     """The pretraining run gets the stage's files and the model (MLflow's pytorch flavour), and ends FINISHED."""
     from pipeline.model import build_model
@@ -71,6 +88,9 @@ def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
 @runtime_errors(DatasetError, PretrainError, TrackingError, ClusterError)
 def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Pretrain TransFusion on the prepared data with Ray Train (resumes an interrupted run)."""
+    import psutil
+
+    started = psutil.Process().create_time()  # the process's start: the interpreter and the imports count too
     check_weights(params)
     root = project_root()
     try:
@@ -92,3 +112,4 @@ def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
                f"{summary['samples_per_s']:,.0f} samples/s -> models/pretrain/")
     for line in health_warnings(summary):
         click.echo(line, err=True)
+    click.echo(time_line(started, res))

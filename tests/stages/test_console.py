@@ -88,6 +88,7 @@ def test_a_default_run_prints_our_lines_and_ray_keeps_its_own_logs(sandbox):
     assert any("[pretrain] epoch 1/2 loss" in line for line in lines), console
     assert any("[pretrain] epoch 2/2 loss" in line for line in lines), console
     assert any(line.startswith("pretrained 2 epochs: loss") for line in lines), console
+    assert any(line.startswith("[pretrain] ") and " s in all: " in line for line in lines), console  # where time went
     # token authentication is still on (Ray created the token for this fresh HOME), only not announced
     assert (home / ".ray" / "auth_token").is_file()
     # what the console no longer shows is on disk, in Ray's session logs
