@@ -35,7 +35,7 @@ OWN = {
     "theory": re.compile(r"^theory: learned in .*; ([\d.]+) s ->"),
 }
 # the stages that say where their time went, in a line of their own
-SPLIT = re.compile(r"^\[(pretrain|evaluate)\] \d+ s in all: (.*)$")
+SPLIT = re.compile(r"^\[(pretrain|evaluate|sweep)\] \d+ s in all: (.*)$")
 
 
 def run_repro(cwd: Path, log) -> tuple[float, dict[str, float], dict[str, float], dict[str, str]]:

@@ -463,8 +463,9 @@ class SweepResult:
     rows: list[dict[str, Any]]  # one per trial: point, final metrics, epochs, status, per-epoch history
     name: str
     mlflow_run_id: str | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # Ray Tune's run of the trials
     resumed: bool = False
+    started: float = 0.0  # when that run started (time.time())
 
 
 def parent_run(params: Params, root: Path, name: str, stage: str = "sweep",
@@ -634,9 +635,10 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     grid, resumed, seconds = tune_job(trainable, space, name=name, storage=storage, tracker=tracker,
                                       concurrent=concurrent, announce=announce, scheduler=scheduler,
                                       num_samples=samples)
+    started = time.time() - seconds
     rows = trial_rows(grid, s.epochs)
     say(f"[sweep] {len(rows)} trials in {seconds:.0f} s")
-    return SweepResult(rows=rows, name=name, mlflow_run_id=parent, seconds=seconds, resumed=resumed)
+    return SweepResult(rows=rows, name=name, mlflow_run_id=parent, seconds=seconds, resumed=resumed, started=started)
 
 
 def finish_tracking(root: Path, result: SweepResult, best: dict[str, Any] | None, files: list[Path]) -> None:

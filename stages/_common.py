@@ -7,7 +7,8 @@ with a one-paragraph message instead of a traceback.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
@@ -91,3 +92,17 @@ def check_weights(params: Params) -> None:
 
 
 __all__ = ["Params", "ParamsUsageError", "check_weights", "params_options", "runtime_errors"]
+
+
+def process_started() -> float:
+    """When this process started (``time.time()`` seconds): a stage's time counts the interpreter and its imports."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+def time_line(stage: str, started: float, parts: Sequence[tuple[str, float]], now: float | None = None) -> str:
+    """``[stage] T s in all: label s, ...``: where a stage's wall time went, from its process's start (``started``)
+    to ``now`` (default: now). The closing line of the stages that spend more than a few seconds."""
+    total = (time.time() if now is None else now) - started
+    return f"[{stage}] {total:.0f} s in all: " + ", ".join(f"{label} {seconds:.1f} s" for label, seconds in parts)

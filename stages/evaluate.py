@@ -20,7 +20,7 @@ from pipeline.datasets import DatasetError
 from pipeline.evaluation import Evaluation, evaluate, load_data, load_pretrained
 from pipeline.io import TensorFileError, atomic_dir, json_safe, write_csv, write_json
 from pipeline.tracking import TrackingError
-from stages._common import params_options, runtime_errors
+from stages._common import params_options, process_started, runtime_errors, time_line
 
 PLOTS = Path("plots/evaluate")
 
@@ -64,15 +64,15 @@ def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, fil
                              files=files, parent=parent_run_id, artifact_path="evaluate")
 
 
-def time_line(started: float, marks: list[float], ev: Evaluation) -> str:
-    """Where the stage's wall time went: ``marks`` are the ``time.time()`` of the evaluation's start, its end, the
-    figures' end and the MLflow run's end; ``started`` the process's start (imports, loading the model and data)."""
+def time_parts(started: float, marks: list[float], ev: Evaluation) -> list[tuple[str, float]]:
+    """Where the stage's time went: ``marks`` are the ``time.time()`` of the evaluation's start, its end, the figures'
+    end and the MLflow run's end; ``started`` the process's start (imports, loading the model and data)."""
     evaluation, figures, mlflow = (b - a for a, b in zip(marks[:-1], marks[1:], strict=True))
     probes = sum(r["seconds"] for r in ev.probe_rows)
-    rest = evaluation - probes - ev.metrics["embed_seconds"]
-    return (f"[evaluate] {marks[-1] - started:.0f} s in all: {marks[0] - started:.1f} s of start (imports, model, "
-            f"data), embeddings {ev.metrics['embed_seconds']:.1f} s, probes {probes:.1f} s, affinities, clustering "
-            f"and health {rest:.1f} s, figures (t-SNE included) {figures:.1f} s, MLflow run {mlflow:.1f} s")
+    embed = ev.metrics["embed_seconds"]
+    return [("start (imports, model, data)", marks[0] - started), ("embeddings", embed), ("probes", probes),
+            ("affinities, clustering and health", evaluation - probes - embed),
+            ("figures (t-SNE included)", figures), ("MLflow run", mlflow)]
 
 
 class ModelError(RuntimeError):
@@ -107,9 +107,7 @@ def load_model(model_dir: Path) -> tuple[Any, dict[str, Any]]:
 @runtime_errors(DatasetError, TrackingError, ModelError, FileNotFoundError)
 def evaluate_cmd(params: Params, data_dir: Path, model_dir: Path, no_tracking: bool) -> None:
     """Probe the frozen embeddings of every layer, cluster the learned affinity, draw the figures."""
-    import psutil
-
-    started = psutil.Process().create_time()  # the process's start: the interpreter and the imports count too
+    started = process_started()
     if not no_tracking:  # fail fast, before the probes, if the store is unreachable
         from pipeline.tracking import check_reachable, project_root, tracking_uri
 
@@ -137,4 +135,4 @@ def evaluate_cmd(params: Params, data_dir: Path, model_dir: Path, no_tracking: b
     line = ", ".join(f"{k} {max(a for a in v.values() if a is not None):.4f}" for k, v in best.items()
                      if any(a is not None for a in v.values()))
     click.echo(f"evaluated: backbone {line}; spectral NMI {ev.metrics['spectral']['nmi']:.3f} -> metrics/evaluate.json")
-    click.echo(time_line(started, marks, ev))
+    click.echo(time_line("evaluate", started, time_parts(started, marks, ev), marks[-1]))

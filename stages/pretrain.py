@@ -20,7 +20,14 @@ from pipeline.health import unflat, warnings_for
 from pipeline.io import atomic_dir, save_torch, write_csv, write_json
 from pipeline.tracking import TrackingError, log_pytorch_model, project_root, set_tags, tracking_uri
 from pipeline.train import PretrainError, PretrainResult, cleanup_run, pretrain
-from stages._common import ParamsUsageError, check_weights, params_options, runtime_errors
+from stages._common import (
+    ParamsUsageError,
+    check_weights,
+    params_options,
+    process_started,
+    runtime_errors,
+    time_line,
+)
 
 CURVE_COLUMNS = ("epoch", "loss", "lr", "knn_acc", "view_noise", "samples_per_s", "seconds")
 
@@ -55,20 +62,16 @@ def health_warnings(summary: dict) -> list[str]:
     return [f"[pretrain] warning: {line}; what to change: docs/fusion.md" for line in warnings_for(summary["health"])]
 
 
-def time_line(started: float, res: PretrainResult, now: float | None = None) -> str:
-    """Where the stage's wall time went, from the process's start (``started``, ``time.time()`` seconds) to ``now``.
-
-    Before Ray Train's run: imports, Ray's start, the checks, the MLflow run. The run (``res.fit_seconds``), of which
-    the training steps of the epochs it trained (a resumed run's earlier epochs are not counted); the rest is Ray
-    Train's start and stop and each epoch's kNN, health, report and checkpoint. After it: the outputs and the MLflow
-    model."""
-    total = (time.time() if now is None else now) - started
-    train_seconds = sum(h["seconds"] for h in res.state["history"] if h["ended_at"] >= res.fit_started)
-    before_fit = max(res.fit_started - started, 0.0)
-    after = max(total - before_fit - res.fit_seconds, 0.0)
-    return (f"[pretrain] {total:.0f} s in all: {before_fit:.1f} s before training (imports, Ray's start, checks, "
-            f"MLflow run), Ray Train's run {res.fit_seconds:.1f} s ({train_seconds:.1f} s of training steps), "
-            f"{after:.1f} s after (outputs, MLflow model)")
+def time_parts(started: float, res: PretrainResult, now: float) -> list[tuple[str, float]]:
+    """Where the stage's time went: before Ray Train's run (imports, Ray's start, the checks, the MLflow run); the
+    run (``res.fit_seconds``) and, within it, the training steps of the epochs it trained (a resumed run's earlier
+    epochs are not counted; the rest of the run is Ray Train's start and stop and each epoch's kNN, health, report and
+    checkpoint); after it, the outputs and the MLflow model."""
+    before = max(res.fit_started - started, 0.0)
+    steps = sum(h["seconds"] for h in res.state["history"] if h["ended_at"] >= res.fit_started)
+    return [("start (imports, Ray, checks, MLflow run)", before), ("Ray Train's run", res.fit_seconds),
+            ("of which training steps", steps),
+            ("outputs and MLflow model", max(now - started - before - res.fit_seconds, 0.0))]
 
 
 def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
@@ -88,9 +91,7 @@ def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
 @runtime_errors(DatasetError, PretrainError, TrackingError, ClusterError)
 def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Pretrain TransFusion on the prepared data with Ray Train (resumes an interrupted run)."""
-    import psutil
-
-    started = psutil.Process().create_time()  # the process's start: the interpreter and the imports count too
+    started = process_started()
     check_weights(params)
     root = project_root()
     try:
@@ -112,4 +113,5 @@ def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
                f"{summary['samples_per_s']:,.0f} samples/s -> models/pretrain/")
     for line in health_warnings(summary):
         click.echo(line, err=True)
-    click.echo(time_line(started, res))
+    now = time.time()
+    click.echo(time_line("pretrain", started, time_parts(started, res, now), now))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,14 @@ from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
 from pipeline.io import atomic_dir, write_csv, write_json
 from pipeline.tracking import TrackingError, project_root
-from stages._common import ParamsUsageError, check_weights, params_options, runtime_errors
+from stages._common import (
+    ParamsUsageError,
+    check_weights,
+    params_options,
+    process_started,
+    runtime_errors,
+    time_line,
+)
 
 COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "train.seed", "view_noise",
            "knn_acc", "best_knn_acc", "loss", "min_positive", "max_uniform_rows", "dead_blocks", "epochs",
@@ -73,6 +81,7 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     from pipeline.datasets import load_prepared
     from pipeline.sweep import SPACE_KEYS, SweepError, check_points, cleanup, finish_tracking, run_sweep
 
+    started = process_started()
     try:  # every point of the grid is valid params (e.g. batch vs workers) before any work
         check_points(params)
     except ParamsError as exc:
@@ -98,3 +107,13 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
         click.echo(f"swept {len(result.rows)} trials ({failed} failed) in {result.seconds:.0f} s; best knn_acc "
                    f"{best['knn_acc']:.4f} at depth {best['model.depth']}, batch {best['train.batch_size']}, "
                    f"strength {best['augment.strength']} -> sweeps/, plots/sweep/")
+    now = time.time()
+    click.echo(time_line("sweep", started, time_parts(started, result, now), now))
+
+
+def time_parts(started: float, result: Any, now: float) -> list[tuple[str, float]]:
+    """Where the stage's time went: before Ray Tune's run (imports, Ray's start, the checks, the MLflow parent run),
+    the trials (``result``: a ``pipeline.sweep.SweepResult``), after them (outputs, figures, MLflow)."""
+    before = max(result.started - started, 0.0)
+    return [("start (imports, Ray, checks, MLflow run)", before), ("trials", result.seconds),
+            ("outputs, figures and MLflow", max(now - started - before - result.seconds, 0.0))]
