@@ -16,10 +16,12 @@ through Ray's own settings only (:data:`RAY_CONSOLE_ENV`, :func:`train_logging`,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -175,7 +177,8 @@ def init_ray(params: Params) -> None:
         if target:
             _probe(*target, params.ray.connect_timeout_s)
     try:
-        ray.init(address=address, log_to_driver=True, configure_logging=False)
+        with _local_gcs_port(address) as extra:
+            ray.init(address=address, log_to_driver=True, configure_logging=False, **extra)
     except AuthenticationError:  # token mode without a token (Ray's own check, before connecting)
         raise _auth_error(address) from None
     except ConnectionError as exc:  # e.g. "auto" with no cluster running, or a token the cluster refused
@@ -183,6 +186,30 @@ def init_ray(params: Params) -> None:
             raise _auth_error(address) from None
         raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {str(exc).splitlines()[0]}; start "
                            "it, or unset ray.address / RAY_ADDRESS to run on a local Ray") from None
+
+
+@contextlib.contextmanager
+def _local_gcs_port(address: str | None) -> Iterator[dict[str, Any]]:
+    """For a local Ray this process starts: its GCS port, chosen here, and that address in the job's processes.
+
+    Ray's own processes look their cluster up when they call Ray's state API without an address (Ray Train's
+    placement-group cleaner does, every second): with ``RAY_ADDRESS`` unset they search the machine, and with a
+    second local Ray running (another stage, a test session, a ``ray start``) that search fails, the cleaner's
+    thread dies with "Found multiple active Ray instances" and its traceback reaches the console. Ray starts its GCS
+    on ``RAY_GCS_SERVER_PORT`` when that is set (read while ``ray.init`` starts it, unset again after); the job's
+    ``runtime_env`` hands every process of this run the address. Nothing changes for a cluster (an address) or
+    when the user set the port. Yields the extra ``ray.init`` arguments."""
+    if address not in (None, "local") or "RAY_GCS_SERVER_PORT" in os.environ:
+        yield {}
+        return
+    with socket.socket() as s:  # a free port now; Ray binds it a moment later
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    os.environ["RAY_GCS_SERVER_PORT"] = str(port)
+    try:
+        yield {"runtime_env": {"env_vars": {"RAY_ADDRESS": f"127.0.0.1:{port}"}}}
+    finally:
+        os.environ.pop("RAY_GCS_SERVER_PORT", None)
 
 
 def local_nodes() -> list[NodeType]:
