@@ -20,14 +20,7 @@ from pipeline.health import unflat, warnings_for
 from pipeline.io import atomic_dir, save_torch, write_csv, write_json
 from pipeline.tracking import TrackingError, log_pytorch_model, project_root, set_tags, tracking_uri
 from pipeline.train import PretrainError, PretrainResult, cleanup_run, pretrain
-from stages._common import (
-    ParamsUsageError,
-    check_weights,
-    params_options,
-    process_started,
-    runtime_errors,
-    time_line,
-)
+from stages._common import ParamsUsageError, check_weights, params_options, process_started, runtime_errors, time_line
 
 CURVE_COLUMNS = ("epoch", "loss", "lr", "knn_acc", "view_noise", "samples_per_s", "seconds")
 

@@ -22,14 +22,7 @@ from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
 from pipeline.io import atomic_dir, write_csv, write_json
 from pipeline.tracking import TrackingError, project_root
-from stages._common import (
-    ParamsUsageError,
-    check_weights,
-    params_options,
-    process_started,
-    runtime_errors,
-    time_line,
-)
+from stages._common import ParamsUsageError, check_weights, params_options, process_started, runtime_errors, time_line
 
 COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "train.seed", "view_noise",
            "knn_acc", "best_knn_acc", "loss", "min_positive", "max_uniform_rows", "dead_blocks", "epochs",
