@@ -47,10 +47,18 @@ def fmt_cell(v: Any, digits: int = 4) -> str:
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
+def fmt_minutes(minutes: float) -> str:
+    """Training time in minutes: one decimal from a minute on, two significant digits below (a few-second run on a
+    fast machine reads 0.0042, not 0.0)."""
+    return f"{minutes:.1f}" if minutes >= 1 else f"{minutes:.2g}"
+
+
 def table_row(name: str, batch: Any, accs: tuple, minutes: Any, *extra: str) -> str:
-    """One Markdown row of the paper's layout (``HEADER``), plus ``extra`` cells for added columns."""
+    """One Markdown row of the paper's layout (``HEADER``), plus ``extra`` cells for added columns. ``minutes``: our
+    measured float (:func:`fmt_minutes`), the paper's whole number, None (a cell the paper leaves empty) or text."""
     cells = " | ".join(fmt_cell(a) for a in accs)
-    return f"| {name} | {batch} | {cells} | {fmt_cell(minutes, 1)} |" + "".join(f" {e} |" for e in extra)
+    time = fmt_minutes(minutes) if isinstance(minutes, float) and math.isfinite(minutes) else fmt_cell(minutes, 1)
+    return f"| {name} | {batch} | {cells} | {time} |" + "".join(f" {e} |" for e in extra)
 
 
 def our_value(by_fraction: Mapping[str, Any], fraction: str) -> Any:

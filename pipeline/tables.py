@@ -31,7 +31,7 @@ from ray import tune
 
 from pipeline import tracking as trk
 from pipeline.config import Params, ParamsError, flatten
-from pipeline.report import HEADER, NA, PAPER_TABLES, RULE, fmt_cell, table_row
+from pipeline.report import HEADER, NA, PAPER_TABLES, RULE, fmt_cell, fmt_minutes, table_row
 from pipeline.sweep import (
     COUNT_ENV,
     TRIAL_CPU,
@@ -208,7 +208,7 @@ class TablesTracker(SweepTracker):
         probes = {k: result[f"probe.{k}"] for k in PROBES}
         accs = ", ".join(f"{k} {fmt_cell(NA if v is None else v)}" for k, v in probes.items())
         say(f"{self.PREFIX} table {row['table']} {row['name']!r}: {accs}; trained "
-            f"{result['train_seconds'] / 60:.1f} min, {result['hours']:.4f} {self.unit}")
+            f"{fmt_minutes(result['train_seconds'] / 60)} min, {result['hours']:.2g} {self.unit}")
         child = self._child(trial)
         if child:
             keys = [f"probe.{k}" for k in PROBES] + ["train_seconds", "fit_seconds", "eval_seconds", "hours"]
@@ -343,7 +343,7 @@ def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: st
 
 def _our_row(r: dict[str, Any]) -> str:
     accs = tuple(NA if r[k] is None else r[k] for k in PROBES)
-    minutes = NA if r["train_minutes"] is None else f"{r['train_minutes']:.2f}"  # short runs: not 0.0
+    minutes = NA if r["train_minutes"] is None else float(r["train_minutes"])
     hours = NA if r["hours"] is None else fmt_cell(float(r["hours"]))
     return table_row(f"**ours: {r['name']}**", r["train.batch_size"], accs, minutes, hours)
 

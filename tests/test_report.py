@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pipeline.report import HEADER, PAPER_TABLE_1, render
+import pytest
+
+from pipeline.report import HEADER, PAPER_TABLE_1, fmt_minutes, render
 
 
 def sample(mode="self_supervised"):
@@ -52,3 +54,10 @@ def test_a_probe_that_could_not_run_is_na_and_a_dead_block_is_warned_about():
     assert "Warning" not in render(params, pre, ev, {})
     params["model"]["depth"] = 0
     assert "Depth 0: no TransFusion block" in render(params, pre, ev, {})
+
+
+@pytest.mark.parametrize("minutes, text", [(12.34, "12.3"), (1.5, "1.5"), (1.0, "1.0"), (0.35, "0.35"),
+                                           (0.0042, "0.0042"), (0.000123, "0.00012")])
+def test_short_runs_keep_two_significant_digits_of_their_minutes(minutes, text):
+    # a 2-epoch row on a fast machine trains in a fraction of a second: "0.00" would read as no time at all
+    assert fmt_minutes(minutes) == text and float(text) > 0
