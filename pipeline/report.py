@@ -57,8 +57,8 @@ def table_row(name: str, batch: Any, accs: tuple, minutes: Any, *extra: str) -> 
     """One Markdown row of the paper's layout (``HEADER``), plus ``extra`` cells for added columns. ``minutes``: our
     measured float (:func:`fmt_minutes`), the paper's whole number, None (a cell the paper leaves empty) or text."""
     cells = " | ".join(fmt_cell(a) for a in accs)
-    time = fmt_minutes(minutes) if isinstance(minutes, float) and math.isfinite(minutes) else fmt_cell(minutes, 1)
-    return f"| {name} | {batch} | {cells} | {time} |" + "".join(f" {e} |" for e in extra)
+    took = fmt_minutes(minutes) if isinstance(minutes, float) and math.isfinite(minutes) else fmt_cell(minutes, 1)
+    return f"| {name} | {batch} | {cells} | {took} |" + "".join(f" {e} |" for e in extra)
 
 
 def our_value(by_fraction: Mapping[str, Any], fraction: str) -> Any:

@@ -91,8 +91,6 @@ def check_weights(params: Params) -> None:
                                    f"{len(unexpected)} unexpected keys, e.g. {shown}); {fix}")
 
 
-__all__ = ["Params", "ParamsUsageError", "check_weights", "params_options", "runtime_errors"]
-
 
 def process_started() -> float:
     """When this process started (``time.time()`` seconds): a stage's time counts the interpreter and its imports."""
@@ -106,3 +104,14 @@ def time_line(stage: str, started: float, parts: Sequence[tuple[str, float]], no
     to ``now`` (default: now). The closing line of the stages that spend more than a few seconds."""
     total = (time.time() if now is None else now) - started
     return f"[{stage}] {total:.0f} s in all: " + ", ".join(f"{label} {seconds:.1f} s" for label, seconds in parts)
+
+
+def around(started: float, run_started: float, run_seconds: float, now: float) -> tuple[float, float]:
+    """(seconds before, seconds after) a run of ``run_seconds`` that began at ``run_started``, within the stage's
+    time from ``started`` to ``now`` (all ``time.time()``; clock jitter never gives a negative part)."""
+    before = max(run_started - started, 0.0)
+    return before, max(now - started - before - run_seconds, 0.0)
+
+
+__all__ = ["Params", "ParamsUsageError", "around", "check_weights", "params_options", "process_started",
+           "runtime_errors", "time_line"]

@@ -20,7 +20,15 @@ from pipeline.health import unflat, warnings_for
 from pipeline.io import atomic_dir, save_torch, write_csv, write_json
 from pipeline.tracking import TrackingError, log_pytorch_model, project_root, set_tags, tracking_uri
 from pipeline.train import PretrainError, PretrainResult, cleanup_run, pretrain
-from stages._common import ParamsUsageError, check_weights, params_options, process_started, runtime_errors, time_line
+from stages._common import (
+    ParamsUsageError,
+    around,
+    check_weights,
+    params_options,
+    process_started,
+    runtime_errors,
+    time_line,
+)
 
 CURVE_COLUMNS = ("epoch", "loss", "lr", "knn_acc", "view_noise", "samples_per_s", "seconds")
 
@@ -60,11 +68,10 @@ def time_parts(started: float, res: PretrainResult, now: float) -> list[tuple[st
     run (``res.fit_seconds``) and, within it, the training steps of the epochs it trained (a resumed run's earlier
     epochs are not counted; the rest of the run is Ray Train's start and stop and each epoch's kNN, health, report and
     checkpoint); after it, the outputs and the MLflow model."""
-    before = max(res.fit_started - started, 0.0)
+    before, after = around(started, res.fit_started, res.fit_seconds, now)
     steps = sum(h["seconds"] for h in res.state["history"] if h["ended_at"] >= res.fit_started)
     return [("start (imports, Ray, checks, MLflow run)", before), ("Ray Train's run", res.fit_seconds),
-            ("of which training steps", steps),
-            ("outputs and MLflow model", max(now - started - before - res.fit_seconds, 0.0))]
+            ("of which training steps", steps), ("outputs and MLflow model", after)]
 
 
 def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:

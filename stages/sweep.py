@@ -22,7 +22,15 @@ from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
 from pipeline.io import atomic_dir, write_csv, write_json
 from pipeline.tracking import TrackingError, project_root
-from stages._common import ParamsUsageError, check_weights, params_options, process_started, runtime_errors, time_line
+from stages._common import (
+    ParamsUsageError,
+    around,
+    check_weights,
+    params_options,
+    process_started,
+    runtime_errors,
+    time_line,
+)
 
 COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "train.seed", "view_noise",
            "knn_acc", "best_knn_acc", "loss", "min_positive", "max_uniform_rows", "dead_blocks", "epochs",
@@ -107,6 +115,6 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
 def time_parts(started: float, result: Any, now: float) -> list[tuple[str, float]]:
     """Where the stage's time went: before Ray Tune's run (imports, Ray's start, the checks, the MLflow parent run),
     the trials (``result``: a ``pipeline.sweep.SweepResult``), after them (outputs, figures, MLflow)."""
-    before = max(result.started - started, 0.0)
+    before, after = around(started, result.started, result.seconds, now)
     return [("start (imports, Ray, checks, MLflow run)", before), ("trials", result.seconds),
-            ("outputs, figures and MLflow", max(now - started - before - result.seconds, 0.0))]
+            ("outputs, figures and MLflow", after)]
