@@ -17,9 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pipeline.augment import PRESETS
 from pipeline.backbones import BACKBONE_NAMES, FIXED_DIMS
+from pipeline.choices import ACTIVATIONS, BLOCK_NORMS, FUSION_SCOPES, QK_INITS
 from pipeline.datasets import DATASET_NAMES
 from pipeline.losses import LOSS_NAMES, SELF_SUPERVISED_ONLY
-from pipeline.model import ACTIVATIONS, BLOCK_NORMS, FUSION_SCOPES, QK_INITS
 from pipeline.probes import PROBES
 
 BATCHNORM_BACKBONES = ("resnet18_cifar", "resnet18")  # gradient caching is refused with these
@@ -292,6 +292,9 @@ class RayConfig(Section):
     max_failures: int = Field(0, ge=-1)
     connect_timeout_s: float = Field(30.0, gt=0.0, le=86_400.0)  # wait for ray.address / RAY_ADDRESS to answer
     resources_timeout_s: float = Field(300.0, gt=0.0, le=604_800.0)  # wait for the workers' resources to be free
+    # torch.distributed backend of Ray Train's workers: auto = Ray's choice (nccl on GPUs, gloo otherwise); gloo
+    # also lets a GPU-scheduled worker on a node that declares GPUs it does not have train on its CPU (rehearsals)
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
 
 
 class Params(Section):

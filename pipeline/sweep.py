@@ -57,7 +57,9 @@ from pipeline.train import (
     run_worker,
     status_reason,
     storage_location,
+    torch_config,
     train_loop_per_worker,
+    worker_device,
 )
 
 TRIAL_CPU = 0.25
@@ -246,10 +248,8 @@ def fit_trial(params: Params, fixed: dict[str, Any], trial_id: str, fault: str |
                       use_gpu=fixed["use_gpu"], fault=fault, quiet=True)
     start = time.time()
     if inline(params):
-        import torch
-
         clear_status(run_dir)
-        device = torch.device("cuda") if fixed["use_gpu"] else torch.device("cpu")
+        device = worker_device(fixed["use_gpu"], params.ray.backend, ray_train=False)
         loop = run_worker(spec, TuneSession(), device=device)
         state, path = (loop.state_dict() if loop else None), None
     else:
@@ -278,6 +278,7 @@ def _fit_train(params: Params, fixed: dict[str, Any], spec: WorkerSpec, trial_id
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=asdict(spec),
+        torch_config=torch_config(params.ray.backend),
         scaling_config=ray.train.ScalingConfig(
             num_workers=params.ray.num_workers, use_gpu=fixed["use_gpu"],
             resources_per_worker={"CPU": params.ray.cpus_per_worker},
@@ -377,6 +378,7 @@ class SweepTracker(tune.Callback):
         self.total = 0
         self.children: dict[str, str] = {}
         self.last_epoch: dict[str, int] = {}
+        self.training: dict[str, list[float]] = {}  # trial id -> [first result, end] (time.monotonic())
 
     def setup(self, **info) -> None:
         self.total = int(info.get("total_num_samples") or 0)
@@ -391,9 +393,21 @@ class SweepTracker(tune.Callback):
                                                params=self.labels(trial.config))
         return self.children[tid]
 
-    def _done(self, trials) -> str:
-        finished = sum(t.status in ("TERMINATED", "ERROR") for t in trials)
+    def _done(self, trials, ending=None) -> str:
+        """``"3/8"``: the trials that have ended, ``ending`` included (Tune calls ``on_trial_complete`` and
+        ``on_trial_error`` before it marks the trial so)."""
+        finished = sum(t.status in ("TERMINATED", "ERROR") or t is ending for t in trials)
         return f"{finished}/{max(self.total, len(trials))}"
+
+    def peak_at_once(self) -> int:
+        """The most trials that were training at the same moment (from each one's first result to its end): what
+        the cluster really ran at once, to compare with the computed ``max_concurrent_trials``."""
+        events = sorted((t, +1 if i == 0 else -1) for span in self.training.values() for i, t in enumerate(span))
+        peak = now = 0
+        for _, step in sorted(events, key=lambda e: (e[0], e[1])):  # an end before a start at the same instant
+            now += step
+            peak = max(peak, now)
+        return peak
 
     def on_step_end(self, iteration, trials, **info) -> None:
         # statuses as the control loop left them: after an interruption Tune's cleanup marks the stopped trials
@@ -417,6 +431,7 @@ class SweepTracker(tune.Callback):
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         epoch = int(result.get("epoch", 0))
         self.last_epoch[trial.trial_id] = epoch
+        self.training.setdefault(trial.trial_id, [time.monotonic()])
         knn = result.get("knn_acc")
         say(f"{self.PREFIX} trial {trial.trial_id} epoch {epoch}/{self.epochs_of(trial)}: "
             f"loss {result.get('loss', math.nan):.4f}"
@@ -435,7 +450,10 @@ class SweepTracker(tune.Callback):
         early = status == "FINISHED" and epoch < self.epochs_of(trial)
         reason = error_reason(_trial_error(trial)) if status == "FAILED" else ""
         what = f"failed: {reason}" if status == "FAILED" else f"stopped early at epoch {epoch}" if early else "finished"
-        say(f"{self.PREFIX} trial {trial.trial_id} {what} ({self._done(trials)} done)")
+        span = self.training.get(trial.trial_id)
+        if span is not None and len(span) == 1:
+            span.append(time.monotonic())
+        say(f"{self.PREFIX} trial {trial.trial_id} {what} ({self._done(trials, trial)} done)")
         child = self._child(trial)
         if child:
             # epochs a resumed trial checkpointed before an interruption but never reported to Tune: from the
@@ -466,6 +484,8 @@ class SweepResult:
     seconds: float = 0.0  # Ray Tune's run of the trials
     resumed: bool = False
     started: float = 0.0  # when that run started (time.time())
+    concurrent: int = 0  # the trials at once it allowed (max_concurrent_trials, computed from the cluster)
+    peak: int = 0  # the most trials that trained at the same moment (SweepTracker.peak_at_once)
 
 
 def parent_run(params: Params, root: Path, name: str, stage: str = "sweep",
@@ -558,8 +578,16 @@ def trial_rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
 
 
 def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, tracker: SweepTracker, concurrent: int,
-             announce: str, what: str = "sweep", scheduler=None, num_samples: int = 1):
+             announce: str, what: str = "sweep", scheduler=None, num_samples: int = 1, reuse_actors: bool = True,
+             metric: str | None = "knn_acc"):
     """Run, or resume, one Tune job of Train trials (the sweep, the paper's tables) under ``<storage>/<name>``.
+
+    ``metric``: what the scheduler ranks trials by (ASHA's online kNN accuracy); every result must then carry it
+    (Tune's strict check), so a job without a scheduler passes None (the tables: kNN every ``train.knn_every``
+    epochs). ``reuse_actors``: Tune runs the next trial in a finished trial's process; only for trials that train
+    in that process (one worker, :func:`inline`). A trial of several workers waits in ``TorchTrainer.fit`` for its Ray
+    Train run: when ASHA stops it, that wait cannot end in the 2 s Tune gives a reset, and a reused process would keep
+    the stopped run's workers, and their resources, for Tune's 600 s clean-up timeout.
 
     Returns ``(ResultGrid, resumed, seconds)``. Raises :class:`SweepError` (the parent run KILLED, unfinished
     children KILLED) if the job was interrupted, and (the parent FAILED) if every trial failed.
@@ -576,12 +604,16 @@ def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, track
         tuner = tune.Tuner(
             trainable,
             param_space=space,
-            tune_config=tune.TuneConfig(metric="knn_acc", mode="max", scheduler=scheduler, num_samples=num_samples,
-                                        max_concurrent_trials=concurrent, reuse_actors=True,
+            tune_config=tune.TuneConfig(metric=metric, mode="max" if metric else None, scheduler=scheduler,
+                                        num_samples=num_samples,
+                                        max_concurrent_trials=concurrent, reuse_actors=reuse_actors,
                                         trial_dirname_creator=lambda t: f"trial-{t.trial_id}"),
             run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0, callbacks=[tracker]),
         )
     start = time.time()
+    # Tune's own lines on Ctrl-C ("Stop signal received ...", "Resume experiment with: Tuner.restore(...)"): the
+    # stage ends with its one line saying how to resume
+    logging.getLogger("ray.tune.tune").setLevel(logging.ERROR)
     grid = tuner.fit()
     unfinished = tracker.unfinished()
     if unfinished or not tracker.status:
@@ -634,11 +666,17 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
                 + (", ASHA early stopping" if s.asha else ""))
     grid, resumed, seconds = tune_job(trainable, space, name=name, storage=storage, tracker=tracker,
                                       concurrent=concurrent, announce=announce, scheduler=scheduler,
-                                      num_samples=samples)
+                                      num_samples=samples, reuse_actors=inline(trial_params(base, {})))
     started = time.time() - seconds
     rows = trial_rows(grid, s.epochs)
-    say(f"[sweep] {len(rows)} trials in {seconds:.0f} s")
-    return SweepResult(rows=rows, name=name, mlflow_run_id=parent, seconds=seconds, resumed=resumed, started=started)
+    say(f"[sweep] {len(rows)} trials in {seconds:.0f} s, {at_once(tracker, concurrent)}")
+    return SweepResult(rows=rows, name=name, mlflow_run_id=parent, seconds=seconds, resumed=resumed, started=started,
+                       concurrent=concurrent, peak=tracker.peak_at_once())
+
+
+def at_once(tracker: SweepTracker, concurrent: int) -> str:
+    """``"up to 2 training at once (2 allowed)"``: what ran at once against what the job allowed."""
+    return f"up to {tracker.peak_at_once()} training at once ({concurrent} allowed)"
 
 
 def finish_tracking(root: Path, result: SweepResult, best: dict[str, Any] | None, files: list[Path]) -> None:

@@ -13,8 +13,9 @@ frozen backbone is then probed as the paper does.
   per-epoch metrics, its probe accuracies and its hours; FAILED with the reason for a row that failed.
 - :func:`render` lays the two tables out as the paper does, our row under the paper's row it reproduces.
 
-Probes run in the trial's own process after training (CPU): ``probe.max_train`` caps their training set (null:
-the paper's 100 % of the labels).
+Probes run after training where the row's resources are (:func:`probe_where_trained`: in the trial of a one-worker
+row, as a Ray task of one worker's CPUs and GPU for a row of several workers); ``probe.max_train`` caps their
+training set (null: the paper's 100 % of the labels).
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ from pipeline.sweep import (
     TRIAL_CPU,
     SweepResult,
     SweepTracker,
+    at_once,
     checkpoint_history,
     error_reason,
     fit_trial,
+    inline,
     log_trial_start,
     max_concurrent,
     parent_run,
@@ -55,7 +58,7 @@ PROBES = ("ffn", "svm", "knn50", "knn200")  # the paper's columns, in the order 
 STAGE = "tables"
 COLUMNS = ("table", "name", "paper", "trial_id", "train.mode", "loss.name", "model.depth", "model.backbone",
            "train.batch_size", "epochs", *PROBES, "train_minutes", "fit_seconds", "eval_seconds", "workers", "gpus",
-           "hours", "hours_unit", "status", "error")
+           "hours", "hours_unit", "probe_cpus", "probe_gpus", "status", "error")
 
 
 # ---------------------------------------------------------------------------------------------------- rows
@@ -149,11 +152,41 @@ def row_labels(row: dict[str, Any]) -> dict[str, Any]:
     return {"table": row["table"], "row": row["name"], **row["params"]}
 
 
-def _row_trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
-    """One row: the sweep's Train trial on the row's params, then the probes; reported to Tune as the last result."""
+def probe_row(params: dict[str, Any], data_dir: str, manifest: dict[str, Any],
+              model_state: dict[str, Any]) -> tuple[dict[str, float], int, dict[str, float]]:
+    """A row's probes on its trained model (:func:`probe_backbone`), wherever this runs; also returns the Ray
+    resources it ran with (``{"CPU": 3.0, "GPU": 1.0}``)."""
+    import ray
+
     from pipeline.model import build_model
     from pipeline.storage import fetch_prepared
 
+    p = Params.model_validate(params, strict=False)
+    data = fetch_prepared(data_dir, manifest)
+    model = build_model(p.model, data.input_shape)
+    model.load_state_dict(model_state)
+    accuracies, n_probe = probe_backbone(p, data, model)
+    held = ray.get_runtime_context().get_assigned_resources() if ray.is_initialized() else {}
+    return accuracies, n_probe, {k: float(v) for k, v in held.items() if k in ("CPU", "GPU")}
+
+
+def probe_where_trained(params: Params, fixed: dict[str, Any], model_state: dict[str, Any]):
+    """Run :func:`probe_row` where the row's resources are: a one-worker row in its trial, which holds the worker's
+    bundle (its CPUs and GPU); a row of several workers, whose trial function holds only ``TRIAL_CPU`` on the head,
+    as a Ray task with one worker's resources, scheduled like the row's workers (on a GPU node when they train on
+    GPUs) once its Ray Train run has released them."""
+    args = (params.model_dump(), fixed["data"], fixed["manifest"], model_state)
+    if inline(params):
+        return probe_row(*args)
+    import ray
+
+    task = ray.remote(probe_row).options(num_cpus=params.ray.cpus_per_worker, num_gpus=1 if fixed["use_gpu"] else 0,
+                                         max_retries=0)
+    return ray.get(task.remote(*args))
+
+
+def _row_trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
+    """One row: the sweep's Train trial on the row's params, then the probes; reported to Tune as the last result."""
     row = config["row"]
     trial_id = tune.get_context().get_trial_id()
     labels = row_labels(row)
@@ -161,11 +194,8 @@ def _row_trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
     params = trial_params(fixed["base"], row["params"], source=f"tables row {row['name']!r}")
     run = fit_trial(params, fixed, trial_id, trial_fault(fixed.get("fault"), labels))
     state = run.state
-    data = fetch_prepared(fixed["data"], fixed["manifest"])
-    model = build_model(params.model, data.input_shape)
-    model.load_state_dict(state["model"])
     start = time.time()
-    accuracies, n_probe = probe_backbone(params, data, model)
+    accuracies, n_probe, held = probe_where_trained(params, fixed, state["model"])
     history = state["history"]
     knn = [h["knn_acc"] for h in history if h.get("knn_acc") is not None]
     workers = params.ray.num_workers
@@ -175,6 +205,7 @@ def _row_trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
         "train_seconds": float(sum(h["seconds"] for h in history)), "fit_seconds": run.seconds,
         "eval_seconds": time.time() - start, "workers": workers, "gpus": workers if fixed["use_gpu"] else 0,
         "hours": run.seconds * workers / 3600, "checkpoint_path": run.checkpoint_path,
+        "probe_cpus": held.get("CPU", 0.0), "probe_gpus": held.get("GPU", 0.0),
     })
 
 
@@ -241,6 +272,7 @@ def collect(grid, rows: list[Row], unit: str) -> list[dict[str, Any]]:
             "fit_seconds": m.get("fit_seconds"), "eval_seconds": m.get("eval_seconds"),
             "workers": p.ray.num_workers, "gpus": int(m["gpus"]) if done else None,
             "hours": m.get("hours") if done else None, "hours_unit": unit,
+            "probe_cpus": m.get("probe_cpus") if done else None, "probe_gpus": m.get("probe_gpus") if done else None,
             "status": "TERMINATED" if done else "ERROR",
             "error": error_reason(result.error) if result.error else ("" if done else "no evaluation reported"),
         })
@@ -282,11 +314,14 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     concurrent = max_concurrent(as_sweep(params), nodes, gpu, len(rows))
     announce = (f"[tables] {name}: {len(rows)} rows (table 1: {sum(r.table == 1 for r in rows)}, table 2: "
                 f"{sum(r.table == 2 for r in rows)}), up to {concurrent} at a time, {'GPU' if gpu else 'CPU'} workers")
+    # no scheduler: results need not carry knn_acc (train.knn_every), and one-worker rows may reuse a process
     grid, resumed, seconds = tune_job(trainable, space, name=name, storage=storage, tracker=tracker,
-                                      concurrent=concurrent, announce=announce, what="tables job")
+                                      concurrent=concurrent, announce=announce, what="tables job", metric=None,
+                                      reuse_actors=all(inline(r.params) for r in rows))
     records = collect(grid, rows, unit)
-    say(f"[tables] {len(records)} rows in {seconds:.0f} s")
-    return SweepResult(rows=records, name=name, mlflow_run_id=parent, seconds=seconds, resumed=resumed), unit
+    say(f"[tables] {len(records)} rows in {seconds:.0f} s, {at_once(tracker, concurrent)}")
+    return SweepResult(rows=records, name=name, mlflow_run_id=parent, seconds=seconds, resumed=resumed,
+                       concurrent=concurrent, peak=tracker.peak_at_once()), unit
 
 
 def as_sweep(params: Params) -> Params:

@@ -84,12 +84,46 @@ def _placement(rank: int, world: int, device: torch.device) -> list[dict[str, An
     import ray
 
     me = {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(),
-          "pid": os.getpid(), "device": str(device)}
+          "pid": os.getpid(), "device": str(device), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
     if world == 1 or not torch.distributed.is_initialized():
         return [me]
     everyone: list[Any] = [None] * world
     torch.distributed.all_gather_object(everyone, me)
     return everyone
+
+
+def worker_device(use_gpu: bool, backend: str, *, ray_train: bool = True) -> torch.device:
+    """The device a worker trains on: its GPU when it was scheduled on one and CUDA sees it; the CPU when it was not.
+
+    A worker scheduled on a GPU (``use_gpu``) that CUDA cannot see (a node that declares GPUs it does not have, as
+    the rehearsals of GPU presets do: ``ray start --num-gpus N``) trains on the CPU only when ``ray.backend`` is
+    ``gloo``, which asks for exactly that; otherwise that is an error, not a silent fall-back to the CPU.
+    ``ray_train``: inside a Ray Train worker (its device from Ray Train), else a one-worker trial (the first GPU).
+    """
+    if not use_gpu:
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        if ray_train:
+            import ray.train.torch
+
+            return ray.train.torch.get_device()
+        return torch.device("cuda")
+    if backend == "gloo":
+        return torch.device("cpu")
+    import ray
+
+    raise RuntimeError(f"this worker was scheduled on GPU {', '.join(map(str, ray.get_gpu_ids())) or '?'} but CUDA "
+                       "sees no GPU here; fix the node's CUDA setup, or set ray.backend: gloo to train on its CPU "
+                       "(a rehearsal on a node that only declares GPUs)")
+
+
+def torch_config(backend: str) -> Any:
+    """Ray Train's ``TorchConfig`` for ``ray.backend`` (None: Ray's default, nccl on GPUs and gloo otherwise)."""
+    if backend == "auto":
+        return None
+    from ray.train.torch import TorchConfig
+
+    return TorchConfig(backend=backend)
 
 
 class Session:
@@ -207,7 +241,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         pass
     spec = WorkerSpec(**config)
     ctx = ray.train.get_context()
-    device = ray.train.torch.get_device() if spec.use_gpu else torch.device("cpu")
+    device = worker_device(spec.use_gpu, spec.params["ray"]["backend"])
     run_worker(spec, TrainSession(), ctx.get_world_rank(), ctx.get_world_size(), device)
 
 
@@ -305,6 +339,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=asdict(spec),
+        torch_config=torch_config(params.ray.backend),
         scaling_config=ray.train.ScalingConfig(
             num_workers=params.ray.num_workers, use_gpu=gpu,
             resources_per_worker={"CPU": params.ray.cpus_per_worker},

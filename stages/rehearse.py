@@ -1,0 +1,95 @@
+"""``rehearse`` command: a shipped params file's jobs, end to end on this machine, shrunk only in size
+(``pipeline.rehearse``), before a cluster is rented for them.
+
+Writes the shrunk params and every job's outputs under ``--dir`` (default ``.rehearsal/<file name>/``, git-ignored),
+with an MLflow store of its own there; the project's outputs and runs are not touched. Each job runs as its command
+would (``transfusion prepare``, ``pretrain``, ...), in this process and on one Ray: a local Ray of this machine's
+CPUs and ``--gpus N`` declared GPUs (the workers are scheduled on GPUs and train on gloo/CPU), or the cluster of
+``RAY_ADDRESS``. A key that is not a size exits 2 naming it; a job that fails ends the rehearsal with its message
+(exit 1, or 2 for a request the cluster can never hold).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import click
+import yaml
+
+from pipeline.tracking import project_root
+from stages._common import ParamsUsageError
+
+DEFAULT_DIR = ".rehearsal"
+
+
+@click.command("rehearse")
+@click.option("--params", "params_path", default="params.yaml", show_default=True, type=click.Path(dir_okay=False),
+              help="The params file to rehearse (params.yaml, presets/*.yaml).")
+@click.option("-S", "--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Another size (repeatable); control keys are refused (pipeline/rehearse.py: SIZE_KEYS).")
+@click.option("--gpus", type=click.IntRange(min=0), default=0, show_default=True,
+              help="GPUs the local Ray declares (its workers train on gloo/CPU); 0 rehearses on CPUs.")
+@click.option("--dir", "work_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the rehearsal runs (default: .rehearsal/<file name>/, emptied first).")
+@click.option("--jobs", default=None, help="Comma-separated subset of the file's jobs (default: all of them).")
+def rehearse_cmd(params_path: str, overrides: tuple[str, ...], gpus: int, work_dir: Path | None,
+                 jobs: str | None) -> None:
+    """Rehearse a params file's jobs end to end on this machine, shrunk only in size (data, backbone, epochs, grid
+    lengths, CPUs, storage, declared GPUs), every control key as shipped."""
+    from pipeline.config import ParamsError
+    from pipeline.rehearse import plan
+    from pipeline.resources import usable_cpus
+
+    started = time.time()
+    if gpus and os.environ.get("RAY_ADDRESS"):
+        raise ParamsUsageError("--gpus declares GPUs on a local Ray; with RAY_ADDRESS set the cluster's own GPUs "
+                               "count: unset one of them")
+    try:
+        p = plan(params_path, overrides, cpus=usable_cpus(), gpus=gpus)
+    except ParamsError as exc:
+        raise ParamsUsageError(str(exc)) from None
+    chosen = p.jobs if jobs is None else tuple(j.strip() for j in jobs.split(",") if j.strip())
+    unknown = [j for j in chosen if j not in p.jobs]
+    if unknown:
+        raise ParamsUsageError(f"--jobs: {', '.join(unknown)} is not a job of {params_path} ({', '.join(p.jobs)})")
+    here = project_root()
+    work = (work_dir or Path(DEFAULT_DIR) / Path(params_path).stem).resolve()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    (work / "params.yaml").write_text(yaml.safe_dump(p.raw, sort_keys=False))
+    sizes = ", ".join(f"{k}={v}" for k, v in p.changed.items() if k != "tables.rows")
+    click.echo(f"[rehearse] {params_path} in {work}: jobs {', '.join(chosen)}; sizes {sizes}")
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
+    os.environ.setdefault("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
+    os.chdir(work)
+    try:
+        if gpus:
+            from pipeline.cluster import start_local_ray
+
+            start_local_ray(num_gpus=gpus)
+        for job in chosen:
+            _run(job)
+    finally:
+        os.chdir(here)
+    click.echo(f"[rehearse] {params_path}: {', '.join(chosen)} passed in {time.time() - started:.0f} s; outputs in "
+               f"{work}")
+
+
+def _run(job: str) -> None:
+    """One job as its command runs it, on the rehearsal's params; its failure ends the rehearsal, naming the job."""
+    from stages.cli import main
+
+    command = main.get_command(click.Context(main), job)
+    start = time.time()
+    click.echo(f"[rehearse] {job} ...")
+    try:
+        command.main(args=["--params", "params.yaml"], prog_name=f"transfusion {job}", standalone_mode=False)
+    except click.ClickException as exc:
+        kind = type(exc)
+        wrapped = kind(f"rehearsal: `transfusion {job}` failed: {exc.format_message()}")
+        wrapped.exit_code = exc.exit_code
+        raise wrapped from None
+    click.echo(f"[rehearse] {job} passed in {time.time() - start:.0f} s")
