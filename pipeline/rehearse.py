@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ParamsError, parse_override, read_params_file, validate_params
+from pipeline.config import ParamsError, TablesConfig, parse_override, read_params_file, validate_params
 
 TRIAL_CPU = 0.25  # a sweep trial's own CPUs (pipeline.sweep.TRIAL_CPU; tests/test_rehearse.py checks they agree)
 GRID_KEYS = ("sweep.depth", "sweep.batch_size", "sweep.strength", "sweep.lr", "tables.rows")
@@ -48,7 +48,8 @@ SIZE_KEYS: dict[str, str] = {
     "ray.storage_path": "storage",
     "ray.use_gpu": "gpus", "ray.backend": "gpus",
 }
-JOBS = ("prepare", "pretrain", "evaluate", "report", "sweep")  # every file's; plus "tables" with a tables section
+JOBS = ("prepare", "pretrain", "evaluate", "report", "sweep", "tables")  # what a params file runs (tables: its rows,
+# or the paper's rows every file has by default)
 
 
 class RehearsalError(ParamsError):
@@ -83,12 +84,22 @@ def _quarter_floor(x: float) -> float:
     return max(0.25, math.floor(x * 4 + 1e-9) / 4)
 
 
+def with_default_rows(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with ``tables.rows`` as the jobs see them: the file's, else the paper's rows (the default)."""
+    if get(raw, "tables.rows"):
+        return raw
+    out = copy.deepcopy(raw)
+    out.setdefault("tables", {})["rows"] = [r.model_dump(exclude_none=True) for r in TablesConfig().rows]
+    return out
+
+
 def default_sizes(shipped: dict[str, Any], cpus: int, gpus: int = 0) -> dict[str, Any]:
     """The sizes a rehearsal uses unless told otherwise, from the shipped file and this machine's ``cpus`` (and the
     ``gpus`` it declares): digits (512 train images), ``cnn_small`` of width 16, the fewest epochs that still pass
     through every control (a periodic checkpoint, an epoch without kNN, ASHA's first rung), the first two values of
-    each grid axis (one strength: the file's strongest, one lr), every tables row, workers cut to at most 2 (never
-    below the shipped count's min with 2) of CPUs that let two trials run at once."""
+    each grid axis (one strength: the file's strongest, one lr), every row of the file's own tables (of the paper's
+    default rows, the 1-layer TransFusion of each table), workers cut to at most 2 (never below the shipped count's
+    min with 2) of CPUs that let two trials run at once."""
     sizes: dict[str, Any] = {
         "data.dataset": "digits", "data.root": "data/raw", "data.limit_train": 512, "data.limit_test": 200,
         "data.image_size": None, "model.backbone": "cnn_small", "model.weights": None, "model.embed_dim": 16,
@@ -111,6 +122,9 @@ def default_sizes(shipped: dict[str, Any], cpus: int, gpus: int = 0) -> dict[str
             sizes[key] = values[:take]
     if get(shipped, "sweep.strength"):
         sizes["sweep.strength"] = [max(get(shipped, "sweep.strength"))]
+    if not get(shipped, "tables.rows"):
+        sizes["tables.rows"] = [r for r in with_default_rows(shipped)["tables"]["rows"]
+                                if r["name"] == "TransFusion 1-Layer"]
     workers = int(get(shipped, "ray.num_workers") or 1)
     workers = min(workers, 2)
     sizes["ray.num_workers"] = workers
@@ -156,8 +170,8 @@ def plan(path: str | Path, overrides: Iterable[str] = (), *, cpus: int = 2, gpus
     """The rehearsal of ``path``: the shipped file with :func:`default_sizes` and then ``overrides`` (``key=value``
     as ``-S``) applied, validated as params. Raises :class:`RehearsalError` naming every key that is not a size or
     breaks its rule, and :class:`ParamsError` for params that are invalid anyway."""
-    shipped = read_params_file(path)
-    changed = default_sizes(shipped, cpus, gpus)
+    shipped = with_default_rows(read_params_file(path))
+    changed = default_sizes(read_params_file(path), cpus, gpus)
     problems = []
     for text in overrides:
         parts, value = parse_override(text)
@@ -179,5 +193,4 @@ def plan(path: str | Path, overrides: Iterable[str] = (), *, cpus: int = 2, gpus
     if problems:
         raise RehearsalError(f"cannot rehearse {path}:\n  " + "\n  ".join(problems))
     validate_params(raw, source=f"{path} as rehearsed")
-    jobs = JOBS + (("tables",) if "tables" in shipped else ())
-    return Plan(raw=raw, changed={k: get(raw, k) for k in changed}, jobs=jobs)
+    return Plan(raw=raw, changed={k: get(raw, k) for k in changed}, jobs=JOBS)

@@ -50,6 +50,7 @@ from pipeline.train import (
     FAULT_ENV,
     HISTORY_FILE,
     STATE_FILE,
+    WORKERS_FILE,
     Session,
     WorkerSpec,
     read_status,
@@ -388,10 +389,14 @@ class SweepTracker(tune.Callback):
             return None
         tid = trial.trial_id
         if tid not in self.children:
-            self.children[tid] = trk.child_run(self.uri, self.experiment_id, self.parent_id, f"trial-{tid}",
-                                               match={"trial_id": tid}, tags={"stage": self.STAGE},
-                                               params=self.labels(trial.config))
+            self.children[tid] = trk.child_run(self.uri, self.experiment_id, self.parent_id,
+                                               self.child_name(trial.config), match={"trial_id": tid},
+                                               tags={"stage": self.STAGE}, params=self.labels(trial.config))
         return self.children[tid]
+
+    def child_name(self, config: dict[str, Any]) -> str:
+        """A trial's MLflow run name: its point (``depth 1 · b16 · strength 1.0``); its id is the tag ``trial_id``."""
+        return trk.point_label(point_of(config))
 
     def _done(self, trials, ending=None) -> str:
         """``"3/8"``: the trials that have ended, ``ending`` included (Tune calls ``on_trial_complete`` and
@@ -489,9 +494,12 @@ class SweepResult:
 
 
 def parent_run(params: Params, root: Path, name: str, stage: str = "sweep",
-               logged: dict[str, Any] | None = None) -> tuple[str, str, str]:
-    """(uri, experiment id, parent run id): the job's MLflow run (tags ``stage``, ``<stage>: name``; params
-    ``logged``, by default the sweep's), created once and found again on resume."""
+               logged: dict[str, Any] | None = None, title: str | None = None, manifest: dict[str, Any] | None = None,
+               data_dir: Path | None = None) -> tuple[str, str, str]:
+    """(uri, experiment id, parent run id): the job's MLflow run, created once and found again on resume. Named
+    ``title`` (by default the sweep's: ``sweep · 8 trials · depth×batch×strength``); tags ``stage`` and the identity
+    ``name`` (as ``identity`` and ``<stage>``); params ``logged``, by default the sweep's; the prepared data of
+    ``manifest`` in ``data_dir`` its dataset input, which the children inherit."""
     uri = trk.tracking_uri(root)
     trk.check_reachable(uri)
     exp = trk.experiment_id(uri, root)
@@ -504,7 +512,12 @@ def parent_run(params: Params, root: Path, name: str, stage: str = "sweep",
         **flatten(params.sweep, "sweep."),
         **{k: v for k, v in flatten(base_params(params)).items() if k.split(".")[0] in ("model", "loss", "augment",
                                                                                         "train")}}
-    run_id = trk.create_run(uri, root, name, {**trk.stage_tags(stage, root), stage: name}, flat)
+    if title is None:
+        trials = len(grid_points(params)) if params.sweep.search == "grid" else params.sweep.num_samples
+        title = trk.sweep_label(trials, axes(params))
+    inputs = [trk.dataset_input(manifest, data_dir if data_dir.is_absolute() else root / data_dir)] if manifest else []
+    run_id = trk.create_run(uri, root, title, {**trk.stage_tags(stage, root), stage: name, trk.IDENTITY_TAG: name},
+                            flat, inputs=inputs)
     id_file.parent.mkdir(parents=True, exist_ok=True)
     id_file.write_text(run_id)
     return uri, exp, run_id
@@ -520,8 +533,9 @@ def last_checkpoint_path(reported: Any, trial: Any) -> str | None:
     return getattr(getattr(trial, "checkpoint", None), "path", None)
 
 
-def checkpoint_history(checkpoint_path: Any) -> list[dict[str, Any]] | None:
-    """The per-epoch history saved beside the trial's last Train checkpoint (local or remote storage), if any."""
+def checkpoint_history(checkpoint_path: Any, name: str = HISTORY_FILE) -> list[dict[str, Any]] | None:
+    """The per-epoch history saved beside the trial's last Train checkpoint (local or remote storage), if any; with
+    ``name`` :data:`pipeline.train.WORKERS_FILE`, where each rank ran."""
     if not isinstance(checkpoint_path, str) or not checkpoint_path:
         return None
     from pyarrow import fs as pafs
@@ -531,7 +545,7 @@ def checkpoint_history(checkpoint_path: Any) -> list[dict[str, Any]] | None:
             filesystem, path = pafs.FileSystem.from_uri(checkpoint_path)
         else:
             filesystem, path = pafs.LocalFileSystem(), checkpoint_path
-        with filesystem.open_input_stream(f"{path}/{HISTORY_FILE}") as f:
+        with filesystem.open_input_stream(f"{path}/{name}") as f:
             return json.loads(f.read())
     except (OSError, ValueError):
         return None
@@ -548,7 +562,9 @@ def trial_rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
         df = result.metrics_dataframe
         reported = [] if df is None else df.to_dict("records")
         paths = [h.get("checkpoint_path") for h in reported if isinstance(h.get("checkpoint_path"), str)]
-        history = checkpoint_history(last_checkpoint_path(paths[-1] if paths else None, result))
+        last_path = last_checkpoint_path(paths[-1] if paths else None, result)
+        history = checkpoint_history(last_path)
+        workers = sorted(checkpoint_history(last_path, WORKERS_FILE) or [], key=lambda w: w["rank"])
         last_reported = int(reported[-1].get("epoch", 0) or 0) if reported else 0
         if history is None or (history and int(history[-1]["epoch"]) < last_reported):
             history = reported  # no checkpoint of the last reported epoch: Tune's table is the latest word
@@ -570,6 +586,9 @@ def trial_rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
             "epochs": epoch,
             "stopped_early": bool(history) and result.error is None and epoch < epochs,
             "seconds": float(sum(h.get("seconds", 0.0) for h in history)),
+            "workers": len(workers),
+            "gpu_ids": " ".join(",".join(w.get("gpu_ids", [])) or "-" for w in workers)
+            if any(w.get("gpu_ids") for w in workers) else "",  # per rank: "0 1"
             "status": "ERROR" if result.error else "TERMINATED",
             "error": error_reason(result.error),
             "history": history,
@@ -611,9 +630,10 @@ def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, track
             run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0, callbacks=[tracker]),
         )
     start = time.time()
-    # Tune's own lines on Ctrl-C ("Stop signal received ...", "Resume experiment with: Tuner.restore(...)"): the
-    # stage ends with its one line saying how to resume
-    logging.getLogger("ray.tune.tune").setLevel(logging.ERROR)
+    # Tune's own lines: on Ctrl-C "Stop signal received ...", "Resume experiment with: Tuner.restore(...)" (the stage
+    # ends with its one line saying how to resume); a failed trial's traceback and "Trials did not complete" (the
+    # tracker prints the trial's one-line reason, the stage the job's). Ray's session logs keep them.
+    logging.getLogger("ray.tune").setLevel(logging.CRITICAL)
     grid = tuner.fit()
     unfinished = tracker.unfinished()
     if unfinished or not tracker.status:
@@ -647,7 +667,7 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
                          what="a sweep trial")
     uri = exp = parent = None
     if tracking:  # the parent run only once the cluster can serve the sweep
-        uri, exp, parent = parent_run(params, root, name)
+        uri, exp, parent = parent_run(params, root, name, manifest=manifest, data_dir=data_dir)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     fixed = {"base": base, "data": stage_prepared(data_dir, storage), "manifest": manifest, "storage": storage,
              "use_gpu": gpu, "count_file": count_file or os.environ.get(COUNT_ENV)}

@@ -180,8 +180,10 @@ def probe_where_trained(params: Params, fixed: dict[str, Any], model_state: dict
         return probe_row(*args)
     import ray
 
+    # "DEFAULT": outside the trial's placement group (Tune's capture of child tasks would put it there, where only
+    # the trial's own TRIAL_CPU is)
     task = ray.remote(probe_row).options(num_cpus=params.ray.cpus_per_worker, num_gpus=1 if fixed["use_gpu"] else 0,
-                                         max_retries=0)
+                                         max_retries=0, scheduling_strategy="DEFAULT")
     return ray.get(task.remote(*args))
 
 
@@ -221,6 +223,10 @@ class TablesTracker(SweepTracker):
 
     def labels(self, config: dict[str, Any]) -> dict[str, Any]:
         return row_labels(config["row"])
+
+    def child_name(self, config: dict[str, Any]) -> str:
+        """A row's MLflow run name: ``TransFusion 9-Layer (table 1)``."""
+        return trk.row_label(config["row"]["name"], config["row"]["table"])
 
     def epochs_of(self, trial) -> int:
         return int(trial.config["row"]["params"].get("train.epochs", self.epochs))
@@ -299,7 +305,8 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
         logged = {**{k: v for k, v in flatten(params).items() if k.split(".")[0] in ("model", "loss", "augment",
                                                                                         "train", "probe")},
                   **{f"tables.{r.table}.{r.name}": json.dumps(r.overrides, sort_keys=True) for r in rows}}
-        uri, exp, parent = parent_run(params, root, name, stage=STAGE, logged=logged)
+        uri, exp, parent = parent_run(params, root, name, stage=STAGE, logged=logged, manifest=manifest,
+                                      data_dir=data_dir, title=trk.tables_label([r.table for r in rows]))
     unit = hours_unit(gpu)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     fixed = {"base": base_params(params), "data": stage_prepared(data_dir, storage), "manifest": manifest,

@@ -39,6 +39,7 @@ EPOCH_METRICS = ("loss", "lr", "samples_per_s", "view_noise", "knn_acc", "second
 FAULT_ENV = "TRANSFUSION_FAULT"  # fault injection for tests: "crash@E" (rank 0 dies after epoch E), "nan@E"
 STATE_FILE = "state.pt"
 HISTORY_FILE = "history.json"  # per-epoch metrics up to the checkpoint, beside STATE_FILE
+WORKERS_FILE = "workers.json"  # where each rank ran (node, host, device, Ray's GPU ids), beside STATE_FILE
 
 
 def epoch_metric_names(history: list[dict[str, Any]]) -> tuple[str, ...]:
@@ -203,6 +204,7 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
             d = tempfile.mkdtemp(prefix="transfusion-ckpt-")
             torch.save({**loop.state_dict(), "workers": workers}, Path(d) / STATE_FILE)
             Path(d, HISTORY_FILE).write_text(json.dumps(loop.history))  # readable without loading the model
+            Path(d, WORKERS_FILE).write_text(json.dumps(workers))
             session.report(metrics, d, sync=m.epoch == crash_at)
         else:
             session.report(metrics, None, sync=False)
@@ -329,7 +331,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     gpu, _ = connect(params, root, tracking=tracking)
     wait_for_workers(params, gpu=gpu)
     uri = trk.tracking_uri(root) if tracking else None
-    run_id = _mlflow_run(params, root, name, uri, state_dir) if uri else None
+    run_id = _mlflow_run(params, root, name, uri, state_dir, manifest, data_dir) if uri else None
     spec = WorkerSpec(params=params.model_dump(), data_dir=stage_prepared(data_dir, storage), manifest=manifest,
                       run_dir=run_dir, use_gpu=gpu, fault=os.environ.get(FAULT_ENV),
                       resume_dir=recover_run_snapshot(None if is_uri(run_dir) else run_dir))
@@ -381,14 +383,21 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
                           n_classes=len(data.classes), fit_started=fit_started, fit_seconds=fit_seconds)
 
 
-def _mlflow_run(params: Params, root: Path, name: str, uri: str, state_dir: Path) -> str:
-    """The pretraining run's MLflow run: created once, continued when the Ray run resumes."""
+def _mlflow_run(params: Params, root: Path, name: str, uri: str, state_dir: Path, manifest: dict[str, Any],
+                data_dir: Path) -> str:
+    """The pretraining run's MLflow run: created once, continued when the Ray run resumes. Named by what it trains
+    (``pretrain · cnn_small · depth 1 · jsd · b128 · s0``), tagged with ``name`` (the identity it resumes by), the
+    params pretraining reads, the prepared data as its dataset input."""
     from pipeline import tracking as trk
 
     id_file = state_dir / "mlflow_run_id"
     if id_file.exists():
         return id_file.read_text().strip()
-    run_id = trk.create_run(uri, root, name, trk.stage_tags("pretrain", root), flatten(params))
+    flat = {k: v for k, v in flatten(params).items()
+            if k.split(".")[0] in ("model", "loss", "augment", "train") or k in ("ray.num_workers", "ray.use_gpu")}
+    data = trk.dataset_input(manifest, data_dir if data_dir.is_absolute() else root / data_dir)
+    run_id = trk.create_run(uri, root, trk.pretrain_label(flat), {**trk.stage_tags("pretrain", root),
+                                                                  trk.IDENTITY_TAG: name}, flat, inputs=[data])
     state_dir.mkdir(parents=True, exist_ok=True)
     id_file.write_text(run_id)
     return run_id

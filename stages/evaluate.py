@@ -8,6 +8,7 @@ tsne.{csv,png}, curves.png). Logged to MLflow as a child of the pretraining run 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import time
 from pathlib import Path
@@ -45,8 +46,10 @@ def write_figures(ev: Evaluation, out: Path, curves_csv: Path) -> None:
                             title="pretraining")
 
 
-def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, files: list[Path]) -> str:
-    """The stage's run (a child of the pretraining run): probe params, the metrics' flat numbers, the figures."""
+def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, files: list[Path],
+                  data_dir: Path = Path("data/prepared")) -> str:
+    """The stage's run (a child of the pretraining run, named by its probes and label fractions): probe params, the
+    metrics' flat numbers, the figures, the prepared data as its dataset input (context ``evaluation``)."""
     from pipeline import tracking as trk
 
     metrics = {}
@@ -60,8 +63,12 @@ def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, fil
         metrics.update({f"{key}.{k}": v for k, v in ev.metrics[key].items() if math.isfinite(v)})
     metrics.update({f"health.{block}.{k}": v for block, h in ev.metrics["health"].items() for k, v in h.items()
                     if v is not None})
-    return trk.log_stage_run("evaluate", trk.project_root(), params=flatten(params.probe, "probe."), metrics=metrics,
-                             files=files, parent=parent_run_id, artifact_path="evaluate")
+    root = trk.project_root()
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    data = trk.dataset_input(manifest, data_dir if data_dir.is_absolute() else root / data_dir, context="evaluation")
+    return trk.log_stage_run("evaluate", root, params=flatten(params.probe, "probe."), metrics=metrics, files=files,
+                             parent=parent_run_id, artifact_path="evaluate", inputs=[data],
+                             name=trk.evaluate_label(params.probe.probes, params.probe.label_fractions))
 
 
 def time_parts(started: float, marks: list[float], ev: Evaluation) -> list[tuple[str, float]]:
@@ -128,7 +135,7 @@ def evaluate_cmd(params: Params, data_dir: Path, model_dir: Path, no_tracking: b
     metrics_path = Path("metrics/evaluate.json")
     if not no_tracking:
         ev.metrics["mlflow_run_id"] = log_to_mlflow(
-            params, ev, config.get("mlflow_run_id"), [*sorted(PLOTS.iterdir())])
+            params, ev, config.get("mlflow_run_id"), [*sorted(PLOTS.iterdir())], data_dir)
     marks.append(time.time())
     write_json(metrics_path, json_safe(ev.metrics))
     best = ev.metrics["probes"].get("backbone", {})

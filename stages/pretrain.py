@@ -107,7 +107,8 @@ def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     workers = res.state.get("workers", [])
     nodes = sorted({w["node_id"] for w in workers})
     click.echo(f"[pretrain] {len(workers)} worker(s) on {len(nodes)} node(s): " + ", ".join(
-        f"rank {w['rank']} on node {w['node_id'][:12]} ({w['host']}, {w['device']})" for w in workers))
+        f"rank {w['rank']} on node {w['node_id'][:12]} ({w['host']}, {w['device']}"
+        + (f", GPU {','.join(w['gpu_ids'])}" if w.get("gpu_ids") else "") + ")" for w in workers))
     knn = f", kNN acc {summary['knn_acc']:.4f}" if summary["knn_acc"] is not None else ""
     click.echo(f"pretrained {summary['epochs']} epochs: loss {summary['loss']:.5f}{knn}, "
                f"{summary['samples_per_s']:,.0f} samples/s -> models/pretrain/")

@@ -20,7 +20,7 @@ import click
 import yaml
 
 from pipeline.tracking import project_root
-from stages._common import ParamsUsageError
+from stages._common import STARTED_ENV, ParamsUsageError
 
 DEFAULT_DIR = ".rehearsal"
 
@@ -62,8 +62,9 @@ def rehearse_cmd(params_path: str, overrides: tuple[str, ...], gpus: int, work_d
     (work / "params.yaml").write_text(yaml.safe_dump(p.raw, sort_keys=False))
     sizes = ", ".join(f"{k}={v}" for k, v in p.changed.items() if k != "tables.rows")
     click.echo(f"[rehearse] {params_path} in {work}: jobs {', '.join(chosen)}; sizes {sizes}")
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{work / 'mlflow.db'}"
-    os.environ.setdefault("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}", "MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK": "true"}
+    saved = {k: os.environ.get(k) for k in (*env, STARTED_ENV)}
+    os.environ.update(env)
     os.chdir(work)
     try:
         if gpus:
@@ -74,6 +75,11 @@ def rehearse_cmd(params_path: str, overrides: tuple[str, ...], gpus: int, work_d
             _run(job)
     finally:
         os.chdir(here)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     click.echo(f"[rehearse] {params_path}: {', '.join(chosen)} passed in {time.time() - started:.0f} s; outputs in "
                f"{work}")
 
@@ -84,6 +90,7 @@ def _run(job: str) -> None:
 
     command = main.get_command(click.Context(main), job)
     start = time.time()
+    os.environ[STARTED_ENV] = str(start)
     click.echo(f"[rehearse] {job} ...")
     try:
         command.main(args=["--params", "params.yaml"], prog_name=f"transfusion {job}", standalone_mode=False)

@@ -34,7 +34,7 @@ from stages._common import (
 
 COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "train.seed", "view_noise",
            "knn_acc", "best_knn_acc", "loss", "min_positive", "max_uniform_rows", "dead_blocks", "epochs",
-           "stopped_early", "seconds", "status", "error")
+           "stopped_early", "seconds", "workers", "gpu_ids", "status", "error")
 CURVE_COLUMNS = ("trial_id", "epoch", "loss", "knn_acc", "view_noise", "samples_per_s")
 
 

@@ -4,7 +4,9 @@ The store is resolved like every stage resolves it (:func:`pipeline.tracking.tra
 ``mlflow.db`` with artifacts in ``mlartifacts/``, or ``MLFLOW_TRACKING_URI``. A remote ``http(s)://``
 tracking URI already has a UI: its URL is printed and nothing is started. Otherwise ``mlflow server`` runs
 in its own process group (so a terminal's Ctrl-C reaches only this command), and that whole group is
-stopped on Ctrl-C, SIGTERM or SIGHUP.
+stopped on Ctrl-C, SIGTERM or SIGHUP. The experiment's saved view of the runs table
+(:func:`pipeline.tracking.save_view`: dataset, metrics and main params as columns) is written first; its URL is
+printed after the runs table's.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ from pathlib import Path
 
 import click
 
-from pipeline.tracking import EXPERIMENT, TrackingError, check_reachable, experiment_id, project_root, tracking_uri
+from pipeline.tracking import (
+    EXPERIMENT,
+    TrackingError,
+    check_reachable,
+    experiment_id,
+    project_root,
+    save_view,
+    tracking_uri,
+)
 
 WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
 STOP_GRACE_S = 10.0
@@ -186,6 +196,7 @@ def ui_cmd(port: int, host: str, workers: int, start_timeout: float) -> None:
     check_port_free(host, port)
     try:
         exp_id = experiment_id(uri, root)
+        view = save_view(uri, exp_id)
     except Exception as exc:  # MLflow / SQLAlchemy errors: name the store instead of a traceback
         raise click.ClickException(f"cannot open the MLflow tracking store {uri}: {exc}") from None
     base = f"http://{url_host(host)}:{port}"
@@ -213,6 +224,8 @@ def ui_cmd(port: int, host: str, workers: int, start_timeout: float) -> None:
         wait_healthy(proc, base, start_timeout)
         click.echo(f"MLflow UI ready: {url}")
         click.echo(f"Runs of experiment {EXPERIMENT!r} (id {exp_id}). Press Ctrl-C to stop.")
+        click.echo(f"The runs with their dataset, kNN accuracy, loss and main params as columns: {url}&{view}")
+        click.echo(f"One run by its id (mlflow_run_id in metrics/*.json, `dvc exp show`): {base}/#/runs/<run id>")
         code = proc.wait()
         raise click.ClickException(f"mlflow server exited unexpectedly with code {code}")
     except (KeyboardInterrupt, _Stop):
