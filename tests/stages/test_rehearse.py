@@ -1,0 +1,152 @@
+"""Every shipped params file rehearsed as shipped: its jobs end to end through real Ray, Tune and MLflow, shrunk only in
+size (``transfusion rehearse``); GPU scheduling on a Ray that declares GPUs; Ctrl-C of a sweep of multi-worker
+trials, and its resume."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import mlflow
+import pytest
+import yaml
+
+from tests.conftest import ROOT, invoke
+from tests.test_rehearse import FILES
+
+pytestmark = [pytest.mark.slow]
+
+AT_ONCE = re.compile(r"\[(sweep|tables)\] \d+ (?:trials|rows) in \d+ s, up to (\d+) training at once \((\d+) allowed\)")
+NOISE = ("Traceback", "TrainController", "ActorDiedError", "PlacementGroupCleaner", "Could not re-use actor",
+         "Stop signal received", "Tuner.restore", "(raylet)")
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def check_outputs(work, output):
+    """What every rehearsal leaves: each job's outputs, every trial and row ended well, MLflow runs FINISHED."""
+    for name in ("models/pretrain/model.pt", "metrics/evaluate.json", "reports/REPORT.md", "sweeps/results.csv",
+                 "tables/results.csv", "reports/TABLES.md"):
+        assert (work / name).is_file(), name
+    for path in ("sweeps/results.csv", "tables/results.csv"):
+        rows = read_csv(work / path)
+        assert rows and {r["status"] for r in rows} == {"TERMINATED"}, rows
+    peaks = {m[1]: (int(m[2]), int(m[3])) for m in AT_ONCE.finditer(output)}
+    assert set(peaks) == {"sweep", "tables"}
+    assert all(1 <= peak <= allowed for peak, allowed in peaks.values()), peaks
+    client = mlflow.MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("transfusion").experiment_id])
+    assert runs and {r.info.status for r in runs} == {"FINISHED"}
+    return peaks
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", FILES)
+def test_shipped_file_rehearses_end_to_end(name, tmp_path, ray_session):
+    """params.yaml and every preset (a preset added later is in FILES: the test lists presets/ itself)."""
+    work = tmp_path / "rehearsal"
+    result = invoke("rehearse", "--params", str(ROOT / name), "--dir", str(work))
+    assert result.exit_code == 0, result.output
+    assert f"[rehearse] {ROOT / name}: prepare, pretrain, evaluate, report, sweep, tables passed" in result.output
+    check_outputs(work, result.output)
+    shipped = yaml.safe_load((ROOT / name).read_text())
+    rehearsed = yaml.safe_load((work / "params.yaml").read_text())
+    for key in ("knn_every", "checkpoint_every"):  # the controls that broke as shipped, kept
+        assert rehearsed["train"][key] == shipped["train"][key]
+    assert rehearsed["sweep"]["asha"] == shipped["sweep"]["asha"]
+    assert rehearsed["ray"]["max_failures"] == shipped["ray"]["max_failures"]
+
+
+def run(args, env=None, **kw):
+    return subprocess.run([sys.executable, "-m", "stages.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, **kw)
+
+
+@pytest.mark.timeout(900)
+def test_gpu_preset_on_declared_gpus_schedules_as_computed(tmp_path):
+    """cluster-sweep.yaml on a Ray that declares 4 GPUs (none exist: ray.backend gloo): each worker its own GPU, the
+    sweep and the tables as many trials at once as pipeline.resources computes, probes on a worker's GPU bundle."""
+    from pipeline.resources import NodeType, TrialShape, trials_at_once
+    from pipeline.sweep import TRIAL_CPU
+
+    work = tmp_path / "gpu"
+    proc = run(["rehearse", "--params", str(ROOT / "presets/cluster-sweep.yaml"), "--gpus", "4", "--dir", str(work),
+                "--jobs", "prepare,pretrain,sweep,tables"], cwd=tmp_path, timeout=840)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    placed = re.search(r"\[pretrain\] 2 worker\(s\) on 1 node\(s\): rank 0 .*GPU (\d)\), rank 1 .*GPU (\d)\)", out)
+    assert placed and placed[1] != placed[2], out  # each worker its own GPU
+    trials = read_csv(work / "sweeps/results.csv")
+    for t in trials:
+        ids = t["gpu_ids"].split()
+        assert len(ids) == 2 and len(set(ids)) == 2 and t["status"] == "TERMINATED", t
+    node = [NodeType("local", {"CPU": 2, "GPU": 4})]
+    computed = trials_at_once(node, TrialShape(2, 0.25, True, TRIAL_CPU), cap=len(trials))
+    peaks = {m[1]: (int(m[2]), int(m[3])) for m in AT_ONCE.finditer(out)}
+    assert computed == 2 and peaks["sweep"] == (computed, computed), out
+    assert peaks["tables"] == (2, 2), out
+    rows = read_csv(work / "tables/results.csv")
+    assert {(r["hours_unit"], r["gpus"], r["probe_cpus"], r["probe_gpus"]) for r in rows} == {
+        ("GPU-hours", "2", "0.25", "1.0")}  # each row's probes on one worker's bundle, not the trial's 0.25 CPU
+    assert not [line for line in out.splitlines() if any(n in line for n in NOISE)]
+
+    refused = run(["rehearse", "--params", str(ROOT / "presets/cluster-sweep.yaml"), "--gpus", "1",
+                   "--dir", str(tmp_path / "one"), "--jobs", "prepare,pretrain"], cwd=tmp_path, timeout=300)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "1 GPU" in refused.stderr and "ray.num_workers" in refused.stderr
+
+
+def started(log) -> list[str]:
+    return [line.split()[0] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.mark.timeout(900)
+def test_ctrl_c_of_a_multi_worker_sweep_ends_in_30_s_and_resumes(tmp_path):
+    work, log = tmp_path / "sweep", tmp_path / "trials.log"
+    env = {"TRANSFUSION_TRIAL_LOG": str(log)}
+    args = ["rehearse", "--params", str(ROOT / "presets/cluster-sweep.yaml"), "--dir", str(work),
+            "--jobs", "prepare,sweep"]
+    proc = subprocess.Popen([sys.executable, "-m", "stages.cli", *args], cwd=tmp_path, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines, sent, ended = [], None, set()
+    for line in proc.stdout:
+        lines.append(line)
+        end = re.match(r"\[sweep\] trial (\S+) (finished|stopped early)", line)
+        if end:
+            ended.add(end[1])
+        epoch = re.match(r"\[sweep\] trial (\S+) epoch 2/", line)
+        if sent is None and ended and epoch and epoch[1] not in ended:  # a trial ended, another one training
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
+            sent = time.monotonic()
+    proc.wait(timeout=120)
+    waited = time.monotonic() - sent if sent else None
+    out = "".join(lines)
+    assert sent is not None, out
+    assert waited < 30, f"{waited:.0f} s after Ctrl-C\n{out}"
+    assert proc.returncode == 1, out
+    after = out.split("epoch 2/")[-1].splitlines()[1:]
+    assert not [line for line in after if any(n in line for n in NOISE)], out
+    assert re.search(r"Error: rehearsal: `transfusion sweep` failed: the sweep was interrupted with \d+ of 4 trials "
+                     r"unfinished; rerun the stage to resume", out), out
+    first = started(log)
+    results = (work / "sweeps/results.csv")
+    assert not results.exists()
+
+    resumed = run(["sweep", "--params", "params.yaml"], cwd=work, timeout=600,
+                  env={**env, "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"})
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "[sweep] resuming" in resumed.stdout
+    rows = read_csv(results)
+    assert len(rows) == 4 and {r["status"] for r in rows} == {"TERMINATED"}
+    again = started(log)[len(first):]
+    assert not set(again) & ended, "finished trials were run again"
+    assert set(again) == {r["trial_id"] for r in rows} - ended  # the unfinished ones, and only those
