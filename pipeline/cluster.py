@@ -39,7 +39,15 @@ RAY_CONSOLE_ENV = {
     # shows) that Ray forwards from its worker processes to the driver, e.g. Ray Train's controller warning that its
     # PreemptionWatcher actor "has constructor arguments in the object store". They stay in the process's
     # ``worker-*.err`` and ``python-core-worker-*.log``; errors reach the user as Python exceptions anyway.
-    "RAY_DEDUP_LOGS_SKIP_REGEX": r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d+ [DIWE] \d+ \d+\] \S+\.(cc|h):\d+: ",
+    # Also Ray Train's placement-group cleaner, which removes the workers' bundles of a run whose trial ended (ASHA
+    # stopped it, or a Ctrl-C): "Detected that the Ray Train controller actor (...) is dead. Cleaning up placement
+    # group ...", and "Failed to query Ray Train Controller actor state ..." while Ray shuts down.
+    "RAY_DEDUP_LOGS_SKIP_REGEX": r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d+ [DIWE] \d+ \d+\] \S+\.(cc|h):\d+: "
+                                 r"|^Detected that the Ray Train controller actor \(\w+\) is dead\. Cleaning up "
+                                 r"|^Failed to query Ray Train Controller actor state\. "
+                                 # the raylet, when trials start their worker processes at once (several per CPU):
+                                 # Ray's hint about its start-up concurrency, not a fault of the run
+                                 r"|^WARNING: \d+ PYTHON worker processes have been started on node",
     # Ray Tune's output engine: the default one prints an experiment box, the results path and a TensorBoard hint even
     # at ``verbose=0``; the legacy one is silent at ``verbose=0`` (the sweep prints its own lines per trial event).
     "RAY_AIR_NEW_OUTPUT": "0",
@@ -275,6 +283,15 @@ def wait_for_workers(params: Params, *, gpu: bool) -> None:
         remove_placement_group(group)
 
 
+def _ray_up() -> bool:
+    """This process is connected to a Ray already (e.g. ``transfusion rehearse``'s, which may declare GPUs)."""
+    if "ray" not in sys.modules:
+        return False
+    import ray
+
+    return ray.is_initialized()
+
+
 def connect(params: Params, root: Any = None, *, tracking: bool = True, cpus_per_worker: float | None = None,
             trial_cpu: float = 0.0, what: str = "pretraining") -> tuple[bool, list[NodeType]]:
     """What every Ray stage does first, cheapest check first; returns whether the workers train on GPUs, and the
@@ -290,7 +307,7 @@ def connect(params: Params, root: Any = None, *, tracking: bool = True, cpus_per
 
         check_reachable(tracking_uri(root))
     request = {"cpus_per_worker": cpus_per_worker, "trial_cpu": trial_cpu, "what": what}
-    if address_of(params) is None:
+    if address_of(params) is None and not _ray_up():  # a Ray this process already runs is checked below, as it is
         local = local_nodes()
         check_request(params, gpu=use_gpu(params, cluster_gpus(local)), nodes=local, **request)
     init_ray(params)
@@ -300,3 +317,17 @@ def connect(params: Params, root: Any = None, *, tracking: bool = True, cpus_per
     gpu = use_gpu(params, cluster_gpus(nodes))
     check_request(params, gpu=gpu, nodes=nodes, **request)
     return gpu, nodes
+
+
+def start_local_ray(num_gpus: int = 0) -> None:
+    """Start this process's local Ray on this machine's CPUs, declaring ``num_gpus`` GPUs it may not have (as
+    ``ray start --num-gpus N`` does): Ray schedules workers on them exactly as on real GPUs (``CUDA_VISIBLE_DEVICES``,
+    ``ray.get_gpu_ids()``), and ``ray.backend: gloo`` trains them on the CPU. The stages then use this Ray."""
+    import ray
+
+    from pipeline.resources import usable_cpus
+
+    if ray.is_initialized():
+        return
+    with _local_gcs_port(None) as extra:
+        ray.init(num_cpus=usable_cpus(), num_gpus=num_gpus, log_to_driver=True, configure_logging=False, **extra)
