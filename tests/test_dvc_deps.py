@@ -176,7 +176,7 @@ def test_a_missing_dep_is_named(monkeypatch):
 PARAMS_YAML = yaml.safe_load((ROOT / "params.yaml").read_text())
 # ray keys that say where and how patiently a job runs, never what it computes: no stage depends on them
 RAY_EXECUTION = {"ray.address", "ray.storage_path", "ray.max_failures", "ray.connect_timeout_s",
-                 "ray.resources_timeout_s"}
+                 "ray.resources_timeout_s", "ray.backend"}  # backend: how workers talk (same sums), not what
 
 
 def in_params_yaml(key: str) -> bool:

@@ -104,3 +104,15 @@ def test_trial_cpu_is_the_sweeps():
     from pipeline import rehearse, sweep
 
     assert rehearse.TRIAL_CPU == sweep.TRIAL_CPU
+
+
+def test_the_command_refuses_a_control_key_before_any_work(tmp_path, monkeypatch, ray_starts):
+    from tests.conftest import invoke
+
+    monkeypatch.chdir(tmp_path)
+    result = invoke("rehearse", "--params", str(ROOT / "presets/paper-tables.yaml"), "-S", "train.knn_every=1")
+    assert result.exit_code == 2
+    assert "train.knn_every is a control key: a rehearsal keeps it as the file ships it (10)" in result.output
+    assert not ray_starts and not (tmp_path / ".rehearsal").exists()
+    result = invoke("rehearse", "--params", str(ROOT / "params.yaml"), "--jobs", "prepare,deploy")
+    assert result.exit_code == 2 and "--jobs: deploy is not a job of" in result.output

@@ -117,12 +117,16 @@ def test_ctrl_c_of_a_multi_worker_sweep_ends_in_30_s_and_resumes(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "stages.cli", *args], cwd=tmp_path, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    lines, sent, ended = [], None, set()
+    lines, sent, ended, gaps, last_end = [], None, set(), [], None
     for line in proc.stdout:
         lines.append(line)
         end = re.match(r"\[sweep\] trial (\S+) (finished|stopped early)", line)
         if end:
             ended.add(end[1])
+            last_end = time.monotonic()
+        if re.match(r"\[sweep\] \d+/\d+ done; trial \S+ started", line) and last_end is not None:
+            gaps.append(time.monotonic() - last_end)  # an ended trial's slot taken by the next one
+            last_end = None
         epoch = re.match(r"\[sweep\] trial (\S+) epoch 2/", line)
         if sent is None and ended and epoch and epoch[1] not in ended:  # a trial ended, another one training
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
@@ -131,6 +135,7 @@ def test_ctrl_c_of_a_multi_worker_sweep_ends_in_30_s_and_resumes(tmp_path):
     waited = time.monotonic() - sent if sent else None
     out = "".join(lines)
     assert sent is not None, out
+    assert gaps and max(gaps) < 30, f"the next trial started {gaps} s after one ended\n{out}"
     assert waited < 30, f"{waited:.0f} s after Ctrl-C\n{out}"
     assert proc.returncode == 1, out
     after = out.split("epoch 2/")[-1].splitlines()[1:]
