@@ -36,6 +36,29 @@ STATUS_FILE = "transfusion_status.json"
 CACHE_ENV = "TRANSFUSION_DATA_CACHE"  # where workers keep downloads of remote staged data (default: the temp dir)
 
 
+class StorageError(RuntimeError):
+    """``ray.storage_path`` cannot hold the run storage (a path under a regular file, no permission, ...)."""
+
+
+def check_storage(storage: str) -> None:
+    """Fail fast, before Ray starts, when a local ``ray.storage_path`` cannot be a directory: one paragraph naming the
+    key, the path and the reason, instead of an ``OSError`` traceback from the first write. (A URI's bucket is checked
+    by its first write.)"""
+    if is_uri(storage):
+        return
+    try:
+        Path(storage).mkdir(parents=True, exist_ok=True)
+        if not os.access(storage, os.W_OK | os.X_OK):
+            raise PermissionError(13, "no permission to write there")
+    except OSError as exc:
+        blocker = next((p for p in [Path(storage), *Path(storage).parents] if p.exists() and not p.is_dir()), None)
+        why = (f"{blocker} is a file, not a directory" if blocker is not None
+               else (exc.strerror or str(exc)).lower())
+        raise StorageError(f"ray.storage_path: {storage} cannot hold the run storage ({why}); point ray.storage_path "
+                           "at a directory this machine can write and, on a cluster, every node sees (an NFS/EFS "
+                           "mount or s3://bucket/prefix)") from None
+
+
 def is_uri(path: str) -> bool:
     return "://" in path
 

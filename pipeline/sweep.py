@@ -45,7 +45,7 @@ from pipeline.config import Params, ParamsError, flatten, validate_params
 from pipeline.health import dead_blocks, unflat
 from pipeline.io import load_torch
 from pipeline.resources import NodeType, TrialShape, trials_at_once
-from pipeline.storage import clear_status, is_uri, join, stage_prepared
+from pipeline.storage import check_storage, clear_status, is_uri, join, stage_prepared
 from pipeline.train import (
     FAULT_ENV,
     HISTORY_FILE,
@@ -662,6 +662,7 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     storage = storage_location(params, root)
     base = base_params(params)
     check_points(params, manifest.get("n_train"))
+    check_storage(storage)
     s = params.sweep
     gpu, nodes = connect(params, root, tracking=tracking, cpus_per_worker=s.cpus_per_worker, trial_cpu=TRIAL_CPU,
                          what="a sweep trial")

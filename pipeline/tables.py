@@ -292,13 +292,14 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     job was interrupted or every row failed.
     """
     from pipeline.cluster import connect
-    from pipeline.storage import stage_prepared
+    from pipeline.storage import check_storage, stage_prepared
     from pipeline.train import FAULT_ENV, storage_location
 
     manifest = json.loads((data_dir / "manifest.json").read_text())
     rows = resolve_rows(params, manifest.get("n_train"))
     name = job_name(params, manifest)
     storage = storage_location(params, root)
+    check_storage(storage)
     gpu, nodes = connect(params, root, tracking=tracking, trial_cpu=TRIAL_CPU, what="a tables row")
     uri = exp = parent = None
     if tracking:  # the parent run only once the cluster can serve the job

@@ -33,7 +33,16 @@ from pipeline.health import unflat
 from pipeline.io import load_torch
 from pipeline.loop import EpochMetrics, PretrainLoop
 from pipeline.step import NonFiniteLossError
-from pipeline.storage import clear_status, fetch_prepared, is_uri, join, read_status, stage_prepared, write_status
+from pipeline.storage import (
+    check_storage,
+    clear_status,
+    fetch_prepared,
+    is_uri,
+    join,
+    read_status,
+    stage_prepared,
+    write_status,
+)
 
 EPOCH_METRICS = ("loss", "lr", "samples_per_s", "view_noise", "knn_acc", "seconds")  # per-epoch, in MLflow
 FAULT_ENV = "TRANSFUSION_FAULT"  # fault injection for tests: "crash@E" (rank 0 dies after epoch E), "nan@E"
@@ -325,6 +334,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
                           f"({len(data.train.y)} samples in {data_dir}); lower it or prepare more data")
     name = run_name(params, manifest)
     storage = storage_location(params, root)
+    check_storage(storage)
     run_dir = join(storage, name)
     state_dir = root / ".transfusion" / name  # the driver's own state (the MLflow run id)
     clear_status(run_dir)

@@ -18,6 +18,7 @@ from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
 from pipeline.health import unflat, warnings_for
 from pipeline.io import atomic_dir, save_torch, write_csv, write_json
+from pipeline.storage import StorageError
 from pipeline.tracking import TrackingError, log_pytorch_model, project_root, set_tags, tracking_uri
 from pipeline.train import PretrainError, PretrainResult, cleanup_run, pretrain
 from stages._common import (
@@ -88,7 +89,7 @@ def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
               show_default=True, help="Prepared data (output of `prepare`).")
 @click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
-@runtime_errors(DatasetError, PretrainError, TrackingError, ClusterError)
+@runtime_errors(DatasetError, PretrainError, TrackingError, ClusterError, StorageError)
 def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Pretrain TransFusion on the prepared data with Ray Train (resumes an interrupted run)."""
     started = process_started()

@@ -21,6 +21,7 @@ from pipeline.cluster import ClusterError
 from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
 from pipeline.io import atomic_dir, write_csv, write_json
+from pipeline.storage import StorageError
 from pipeline.tracking import TrackingError, project_root
 from stages._common import (
     ParamsUsageError,
@@ -76,7 +77,7 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
               show_default=True)
 @click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
-@runtime_errors(DatasetError, TrackingError, ClusterError, ValueError)
+@runtime_errors(DatasetError, TrackingError, ClusterError, ValueError, StorageError)
 def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Sweep depth, batch size and augmentation strength with Ray Tune (each trial a Ray Train run)."""
     from pipeline.datasets import load_prepared

@@ -18,6 +18,7 @@ from pipeline.cluster import ClusterError
 from pipeline.config import Params, ParamsError
 from pipeline.datasets import DatasetError
 from pipeline.io import write_csv, write_json, write_text
+from pipeline.storage import StorageError
 from pipeline.tracking import TrackingError, project_root
 from stages._common import ParamsUsageError, check_weights, params_options, runtime_errors
 
@@ -30,7 +31,7 @@ OUT = Path("tables")
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
               show_default=True)
 @click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
-@runtime_errors(DatasetError, TrackingError, ClusterError)
+@runtime_errors(DatasetError, TrackingError, ClusterError, StorageError)
 def tables_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Run the paper's Tables 1-2 (tables.rows) as one Ray Tune job and write reports/TABLES.md."""
     from pipeline.datasets import load_prepared

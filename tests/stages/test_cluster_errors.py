@@ -101,3 +101,16 @@ def test_resources_that_never_come_free_end_after_the_resources_timeout(prepared
     assert "waited 3 s (ray.resources_timeout_s) for 1 worker(s)" in error, error
     assert seconds < 60, seconds
     assert not (prepared / "models").exists()
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "sweep", "tables"])
+def test_storage_under_a_regular_file_is_one_paragraph_before_ray(project, ray_starts, stage):
+    assert invoke("prepare", "-S", "data.limit_train=256").exit_code == 0
+    (project / "afile").write_text("not a directory")
+    result = invoke(stage, "-S", "ray.storage_path=afile/runs")
+    assert result.exit_code == 1, result.output
+    assert result.output.strip() == (
+        f"Error: ray.storage_path: {project / 'afile/runs'} cannot hold the run storage ({project / 'afile'} is a "
+        "file, not a directory); point ray.storage_path at a directory this machine can write and, on a cluster, every "
+        "node sees (an NFS/EFS mount or s3://bucket/prefix)")
+    assert not ray_starts
