@@ -319,10 +319,15 @@ def connect(params: Params, root: Any = None, *, tracking: bool = True, cpus_per
     return gpu, nodes
 
 
-def start_local_ray(num_gpus: int = 0) -> None:
+def start_local_ray(num_gpus: int = 0, **init: Any) -> None:
     """Start this process's local Ray on this machine's CPUs, declaring ``num_gpus`` GPUs it may not have (as
     ``ray start --num-gpus N`` does): Ray schedules workers on them exactly as on real GPUs (``CUDA_VISIBLE_DEVICES``,
-    ``ray.get_gpu_ids()``), and ``ray.backend: gloo`` trains them on the CPU. The stages then use this Ray."""
+    ``ray.get_gpu_ids()``), and ``ray.backend: gloo`` trains them on the CPU. The stages then use this Ray.
+
+    Its GCS port and the address every process of the job gets are :func:`init_ray`'s for a local Ray: Ray Train's
+    placement-group cleaner, which removes the workers' bundles of a run whose trial ended (ASHA, Ctrl-C), finds
+    this Ray also while other local Rays run (without, it cannot, and the bundles stay taken). ``init``: more
+    ``ray.init`` arguments (``num_cpus``, ``object_store_memory``)."""
     import ray
 
     from pipeline.resources import usable_cpus
@@ -330,4 +335,5 @@ def start_local_ray(num_gpus: int = 0) -> None:
     if ray.is_initialized():
         return
     with _local_gcs_port(None) as extra:
-        ray.init(num_cpus=usable_cpus(), num_gpus=num_gpus, log_to_driver=True, configure_logging=False, **extra)
+        ray.init(**{"num_cpus": usable_cpus(), "num_gpus": num_gpus, "log_to_driver": True,
+                    "configure_logging": False, **init, **extra})

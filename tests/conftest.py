@@ -25,8 +25,10 @@ def ray_session():
     """One local Ray for every Ray test (start-up costs ~8 s); shut down at the end of the session."""
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, object_store_memory=200 * 1024**2, configure_logging=False)
+    if not ray.is_initialized():  # as a stage starts its local Ray (its own GCS port, that address in its processes)
+        from pipeline.cluster import start_local_ray
+
+        start_local_ray(num_cpus=2, object_store_memory=200 * 1024**2)
     yield ray
     ray.shutdown()
 
