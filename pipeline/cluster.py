@@ -2,7 +2,8 @@
 
 - :func:`init_ray` connects to ``ray.address`` / ``RAY_ADDRESS`` (or starts a local Ray). An address that does not
   answer is retried for ``ray.connect_timeout_s`` and then ends in a one-paragraph :class:`ClusterError` (exit 1),
-  instead of Ray's own retries for minutes.
+  instead of Ray's own retries for minutes. Without an address, a local cluster that ``ray start`` recorded but that
+  no longer answers (killed without ``ray stop``) is named in one line and a fresh local Ray starts instead.
 - :func:`use_gpu` decides GPU training from the *cluster's* resources (workers may have GPUs the driver lacks).
 - :func:`check_request` refuses (exit 2, :class:`ParamsError`) a request the cluster can never satisfy, even at the
   largest size its autoscaler can reach, naming what was asked and what exists (``pipeline.resources``).
@@ -168,6 +169,31 @@ def _auth_error(address: str | None) -> ClusterError:
         "on the head node prints it) in ~/.ray/auth_token or RAY_AUTH_TOKEN")
 
 
+def ray_record_file() -> str:
+    """Where ``ray start`` records the last local cluster it started (``<Ray temp dir>/ray_current_cluster``; the
+    temp dir is ``$RAY_TMPDIR/ray``, ``/tmp/ray`` by default). ``ray.init()`` without an address joins that cluster."""
+    return os.path.join(os.environ.get("RAY_TMPDIR") or "/tmp", "ray", "ray_current_cluster")
+
+
+def stale_local_record(timeout: float = 2.0) -> str | None:
+    """The address of the local cluster Ray recorded (:func:`ray_record_file`) when nothing answers there within
+    ``timeout`` seconds: a Ray killed without ``ray stop`` (a crash, the OOM killer) leaves it behind, and
+    ``ray.init()`` then retries it for minutes. None when there is no record, or it answers."""
+    try:
+        with open(ray_record_file()) as f:
+            recorded = f.read().strip()
+    except OSError:
+        return None
+    target = host_port(recorded) if recorded else None
+    if target is None:
+        return None
+    try:
+        with socket.create_connection(target, timeout=timeout):
+            return None
+    except OSError:
+        return recorded
+
+
 def init_ray(params: Params) -> None:
     """Connect to the configured cluster, or start a local Ray; bounded by ``ray.connect_timeout_s``.
 
@@ -184,6 +210,12 @@ def init_ray(params: Params) -> None:
         target = host_port(address)
         if target:
             _probe(*target, params.ray.connect_timeout_s)
+    else:  # a local Ray: ray.init() would join the last `ray start` cluster Ray recorded, also a dead one
+        stale = stale_local_record(min(5.0, params.ray.connect_timeout_s))
+        if stale:
+            sys.stdout.write(f"[ray] the local Ray cluster recorded at {stale} ({ray_record_file()}) does not answer "
+                             "(a Ray stopped without `ray stop`); starting a fresh local Ray for this run\n")
+            address = "local"
     try:
         with _local_gcs_port(address) as extra:
             ray.init(address=address, log_to_driver=True, configure_logging=False, **extra)

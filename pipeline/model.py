@@ -35,14 +35,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.backbones import build_backbone
+from pipeline.choices import ACTIVATIONS, BLOCK_NORMS, FUSION_SCOPES, QK_INITS
 
 if TYPE_CHECKING:
     from pipeline.config import ModelConfig
 
-ACTIVATIONS = ("relu", "softmax", "sigmoid", "identity")
-BLOCK_NORMS = ("layernorm", "l2", "none")
-FUSION_SCOPES = ("joint", "per_view")
-QK_INITS = ("default", "tied", "identity")
 EPS = 1e-10  # Appendix E's additive constant in the row normalisation
 
 

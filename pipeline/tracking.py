@@ -8,21 +8,33 @@ places there (:func:`epoch_logger`).
 
 This is the one module that imports MLflow (tests/test_tracking.py checks it): the stages and the sweep/tables
 jobs create, continue, log to and end their runs through the functions below.
+
+Runs are named by what they are (:func:`pretrain_label`, :func:`sweep_label`, :func:`point_label`,
+:func:`row_label`); the stable identity a job resumes by (``pretrain-<digest>``) is the tag :data:`IDENTITY_TAG`.
+The prepared data is each run's MLflow dataset input (:func:`dataset_input`; a child inherits its parent's). Under
+``dvc exp run`` every new run carries the DVC experiment's name and baseline commit (:func:`dvc_experiment_tags`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import subprocess
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 EXPERIMENT = "transfusion"
+IDENTITY_TAG = "identity"  # the stable name a job resumes by (Ray's run name, ``pretrain-<digest>``)
+# the variables DVC sets for the stage commands of an experiment (dvc/env.py, dvc/repo/experiments/queue/base.py)
+DVC_EXP_NAME, DVC_EXP_BASELINE_REV = "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"
+DVC_EXP_TAGS = {DVC_EXP_NAME: "dvc.exp_name", DVC_EXP_BASELINE_REV: "dvc.exp_baseline"}
+SEP = " · "
 
 
 class TrackingError(RuntimeError):
@@ -132,13 +144,17 @@ def experiment_id(uri: str, root: Path | None = None, name: str = EXPERIMENT) ->
                             "fix or move the store, or point MLFLOW_TRACKING_URI at a working one") from None
 
 
-def create_run(uri: str, root: Path, name: str, tags: Mapping[str, str], params: Mapping[str, Any]) -> str:
-    """A new run in the project's experiment, with its params; returns its id."""
+def create_run(uri: str, root: Path, name: str, tags: Mapping[str, str], params: Mapping[str, Any],
+               inputs: Sequence[Any] = ()) -> str:
+    """A new run in the project's experiment named ``name``, tagged ``tags`` (and :func:`dvc_experiment_tags`), with
+    its params and dataset ``inputs`` (:func:`dataset_input`); returns its id."""
     from mlflow.entities import Param
 
     client = _client(uri)
-    run = client.create_run(experiment_id(uri, root), run_name=name, tags=dict(tags))
+    run = client.create_run(experiment_id(uri, root), run_name=name, tags={**dvc_experiment_tags(), **tags})
     client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in flat_params(params).items()])
+    if inputs:
+        client.log_inputs(run.info.run_id, datasets=list(inputs))
     return run.info.run_id
 
 
@@ -150,7 +166,8 @@ def resume_run(uri: str, run_id: str) -> None:
 def child_run(uri: str, experiment_id: str, parent_id: str, name: str, match: Mapping[str, str],
               tags: Mapping[str, str], params: Mapping[str, Any]) -> str:
     """The child of ``parent_id`` tagged ``match`` (e.g. a trial id), found again and set RUNNING, or else created:
-    named ``name``, tagged ``mlflow.parentRunId``, ``match`` and ``tags``, with ``params``. Returns its id."""
+    named ``name``, tagged ``mlflow.parentRunId``, ``match``, ``tags`` (and :func:`dvc_experiment_tags`), with
+    ``params`` and the parent's dataset inputs. Returns its id."""
     from mlflow.entities import Param
 
     client = _client(uri)
@@ -160,8 +177,11 @@ def child_run(uri: str, experiment_id: str, parent_id: str, name: str, match: Ma
     if found:
         client.update_run(found[0].info.run_id, status="RUNNING")
         return found[0].info.run_id
-    run = client.create_run(experiment_id, run_name=name, tags={**wanted, **tags})
+    run = client.create_run(experiment_id, run_name=name, tags={**dvc_experiment_tags(), **wanted, **tags})
     client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in flat_params(params).items()])
+    inherited = client.get_run(parent_id).inputs
+    if inherited and inherited.dataset_inputs:
+        client.log_inputs(run.info.run_id, datasets=list(inherited.dataset_inputs))
     return run.info.run_id
 
 
@@ -172,6 +192,24 @@ def end_run(uri: str | None, run_id: str | None, status: str, tags: Mapping[str,
     if tags:
         set_tags(run_id, tags, uri=uri)
     _client(uri).set_terminated(run_id, status)
+
+
+VIEW_KEY = "transfusion"  # the saved view of the runs table: `?viewStateShareKey=transfusion` opens it
+VIEW_METRICS = ("knn_acc", "loss")
+VIEW_PARAMS = ("model.depth", "loss.name", "train.batch_size", "augment.strength", "train.seed")
+
+
+def save_view(uri: str, exp_id: str) -> str:
+    """Save the runs table's view :data:`VIEW_KEY` on the experiment; returns its URL query (``viewStateShareKey=…``).
+
+    The MLflow UI opens a view shared as the experiment tag ``mlflow.sharedViewState.<key>`` (JSON of the table's
+    state); this one shows the Dataset column, the metrics :data:`VIEW_METRICS` and the params :data:`VIEW_PARAMS`
+    beside each run's name, so runs compare without opening them. Saved again on every call (it is ours)."""
+    columns = ["attributes.`Dataset`", *(f"metrics.`{k}`" for k in VIEW_METRICS),
+               *(f"params.`{k}`" for k in VIEW_PARAMS)]
+    _client(uri).set_experiment_tag(exp_id, f"mlflow.sharedViewState.{VIEW_KEY}",
+                                    json.dumps({"selectedColumns": columns}))
+    return f"viewStateShareKey={VIEW_KEY}"
 
 
 def epoch_logger(uri: str, run_id: str):
@@ -238,6 +276,84 @@ def stage_tags(stage: str, root: Path) -> dict[str, str]:
     return tags
 
 
+def dvc_experiment_tags(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Under ``dvc exp run``: ``dvc.exp_name`` and ``dvc.exp_baseline`` (the experiment's name and its baseline
+    commit), read from the variables DVC sets for an experiment's stage commands (``DVC_EXP_NAME``,
+    ``DVC_EXP_BASELINE_REV``); ``{}`` outside an experiment."""
+    env = os.environ if env is None else env
+    return {tag: env[var] for var, tag in DVC_EXP_TAGS.items() if env.get(var)}
+
+
+# ------------------------------------------------------------------------------------- run names, dataset
+def _short(key: str, value: Any) -> str:
+    """One part of a run name: ``b128`` (batch size), ``s0`` (seed), else ``<last part of the key> <value>``."""
+    if key.endswith("batch_size"):
+        return f"b{value}"
+    if key.endswith(".seed"):
+        return f"s{value}"
+    return f"{key.rsplit('.', 1)[-1]} {value}"
+
+
+def axis_label(key: str) -> str:
+    """``model.depth`` -> ``depth``, ``train.batch_size`` -> ``batch``."""
+    last = key.rsplit(".", 1)[-1]
+    return "batch" if last == "batch_size" else last
+
+
+def pretrain_label(flat: Mapping[str, Any], stage: str = "pretrain") -> str:
+    """``pretrain · cnn_small · depth 1 · jsd · b128 · s0``: a pretraining run's name from its flat params."""
+    return SEP.join([stage, str(flat["model.backbone"]), f"depth {flat['model.depth']}", str(flat["loss.name"]),
+                     _short("train.batch_size", flat["train.batch_size"]), _short("train.seed", flat["train.seed"])])
+
+
+def point_label(point: Mapping[str, Any]) -> str:
+    """``depth 1 · b16 · strength 1.0``: a sweep trial's name from its point (``{"model.depth": 1, ...}``)."""
+    return SEP.join(_short(k, v) for k, v in point.items()) or "trial"
+
+
+def sweep_label(trials: int, axes: Mapping[str, list[Any]]) -> str:
+    """``sweep · 8 trials · depth×batch×strength``: the axes with more than one value."""
+    varied = "×".join(axis_label(k) for k, values in axes.items() if len(values) > 1)
+    return SEP.join(["sweep", f"{trials} trial{'s' if trials != 1 else ''}", *([varied] if varied else [])])
+
+
+def row_label(name: str, table: int) -> str:
+    """``TransFusion 9-Layer (table 1)``: a tables row's name."""
+    return f"{name} (table {table})"
+
+
+def evaluate_label(probes: Sequence[str], fractions: Sequence[float]) -> str:
+    """``evaluate · 5 probes · labels 10%, 100%``: an evaluation's name from its probes and label fractions."""
+    labels = ", ".join(f"{100 * f:g}%" for f in fractions)
+    return SEP.join(["evaluate", f"{len(probes)} probe{'s' if len(probes) != 1 else ''}", f"labels {labels}"])
+
+
+def tables_label(tables: Sequence[int]) -> str:
+    """``tables · 8 rows · table 1: 5, table 2: 3``: a tables job's name from its rows' tables."""
+    counts = ", ".join(f"table {t}: {tables.count(t)}" for t in sorted(set(tables)))
+    return SEP.join(["tables", f"{len(tables)} row{'s' if len(tables) != 1 else ''}", counts])
+
+
+def data_digest(manifest: Mapping[str, Any]) -> str:
+    """The prepared data's digest: 8 hex digits of a sha256 over its files' sha256 (the manifest's ``files``)."""
+    files = {name: f["sha256"] for name, f in sorted(manifest["files"].items())}
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def dataset_input(manifest: Mapping[str, Any], source: str | os.PathLike, context: str = "training"):
+    """The prepared data as an MLflow dataset input: named by the manifest's ``dataset``, its digest
+    :func:`data_digest`, its source the prepared directory (a local source), its profile the sizes, classes, input
+    shape and the ``data`` params it was prepared with; tagged with ``context`` (training, evaluation)."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    profile = {"train": manifest.get("n_train"), "test": manifest.get("n_test"),
+               "classes": len(manifest.get("classes", [])), "input_shape": manifest.get("input_shape"),
+               "dtype": manifest.get("dtype"), "prepared_with": manifest.get("params", {}).get("data")}
+    dataset = Dataset(name=str(manifest["dataset"]), digest=data_digest(manifest), source_type="local",
+                      source=json.dumps({"uri": str(source)}), profile=json.dumps(profile))
+    return DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])
+
+
 def log_epoch(uri: str, run_id: str, metrics: Mapping[str, float], step: int, client: Any = None) -> None:
     """Log one epoch's metrics to ``run_id`` (through ``client`` when given)."""
     import time
@@ -299,19 +415,23 @@ def set_tags(run_id: str, tags: Mapping[str, Any], root: Path | None = None, *, 
 
 
 def log_stage_run(stage: str, root: Path, *, params: Mapping[str, Any], metrics: Mapping[str, float],
-                  files: list[Path], parent: str | None = None, artifact_path: str | None = None) -> str:
-    """One finished run named ``stage`` (tags :func:`stage_tags`, a child of ``parent`` when given) with ``params``,
-    ``metrics`` and the existing ``files`` under ``artifact_path``; returns its id."""
+                  files: list[Path], parent: str | None = None, artifact_path: str | None = None,
+                  name: str | None = None, inputs: Sequence[Any] = ()) -> str:
+    """One finished run named ``name`` (default ``stage``; tags :func:`stage_tags` and :func:`dvc_experiment_tags`,
+    a child of ``parent`` when given) with ``params``, ``metrics``, dataset ``inputs`` and the existing ``files``
+    under ``artifact_path``; returns its id."""
     import mlflow
 
     uri = tracking_uri(root)
     mlflow.set_tracking_uri(uri)
-    tags = stage_tags(stage, root)
+    tags = {**dvc_experiment_tags(), **stage_tags(stage, root)}
     if parent:
         tags["mlflow.parentRunId"] = parent
-    with mlflow.start_run(experiment_id=experiment_id(uri, root), run_name=stage, tags=tags) as run:
+    with mlflow.start_run(experiment_id=experiment_id(uri, root), run_name=name or stage, tags=tags) as run:
         mlflow.log_params(flat_params(params))
         mlflow.log_metrics(dict(metrics))
+        if inputs:
+            _client(uri).log_inputs(run.info.run_id, datasets=list(inputs))
         for f in files:
             if f.is_file():
                 mlflow.log_artifact(str(f), artifact_path=artifact_path)

@@ -52,3 +52,25 @@ def test_worker_failures_become_one_line_per_rank():
     assert failure_message(exc) == ("rank 0: last line; rank 1: node 0123456789ab (b) cannot see the prepared data "
                                     "at /x")
     assert failure_message(ControllerError(ValueError("scheduling failed"))) == "scheduling failed"
+
+
+def test_a_stale_local_ray_record_is_found_and_a_live_one_is_not(tmp_path, monkeypatch):
+    import socket
+
+    from pipeline.cluster import ray_record_file, stale_local_record
+
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    assert stale_local_record() is None  # no record
+    (tmp_path / "ray").mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # closed when the block ends: nothing listens there
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        with open(ray_record_file(), "w") as f:
+            f.write(f"127.0.0.1:{live.getsockname()[1]}")
+        assert stale_local_record() is None  # it answers: ray.init() joins it, as always
+    with open(ray_record_file(), "w") as f:
+        f.write(f"127.0.0.1:{dead}")
+    assert stale_local_record(timeout=1.0) == f"127.0.0.1:{dead}"

@@ -188,6 +188,8 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
 
     import mlflow
 
+    from pipeline.tracking import data_digest
+
     repo, out = tiny_repro
     assert ran(out) == {"prepare", "pretrain", "evaluate", "report", "sweep", "theory"}
     results = (repo / "sweeps/results.csv").read_text().splitlines()
@@ -230,11 +232,60 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
     latest = max(evaluate, key=lambda r: r.info.start_time)
     assert latest.data.metrics["backbone.svm.100pct"] == pytest.approx(evaluation["probes"]["backbone"]["svm"]["1"])
 
+    # runs named by what they are, the identity hash a tag, the prepared data each run's dataset input
+    config = json.loads((repo / "models/pretrain/config.json").read_text())
+    assert pretrain[0].info.run_name == "pretrain · cnn_small · depth 1 · jsd · b100 · s0"
+    assert pretrain[0].data.tags["identity"] == config["run_name"]
+    assert sweeps[0].info.run_name == "sweep · 2 trials · batch"
+    assert sweeps[0].data.tags["identity"].startswith("sweep-")
+    assert sorted(r.info.run_name for r in trials) == ["depth 1 · b100 · strength 1.0", "depth 1 · b50 · strength 1.0"]
+    assert {r.info.run_name for r in evaluate} == {"evaluate · 2 probes · labels 100%",
+                                                  "evaluate · 2 probes · labels 50%, 100%"}
+    digest = data_digest(json.loads((repo / "data/prepared/manifest.json").read_text()))
+    for r in pretrain + evaluate + sweeps + trials:
+        assert [(i.dataset.name, i.dataset.digest) for i in r.inputs.dataset_inputs] == [("digits", digest)], r
+        assert "dvc.exp_name" not in r.data.tags  # `dvc repro` is no experiment
+
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "baseline"], repo)
+    baseline = run(["git", "rev-parse", "HEAD"], repo).strip()
     out = run(["dvc", "exp", "run", "-S", "model.depth=2"], repo)  # the sweep overrides model.depth: not re-run
     assert ran(out) == {"pretrain", "evaluate", "report"}
     shown = run(["dvc", "exp", "show", "--json"], repo)
     assert '"depth": 2' in shown.replace("'", '"')
-    runs = client.search_runs([exp.experiment_id], filter_string="params.`model.depth` = '2'")
+    runs = client.search_runs([exp.experiment_id], filter_string="params.model.depth = '2'")
     assert len(runs) == 1 and runs[0].data.tags["stage"] == "pretrain"
+
+    # DVC -> MLflow: the experiment's metrics carry the run ids; MLflow -> DVC: its runs carry its name and baseline
+    name, metrics = experiment_metrics(json.loads(shown), "metrics/pretrain.json", "model.depth", 2)
+    tagged = client.search_runs([exp.experiment_id], filter_string=f"tags.dvc.exp_name = '{name}'")
+    assert sorted(r.data.tags["stage"] for r in tagged) == ["evaluate", "pretrain"]
+    assert all(r.data.tags["dvc.exp_baseline"] == baseline for r in tagged)
+    assert metrics["mlflow_run_id"] == runs[0].info.run_id == next(r.info.run_id for r in tagged
+                                                                   if r.data.tags["stage"] == "pretrain")
+    assert runs[0].info.run_name == "pretrain · cnn_small · depth 2 · jsd · b100 · s0"
+    listed = run(["dvc", "exp", "show", "--csv", "--drop", ".*", "--keep", "Experiment|.*mlflow_run_id"], repo)
+    assert any(name in line and runs[0].info.run_id in line for line in listed.splitlines()), listed  # docs/tracking.md
+
+
+def experiment_metrics(shown: list[dict], path: str, param: str, value) -> tuple[str, dict]:
+    """From ``dvc exp show --json``: (name, the metrics file ``path``) of the experiment whose param ``param`` (dotted,
+    in params.yaml) is ``value``."""
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            data = node.get("data") or {}
+            params = ((data.get("params") or {}).get("params.yaml") or {}).get("data") or {}
+            section, key = param.split(".")
+            if node.get("name") and node.get("rev") != "workspace" and params.get(section, {}).get(key) == value:
+                found.append((node["name"], data["metrics"][path]["data"]))
+            for child in node.values():
+                walk(child)
+        elif isinstance(node, list):
+            for child in node:
+                walk(child)
+
+    walk(shown)
+    assert len(found) == 1, found
+    return found[0]

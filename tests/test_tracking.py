@@ -3,22 +3,35 @@
 from __future__ import annotations
 
 import ast
+import json
 import sqlite3
 from pathlib import Path
 
 import pytest
 
 from pipeline.tracking import (
+    DVC_EXP_TAGS,
+    IDENTITY_TAG,
     TrackingError,
     check_reachable,
     child_run,
     create_run,
+    data_digest,
+    dataset_input,
+    dvc_experiment_tags,
     end_run,
+    evaluate_label,
     experiment_id,
     log_metrics_batch,
+    pretrain_label,
+    sweep_label,
+    tables_label,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+MANIFEST = {"dataset": "digits", "n_train": 256, "n_test": 360, "classes": list("0123456789"),
+            "input_shape": [1, 8, 8], "dtype": "uint8", "params": {"data": {"limit_train": 256, "seed": 0}},
+            "files": {"train.pt": {"sha256": "a" * 64}, "test.pt": {"sha256": "b" * 64}}}
 
 
 def test_missing_or_empty_store_is_fine(tmp_path):
@@ -95,15 +108,77 @@ def test_only_the_tracking_module_imports_mlflow():
     assert offenders == [], f"import MLflow through pipeline.tracking instead: {offenders}"
 
 
+def test_run_names_follow_the_params():
+    """Runs are named by what they are: the pretraining run by its stage, backbone, depth, loss, batch and seed; a
+    sweep by its size and the axes it varies; a trial by its point; a tables row by its name and table."""
+    from pipeline.config import flatten, load_params
+    from pipeline.sweep import SweepTracker, axes, grid_points
+    from pipeline.tables import TablesTracker
+
+    params = load_params(ROOT / "params.yaml", ["model.depth=3", "loss.name=supcon", "train.mode=supervised",
+                                                "train.batch_size=64", "train.seed=7", "model.backbone=mlp"])
+    assert pretrain_label(flatten(params)) == "pretrain · mlp · depth 3 · supcon · b64 · s7"
+    default = load_params(ROOT / "params.yaml")
+    assert pretrain_label(flatten(default)) == (f"pretrain · {default.model.backbone} · depth {default.model.depth} · "
+                                                f"{default.loss.name} · b{default.train.batch_size} · "
+                                                f"s{default.train.seed}")
+    assert sweep_label(len(grid_points(default)), axes(default)) == "sweep · 8 trials · depth×batch×strength"
+    one = load_params(ROOT / "params.yaml", ["sweep.depth=[1]", "sweep.strength=[1.0]", "sweep.batch_size=[50,100]"])
+    assert sweep_label(len(grid_points(one)), axes(one)) == "sweep · 2 trials · batch"
+    names = [SweepTracker(1).child_name(point) for point in grid_points(default)]
+    assert names[1] == "depth 0 · b16 · strength 1.0" and len(set(names)) == len(names) == 8
+    seeds = load_params(ROOT / "params.yaml", ["sweep.num_samples=2"])
+    assert SweepTracker(1).child_name(grid_points(seeds)[1]) == "depth 0 · b16 · strength 0.0 · s1"
+    row = {"name": "TransFusion 9-Layer", "table": 1, "params": {"model.depth": 9}}
+    assert TablesTracker(1, unit="GPU-hours").child_name({"row": row}) == "TransFusion 9-Layer (table 1)"
+    assert tables_label([r.table for r in default.tables.rows]) == "tables · 8 rows · table 1: 5, table 2: 3"
+    assert evaluate_label(["svm", "knn50"], [0.1, 1.0]) == "evaluate · 2 probes · labels 10%, 100%"
+
+
+def test_dvc_experiment_tags_come_from_the_variables_dvc_sets():
+    """``dvc exp run`` gives each stage command DVC_EXP_NAME and DVC_EXP_BASELINE_REV (dvc/env.py); they become the
+    tags ``dvc.exp_name`` and ``dvc.exp_baseline``, and outside an experiment there are none."""
+    from dvc import env
+
+    assert set(DVC_EXP_TAGS) == {env.DVC_EXP_NAME, env.DVC_EXP_BASELINE_REV}  # DVC's own names for them
+    commit = "c0ffee" * 6 + "ab"
+    assert dvc_experiment_tags({"DVC_EXP_NAME": "bulky-lamb", "DVC_EXP_BASELINE_REV": commit, "DVC_ROOT": "/x"}) == {
+        "dvc.exp_name": "bulky-lamb", "dvc.exp_baseline": commit}
+    assert dvc_experiment_tags({"PATH": "/bin"}) == {}
+
+
+def test_the_dataset_input_names_the_data_its_digest_and_source(tmp_path):
+    data = dataset_input(MANIFEST, tmp_path / "data/prepared", context="evaluation")
+    assert data.dataset.name == "digits" and data.dataset.digest == data_digest(MANIFEST)
+    assert len(data.dataset.digest) == 8 and data.dataset.source_type == "local"
+    assert json.loads(data.dataset.source) == {"uri": str(tmp_path / "data/prepared")}
+    profile = json.loads(data.dataset.profile)
+    assert profile["train"] == 256 and profile["classes"] == 10 and profile["prepared_with"]["limit_train"] == 256
+    assert [(t.key, t.value) for t in data.tags] == [("mlflow.data.context", "evaluation")]
+    other = {**MANIFEST, "files": {**MANIFEST["files"], "test.pt": {"sha256": "c" * 64}}}
+    assert data_digest(other) != data_digest(MANIFEST)
+
+
 @pytest.mark.slow
-def test_runs_children_metrics_and_endings(tmp_path):
+def test_runs_children_metrics_and_endings(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
+    monkeypatch.setenv("DVC_EXP_NAME", "bulky-lamb")
+    monkeypatch.setenv("DVC_EXP_BASELINE_REV", "f" * 40)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     exp = experiment_id(uri, tmp_path)
-    parent = create_run(uri, tmp_path, "job", {"stage": "sweep"}, {"sweep.epochs": 3})
+    parent = create_run(uri, tmp_path, "job", {"stage": "sweep", IDENTITY_TAG: "sweep-0123"}, {"sweep.epochs": 3},
+                        inputs=[dataset_input(MANIFEST, tmp_path)])
     child = child_run(uri, exp, parent, "trial-a", match={"trial_id": "a"}, tags={"stage": "sweep-trial"},
                       params={"lr": 0.1})
+    client = MlflowClient(uri)
+    for run in (client.get_run(parent), client.get_run(child)):  # the child inherits the data; both are tagged
+        assert [(i.dataset.name, i.dataset.digest) for i in run.inputs.dataset_inputs] == [
+            ("digits", data_digest(MANIFEST))]
+        assert run.data.tags["dvc.exp_name"] == "bulky-lamb" and run.data.tags["dvc.exp_baseline"] == "f" * 40
+    assert [r.info.run_id for r in client.search_runs([exp], "tags.dvc.exp_name = 'bulky-lamb' and "
+                                                      "tags.identity = 'sweep-0123'")] == [parent]
+    assert {r.info.run_id for r in client.search_runs([exp], "dataset.name = 'digits'")} == {parent, child}
     end_run(uri, child, "KILLED")
     assert child_run(uri, exp, parent, "trial-a", match={"trial_id": "a"}, tags={}, params={}) == child
     client = MlflowClient(uri)

@@ -1,5 +1,8 @@
 """End to end in a real browser: the tiny pipeline's pretrain runs, as `transfusion ui` shows them in Chromium.
 
+The runs table shows each run by its name and dataset; the saved view `transfusion ui` prints adds a metric column
+and params, and the documented search and a run's `#/runs/<id>` address work, all without opening a run.
+
 Needs Debian's Chromium (`.ci/install-browser`) and Playwright for Python (never `playwright install`: the
 system browser is used). ``TRANSFUSION_SCREENSHOT_DIR=docs`` (relative to the repo) keeps the comparison
 screenshot as ``docs/mlflow-compare.png``; by default it goes to the test's temp dir.
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import urllib.parse
 from pathlib import Path
 
@@ -18,6 +22,9 @@ from click.testing import CliRunner
 
 from stages.cli import main
 from tests.ui_server import READY, UiProcess, free_port
+
+VIEW = re.compile(r"main params as columns: (?P<url>\S+)")
+SEARCH = "params.train.seed = '1'"  # the form docs/tracking.md documents (`params.model.depth = '3'`)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -44,15 +51,20 @@ def invoke(*args: str):
 
 
 def pretrain_runs(project: Path) -> list[dict]:
-    """Two pretrain runs that differ only in their seed: name, MLflow id and final kNN accuracy of each."""
+    """Two pretrain runs that differ only in their seed: MLflow name and id, final kNN accuracy, dataset of each."""
     invoke("prepare", "-S", "data.limit_train=256")
+    client = mlflow.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     runs = []
     for seed in SEEDS:
         invoke("pretrain", *TINY, "-S", f"train.seed={seed}")
         config = json.loads((project / "models/pretrain/config.json").read_text())
         metrics = json.loads((project / "metrics/pretrain.json").read_text())
-        runs.append({"name": config["run_name"], "id": config["mlflow_run_id"], "knn_acc": metrics["knn_acc"]})
-    assert len({r["name"] for r in runs}) == len(SEEDS)
+        run = client.get_run(config["mlflow_run_id"])
+        assert run.info.run_name == f"pretrain · cnn_small · depth 1 · jsd · b128 · s{seed}"
+        assert run.data.tags["identity"] == config["run_name"]  # the hash the stage resumes by
+        data = run.inputs.dataset_inputs[0].dataset
+        runs.append({"name": run.info.run_name, "id": config["mlflow_run_id"], "knn_acc": metrics["knn_acc"],
+                     "seed": seed, "dataset": f"{data.name} ({data.digest})"})
     return runs
 
 
@@ -72,22 +84,6 @@ def close_assistant(page) -> None:
         page.get_by_role("button", name="Close").first.click()
         expect = sync_api.expect
         expect(panel).to_have_count(0, timeout=UI_MS)
-
-
-def scroll_until_visible(page, locator, steps: int = 40) -> None:
-    """Scroll the chart grid (MLflow draws a chart only once it is scrolled into view) until ``locator`` shows.
-
-    Each run logs the blocks' health per epoch too (``block_1.positive``, ...), so a metric's chart may sit below
-    the first screen."""
-    expect = sync_api.expect
-    page.mouse.move(1000, 600)
-    for _ in range(steps):
-        try:
-            expect(locator).to_be_visible(timeout=3_000)
-            return
-        except AssertionError:
-            page.mouse.wheel(0, 500)
-    expect(locator).to_be_visible(timeout=UI_MS)
 
 
 def screenshot_path(tmp_path: Path) -> Path:
@@ -113,18 +109,37 @@ def test_runs_table_and_run_comparison_in_chromium(project, ray_session, tmp_pat
             try:
                 page = browser.new_page(viewport={"width": 1600, "height": 1000})
 
-                # the runs table the command printed: experiment, both runs, and their kNN accuracy
+                # the runs table the command printed: experiment, both runs by name, their dataset
                 page.goto(url)
                 for run in runs:
                     expect(page.get_by_text(run["name"], exact=True).first).to_be_visible(timeout=SLOW_UI_MS)
                 expect(page.get_by_role("link", name="transfusion").first).to_be_visible(timeout=UI_MS)
                 close_assistant(page)
-                page.get_by_role("button", name="Columns").click()
-                page.get_by_text("knn_acc", exact=True).click()
-                page.keyboard.press("Escape")
-                expect(page.get_by_role("columnheader", name="knn_acc").first).to_be_visible(timeout=UI_MS)
+                expect(page.get_by_role("columnheader", name="Dataset").first).to_be_visible(timeout=UI_MS)
+                expect(page.get_by_text(runs[0]["dataset"], exact=True)).to_have_count(len(runs), timeout=UI_MS)
+
+                # the saved view the command printed: a metric and the params as columns, without opening a run
+                view = ui.wait_for(VIEW, timeout=10)["url"]
+                page.goto(view)
+                for run in runs:
+                    expect(page.get_by_text(run["name"], exact=True).first).to_be_visible(timeout=SLOW_UI_MS)
+                close_assistant(page)
+                for column in ("Dataset", "knn_acc", "model.depth", "train.seed"):
+                    expect(page.get_by_role("columnheader", name=column).first).to_be_visible(timeout=UI_MS)
                 for run in runs:
                     expect(page.get_by_text(str(run["knn_acc"]), exact=True).first).to_be_visible(timeout=UI_MS)
+                    expect(page.get_by_text(run["dataset"], exact=True).first).to_be_visible(timeout=UI_MS)
+
+                # the documented search (docs/tracking.md), as the table's URL keeps it: only the seed-1 run
+                page.goto(f"{url}&{urllib.parse.urlencode({'searchFilter': SEARCH})}")
+                expect(page.get_by_text("1 matching runs").or_(page.get_by_text("1 matching run"))).to_be_visible(
+                    timeout=SLOW_UI_MS)
+                expect(page.get_by_text(runs[1]["name"], exact=True).first).to_be_visible(timeout=UI_MS)
+                expect(page.get_by_text(runs[0]["name"], exact=True)).to_have_count(0, timeout=UI_MS)
+
+                # a run by its id alone (the mlflow_run_id of metrics/*.json and `dvc exp show`)
+                page.goto(f"{base}/#/runs/{runs[0]['id']}")
+                expect(page.get_by_text(runs[0]["name"], exact=True).first).to_be_visible(timeout=SLOW_UI_MS)
 
                 # the compare page of the two runs: their names and the knn_acc row with both values
                 query = urllib.parse.urlencode({"runs": json.dumps([r["id"] for r in runs]),
@@ -140,11 +155,16 @@ def test_runs_table_and_run_comparison_in_chromium(project, ray_session, tmp_pat
                 expect(page.get_by_text("knn_acc", exact=True).first).to_be_attached(timeout=UI_MS)
 
                 # the runs' metric charts side by side (the experiment page's chart comparison): the screenshot
+                # (the charts' own search, a regular expression, keeps the two of them: the grid draws a chart only
+                # once it is scrolled into view, and the blocks' health charts come first)
                 page.goto(f"{url}&compareRunsMode=CHART")
+                charts = page.get_by_role("searchbox", name="Search metric charts")
+                expect(charts).to_be_visible(timeout=SLOW_UI_MS)
+                charts.fill("knn_acc|loss")
                 for metric in ("knn_acc", "loss"):
                     for run in runs:
                         legend = page.get_by_text(f"{run['name']} ({metric})", exact=True).first
-                        scroll_until_visible(page, legend)
+                        expect(legend).to_be_visible(timeout=UI_MS)
                 close_assistant(page)
                 page.wait_for_timeout(1000)  # let the charts finish drawing
                 shot = screenshot_path(tmp_path)
