@@ -7,8 +7,9 @@
 - :func:`use_gpu` decides GPU training from the *cluster's* resources (workers may have GPUs the driver lacks).
 - :func:`check_request` refuses (exit 2, :class:`ParamsError`) a request the cluster can never satisfy, even at the
   largest size its autoscaler can reach, naming what was asked and what exists (``pipeline.resources``).
-- :func:`wait_for_workers` reserves the workers' resources (a placement group) for at most
-  ``ray.resources_timeout_s``: a busy cluster ends in a :class:`ClusterError` naming the wait, never a silent hang.
+- :func:`wait_for_workers` reserves the workers' resources (a placement group); while the autoscaler adds nodes it
+  keeps waiting, and ``ray.resources_timeout_s`` after the last node on its way a busy cluster ends in a
+  :class:`ClusterError` naming the wait, never a silent hang.
 
 Ray's console: the stages print their own progress lines and real errors; Ray's internal chatter stays in Ray's
 log files (``<Ray temp dir>/session_*/logs``, ``/tmp/ray`` unless ``RAY_TMPDIR``; Ray Train's own under ``logs/train``),
@@ -292,10 +293,53 @@ def check_request(params: Params, *, gpu: bool, cpus_per_worker: float | None = 
         raise ParamsError(reason)
 
 
-def wait_for_workers(params: Params, *, gpu: bool) -> None:
-    """Reserve the workers' bundles for at most ``ray.resources_timeout_s``, then release them for Ray Train.
+AUTOSCALER_REPORT_STALE_S = 60.0  # an autoscaler report older than this is a monitor that stopped, not news
 
-    Ray Train V2 waits for a worker group's resources and retries the wait forever; this puts a bound on it.
+
+def pending_in_report(status: dict[str, Any], now: float) -> int:
+    """The nodes an autoscaler (v1, the cluster launcher's default) is launching or booting, from the status it
+    writes to Ray's internal KV (``__autoscaling_status``, what ``ray status`` prints); 0 without a report or with
+    one older than :data:`AUTOSCALER_REPORT_STALE_S`."""
+    report = status.get("autoscaler_report")
+    if not report or now - float(status.get("time", 0.0)) > AUTOSCALER_REPORT_STALE_S:
+        return 0
+    return len(report.get("pending_nodes") or []) + sum((report.get("pending_launches") or {}).values())
+
+
+def pending_nodes() -> int:
+    """How many nodes the cluster's autoscaler is adding right now (launch requested, or booting and not yet in the
+    cluster): autoscaler v2's cluster status, else v1's report (:func:`pending_in_report`). 0 for a cluster without
+    an autoscaler (a local Ray, ``ray start`` by hand) or when the autoscaler cannot be asked."""
+    import json
+
+    import ray
+
+    try:
+        from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+        if is_autoscaler_v2():
+            from ray.autoscaler.v2.sdk import get_cluster_status
+
+            status = get_cluster_status(ray.get_runtime_context().gcs_address)
+            return sum(r.count for r in status.pending_launches) + len(status.pending_nodes)
+        from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        raw = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+        return pending_in_report(json.loads(raw), time.time()) if raw else 0
+    except Exception:  # noqa: BLE001 -- an autoscaler we cannot read is one that adds nothing we can wait for
+        return 0
+
+
+def wait_for_workers(params: Params, *, gpu: bool, pending=pending_nodes, poll_s: float = 10.0,
+                     say=sys.stdout.write) -> None:
+    """Reserve the workers' bundles, then release them for Ray Train; give up ``ray.resources_timeout_s`` after the
+    autoscaler last had a node on its way (:func:`pending_nodes`).
+
+    Ray Train V2 waits for a worker group's resources and retries the wait forever; this puts a bound on it that
+    knows about autoscaling: while nodes are launching or booting (a cold cluster: instances boot, mount the shared
+    storage, install the project) the wait goes on, with a progress line a minute; with nothing on its way, it
+    ends after ``ray.resources_timeout_s`` in a :class:`ClusterError` naming the wait, never a silent hang.
     """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -303,14 +347,26 @@ def wait_for_workers(params: Params, *, gpu: bool) -> None:
     bundle: dict[str, Any] = {"CPU": params.ray.cpus_per_worker, **({"GPU": 1} if gpu else {})}
     group = placement_group([bundle] * params.ray.num_workers, strategy="PACK")
     timeout = params.ray.resources_timeout_s
+    start = last_pending = time.monotonic()
+    told = -float("inf")  # the first line at once, then one a minute
     try:
-        if not group.wait(timeout_seconds=timeout):
-            free = ray.available_resources()
-            have = ", ".join(f"{free.get(k, 0):g} {k}" for k in ("CPU", "GPU"))
-            raise ClusterError(
-                f"waited {timeout:g} s (ray.resources_timeout_s) for {params.ray.num_workers} worker(s) of {bundle} "
-                f"(ray.num_workers, ray.cpus_per_worker, ray.use_gpu) and the cluster never had them free (free now: "
-                f"{have}); wait for other jobs to finish, raise ray.resources_timeout_s, or ask for fewer resources")
+        while not group.wait(timeout_seconds=max(0.1, min(poll_s, last_pending + timeout - time.monotonic()))):
+            now = time.monotonic()
+            coming = pending()
+            if coming:
+                last_pending = now
+                if now - told >= 60.0:
+                    told = now
+                    say(f"[ray] waiting for {params.ray.num_workers} worker(s) of {bundle}: the autoscaler is adding "
+                        f"{coming} node(s) ({now - start:.0f} s so far)\n")
+            elif now >= last_pending + timeout:
+                free = ray.available_resources()
+                have = ", ".join(f"{free.get(k, 0):g} {k}" for k in ("CPU", "GPU"))
+                raise ClusterError(
+                    f"waited {now - start:.0f} s for {params.ray.num_workers} worker(s) of {bundle} (ray.num_workers, "
+                    f"ray.cpus_per_worker, ray.use_gpu), {timeout:g} s (ray.resources_timeout_s) of them with no node "
+                    f"on its way, and the cluster never had them free (free now: {have}); wait for other jobs to "
+                    "finish, raise ray.resources_timeout_s, or ask for fewer resources")
     finally:
         remove_placement_group(group)
 

@@ -8,6 +8,7 @@ after their params-bounded wait with exit 1; a corrupt tracking store is one par
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import time
 
 import pytest
 
-from tests.conftest import invoke
+from tests.conftest import ROOT, invoke
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -98,9 +99,35 @@ def test_resources_that_never_come_free_end_after_the_resources_timeout(prepared
         remove_placement_group(hog)
     assert result.exit_code == 1, result.output
     error = one_paragraph(result.output)
-    assert "waited 3 s (ray.resources_timeout_s) for 1 worker(s)" in error, error
+    assert re.search(r"waited [34] s for 1 worker\(s\) of .*, 3 s \(ray.resources_timeout_s\) of them with no node "
+                     r"on its way", error), error
     assert seconds < 60, seconds
     assert not (prepared / "models").exists()
+
+
+def test_the_resource_wait_goes_on_while_the_autoscaler_adds_nodes(ray_session):
+    """A cold cluster: nodes are on their way for a while (instances boot, mount, install), so the wait goes on past
+    ray.resources_timeout_s and says why; once nothing is pending it ends ray.resources_timeout_s later. A real
+    placement group that cannot be placed; the autoscaler's answer is the stand-in (no autoscaler runs here)."""
+    from pipeline.cluster import ClusterError, pending_nodes, wait_for_workers
+    from pipeline.config import load_params
+
+    assert pending_nodes() == 0  # a local Ray has no autoscaler: nothing on its way
+    params = load_params(ROOT / "params.yaml", ["ray.num_workers=1", "ray.cpus_per_worker=64",
+                                                "ray.resources_timeout_s=1.5"])
+    start = time.monotonic()
+    lines: list[str] = []
+
+    def pending() -> int:
+        return 2 if time.monotonic() - start < 4.0 else 0
+
+    with pytest.raises(ClusterError) as caught:
+        wait_for_workers(params, gpu=False, pending=pending, poll_s=0.25, say=lines.append)
+    seconds = time.monotonic() - start
+    assert 4.0 + 1.5 <= seconds < 4.0 + 1.5 + 5, seconds  # past the pending nodes, then the timeout, no longer
+    assert lines == ["[ray] waiting for 1 worker(s) of {'CPU': 64.0}: the autoscaler is adding 2 node(s) (0 s so "
+                     "far)\n"]
+    assert "1.5 s (ray.resources_timeout_s) of them with no node on its way" in str(caught.value)
 
 
 @pytest.mark.parametrize("stage", ["pretrain", "sweep", "tables"])
