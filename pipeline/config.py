@@ -142,6 +142,7 @@ class TrainConfig(Section):
     knn_every: int = Field(1, ge=0)  # epochs between online kNN evaluations (0 = only at the end)
     knn_k: int = Field(20, ge=1)
     head_lr_scale: float = Field(1.0, gt=0.0, le=1000.0)  # ours: the head's lr = train.lr * this
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # the step's autocast (pipeline.precision)
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainConfig:

@@ -41,13 +41,20 @@ def attention_weights(raw: Tensor) -> Tensor:
     return (raw + EPS) / (raw + EPS).sum(dim=-1, keepdim=True)
 
 
-def block_health(raw: Tensor, labels: Tensor | None = None, other: Tensor | None = None) -> dict[str, float | None]:
+ROWS = 128  # rows per slice of the fp64 statistics: (ROWS, n) temporaries instead of (n, n)
+
+
+def block_health(raw: Tensor, labels: Tensor | None = None, other: Tensor | None = None,
+                 rows: int = ROWS) -> dict[str, float | None]:
     """The health numbers of one block (module docstring).
 
     raw: (n, n) or (g, n, n) raw affinity act(QKᵀ) with a zero diagonal; labels: (n,) or (g, n) class ids or
     None; other: (n,) or (g, n) the index, within the same group, of each row's other view, or None.
+
+    Every number is a mean over rows, so they are computed ``rows`` rows at a time, in fp64: the temporaries are
+    (rows, n) whatever the batch, never an fp64 copy of the whole (n, n) affinity.
     """
-    raw = raw.detach().double()
+    raw = raw.detach()
     if raw.ndim == 2:
         raw = raw[None]  # (g, n, n)
         labels = None if labels is None else labels[None]
@@ -55,27 +62,37 @@ def block_health(raw: Tensor, labels: Tensor | None = None, other: Tensor | None
     g, n, _ = raw.shape
     if n < 2:
         raise ValueError(f"block_health needs at least 2 rows, got {n}")
-    off = ~torch.eye(n, dtype=torch.bool, device=raw.device)  # (n, n)
-    pos = (raw > 0) & off  # (g, n, n)
-    w = attention_weights(raw)  # (g, n, n)
-    entropy = -(w * w.clamp_min(1e-300).log()).sum(-1) / math.log(n)  # (g, n)
-    out: dict[str, float | None] = {
-        "positive": pos.sum().item() / (g * n * (n - 1)),
-        "uniform_rows": float((~pos.any(-1)).double().mean()),
-        "entropy": float(entropy.mean()),
-        "same_class": None,
-        "same_class_chance": None,
-        "other_view": None,
+    y = None if labels is None else labels.to(raw.device).reshape(g, n)
+    pi = None if other is None else other.to(raw.device).reshape(g, n, 1).long()
+    positive = uniform = same_pairs = 0
+    entropy, same_class, other_view = (raw.new_zeros((), dtype=torch.float64) for _ in range(3))  # 3 tensors
+    for gi in range(g):
+        for start in range(0, n, rows):
+            stop = min(start + rows, n)
+            r = raw[gi, start:stop].double()  # (r, n)
+            local = torch.arange(stop - start, device=raw.device)
+            off = torch.ones_like(r, dtype=torch.bool)
+            off[local, start + local] = False  # (r, n): the diagonal of these rows
+            pos = (r > 0) & off
+            positive += int(pos.sum())
+            uniform += int((~pos.any(-1)).sum())
+            w = attention_weights(r)  # (r, n)
+            entropy += -(w * w.clamp_min(1e-300).log()).sum()
+            if y is not None:
+                same = (y[gi, start:stop, None] == y[gi, None, :]) & off  # (r, n)
+                same_class += (w * same).sum()
+                same_pairs += int(same.sum())
+            if pi is not None:
+                other_view += w.gather(-1, pi[gi, start:stop]).sum()
+    rows_total = g * n
+    return {
+        "positive": positive / (g * n * (n - 1)),
+        "uniform_rows": uniform / rows_total,
+        "entropy": float(entropy) / math.log(n) / rows_total,
+        "same_class": None if y is None else float(same_class) / rows_total,
+        "same_class_chance": None if y is None else same_pairs / rows_total / n,
+        "other_view": None if pi is None else float(other_view) / rows_total,
     }
-    if labels is not None:
-        y = labels.to(raw.device).reshape(g, n)
-        same = (y[:, :, None] == y[:, None, :]) & off  # (g, n, n)
-        out["same_class"] = float((w * same).sum(-1).mean())
-        out["same_class_chance"] = float(same.sum(-1).double().mean() / n)
-    if other is not None:
-        idx = other.to(raw.device).reshape(g, n, 1).long()
-        out["other_view"] = float(w.gather(-1, idx).mean())
-    return out
 
 
 def verdict(h: Mapping[str, Any]) -> str | None:

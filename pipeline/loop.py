@@ -37,6 +37,7 @@ from pipeline.knn import knn_accuracy
 from pipeline.losses import make_loss
 from pipeline.model import build_model
 from pipeline.optim import build_optimizer, warmup_cosine
+from pipeline.precision import for_device
 from pipeline.step import GlobalBatchStep, NonFiniteLossError, broadcast_from_rank0
 
 KNN_BANK, KNN_QUERIES = 5000, 2000
@@ -103,8 +104,10 @@ class PretrainLoop:
         loss_fn = make_loss(params.loss.name, temperature=params.loss.temperature,
                             barlow_lambda=params.loss.barlow_lambda)
         cuda = device.type == "cuda"
+        self.precision = for_device(t.precision, device)  # bf16 / fp16 + scaler / fp32 by device (pipeline.precision)
         self.step = GlobalBatchStep(self.model, loss_fn, grad_cache_chunk=t.grad_cache_chunk,
-                                    autocast_dtype=torch.bfloat16 if cuda else None)
+                                    autocast_dtype=self.precision.autocast)
+        self.scaler = self.step.scaler = self.precision.grad_scaler(device)  # fp16 only
         self.defer_sync = cuda if defer_sync is None else defer_sync
         self.y_train = data.train.y  # (N,) on the host: the kNN monitor's labels
         self.x_dev = data.train.x.to(device)  # (N, ...) uint8 on CUDA: the steps index it there
@@ -116,8 +119,11 @@ class PretrainLoop:
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "epoch": self.epoch, "history": self.history}
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "epoch": self.epoch, "history": self.history}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -125,6 +131,8 @@ class PretrainLoop:
         self.scheduler.load_state_dict(state["scheduler"])
         self.epoch = int(state["epoch"])
         self.history = list(state["history"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
 
     # ------------------------------------------------------------------ one epoch
     def _local_batch(self, perm: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +168,11 @@ class PretrainLoop:
             else:
                 losses.append(self.step(torch.cat([v1, v2]), torch.cat([ids, ids])))
                 noises.append(view_noise(v1, v2))
-            self.optimizer.step()
+            if self.scaler is None:
+                self.optimizer.step()
+            else:  # fp16: unscale, skip the step on inf/NaN gradients (same on every rank: they are all-reduced)
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
             self.scheduler.step()
         if self.defer_sync:  # the epoch's one host sync; the check the per-step path makes, before any report
             losses, noises = torch.stack(losses).tolist(), torch.stack(noises).tolist()
@@ -184,28 +196,44 @@ class PretrainLoop:
         )
 
     @torch.no_grad()
-    def health(self) -> dict[str, float | None]:
+    def health(self, chunk: int = 512) -> dict[str, float | None]:
         """Per-block health (``pipeline.health``) on a fixed global batch of the training set, two views as in
         training, model in eval mode: ``{"block_1.positive": ..., ...}`` ({} at depth 0).
 
         ``other_view`` is None where the other view is not in the fused batch (``fusion_scope: per_view``).
+
+        In bounded memory at any batch size: images are loaded, augmented and embedded ``chunk`` at a time (the
+        backbone in eval mode is row-wise), the head fuses the (2b, m) embeddings in one piece as in training but
+        without a graph, and each block's numbers are taken as soon as its affinity exists (``on_affinity``), in
+        row slices, so one block's (2b, 2b) affinity is alive at a time. A batch within one chunk is computed
+        exactly as one forward of the two views.
         """
         if self.model.head.depth == 0:
             return {}
         seed = self.params.train.seed
         b = min(self.batch, len(self.y_train))
         idx = torch.randperm(len(self.y_train), generator=torch.Generator().manual_seed(_seed(seed, 11)))[:b]
-        x = to_float(self.data.train.x[idx].to(self.device))  # (b, ...)
         gen = torch.Generator(self.device).manual_seed(_seed(seed, 13))
-        v1, v2 = self.augment(x, gen), self.augment(x, gen)
         self.model.eval()
-        out = self.model(torch.cat([v1, v2]), collect=True, views=2)
-        self.model.train()
+        z1, z2 = [], []
+        for part in idx.split(chunk):
+            x = to_float(self.data.train.x[part].to(self.device))  # (c, ...)
+            v1, v2 = self.augment(x, gen), self.augment(x, gen)
+            z = self.model.backbone(torch.cat([v1, v2]))  # (2c, m)
+            z1.append(z[: len(part)])
+            z2.append(z[len(part):])
+            del x, v1, v2, z
+        z = torch.cat(z1 + z2)  # (2b, m): [view 1; view 2]
+        del z1, z2
         y = self.data.train.y[idx].to(self.device)
         labels, other = torch.cat([y, y]), torch.cat([torch.arange(b, 2 * b), torch.arange(b)]).to(self.device)
         blocks = {}
-        for i, a in enumerate(out.affinities):  # (2b, 2b) fused jointly, or (2, b, b) per view
+
+        def take(i: int, a: torch.Tensor) -> None:  # (2b, 2b) fused jointly, or (2, b, b) per view
             blocks[f"block_{i + 1}"] = block_health(a, labels.reshape(a.shape[:-1]), None if a.ndim == 3 else other)
+
+        self.model.head(z, views=2, on_affinity=take)
+        self.model.train()
         return flat(blocks)
 
     @torch.no_grad()

@@ -27,6 +27,7 @@ Two choices that keep blocks alive (``pipeline.health``), both off in the paper'
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -178,7 +179,11 @@ class TransFusionHead(nn.Module):
         self.fusion_scope = fusion_scope
         self.blocks = nn.ModuleList(TransFusionBlock(dim, activation, norm, qk_init) for _ in range(depth))
 
-    def forward(self, x: Tensor, *, collect: bool = False, views: int = 1) -> HeadOutput:
+    def forward(self, x: Tensor, *, collect: bool = False, views: int = 1,
+                on_affinity: Callable[[int, Tensor], None] | None = None) -> HeadOutput:
+        """``collect`` keeps every block's output and raw affinity in the :class:`HeadOutput`; ``on_affinity(i, raw)``
+        instead hands block i's raw affinity (detached, (n, n) or (g, n/g, n/g)) to the caller as soon as it exists,
+        so that no more than one block's affinity need be alive at once (``pipeline.loop``'s health check)."""
         n, m = x.shape
         groups = views if self.fusion_scope == "per_view" else 1
         if n % groups:
@@ -186,17 +191,24 @@ class TransFusionHead(nn.Module):
         full = self.blocks[:-1] if self.truncate_last else self.blocks
         hidden, affinities = [x], []
         x = x.reshape(groups, n // groups, m)  # (g, n/g, m): each group is fused on its own
-        for block in full:
+        for i, block in enumerate(full):
             x, raw = block(x)  # (g, n/g, m), (g, n/g, n/g)
             if collect:
                 hidden.append(x.reshape(n, m))
                 affinities.append(raw.detach().squeeze(0))
+            if on_affinity is not None:
+                on_affinity(i, raw.detach().squeeze(0))
+            del raw
         x = x.reshape(n, m)
         if self.truncate_last:
             last = self.blocks[-1]
             q, k = last.qk(last.normalize_input(x))  # row-wise: the trained affinity spans all n rows
-            if collect:
-                affinities.append(_affinity(q, k, last.activation).detach())
+            if collect or on_affinity is not None:
+                raw = _affinity(q, k, last.activation).detach()
+                if collect:
+                    affinities.append(raw)
+                if on_affinity is not None:
+                    on_affinity(len(full), raw)
         else:
             q = k = x
         return HeadOutput(q=q, k=k, embedding=x, hidden=hidden if collect else [], affinities=affinities)

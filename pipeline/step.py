@@ -176,7 +176,12 @@ class GlobalBatchStep:
     the device, without a host sync and without the check (the caller checks, e.g. once per epoch).
 
     Raises ValueError at construction for ``grad_cache_chunk`` with a BatchNorm model (see the module doc).
+
+    ``scaler``: an fp16 ``torch.amp.GradScaler`` (``pipeline.precision``) that scales the loss before its backward;
+    None (bf16, fp32) back-propagates the loss as it is.
     """
+
+    scaler: torch.amp.GradScaler | None = None
 
     def __init__(
         self,
@@ -230,14 +235,14 @@ class GlobalBatchStep:
                 z = self.model.backbone(x)  # (2b, m)
             loss = self._head_loss(_upcast(z), ids, world_size, rank)
             total = self._total(loss, world_size, check)
-            loss.backward()
+            self._backward(loss)
         else:
             with torch.no_grad(), self._autocast(x.device):
                 z = _upcast(torch.cat([self.model.backbone(c) for c in x.split(self.chunk)]))
             z.requires_grad_(True)
             loss = self._head_loss(z, ids, world_size, rank)
             total = self._total(loss, world_size, check)
-            loss.backward()  # head grads and ∂L/∂z (summed over workers by the all-gather)
+            self._backward(loss)  # head grads and ∂L/∂z (summed over workers by the all-gather), scaled with fp16
             dz = z.grad
             for c, g in zip(x.split(self.chunk), dz.split(self.chunk), strict=True):
                 with self._autocast(x.device):
@@ -246,6 +251,11 @@ class GlobalBatchStep:
         if world_size > 1:
             allreduce_grads(self.params)
         return total
+
+    def _backward(self, loss: Tensor) -> None:
+        """``loss.backward()``, through the fp16 gradient scaler when there is one (:attr:`scaler`): the gradients
+        are then scaled, and the loop's ``scaler.step`` unscales them (after the all-reduce, so on every rank alike)."""
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     @staticmethod
     def _total(loss: Tensor, world_size: int, check: bool) -> Tensor:

@@ -162,3 +162,78 @@ def test_a_live_block_gets_no_warning_and_per_view_has_no_other_view() -> None:
     assert h["block_1.positive"] > 0.2  # identity init: ReLU of the inputs' cosine, alive from the start
     assert h["block_1.other_view"] is None  # the other view is not in a per-view fused batch: n/a
     assert warnings_for(unflat(h)) == []
+
+
+@pytest.mark.parametrize("n", [5, 33, 130])
+@pytest.mark.parametrize("rows", [1, 4, 128])
+def test_row_slices_give_the_numbers_of_the_whole(n: int, rows: int) -> None:
+    raw = relu_affinity(n, 3 * n)
+    labels, other = torch.arange(n) % 4, torch.roll(torch.arange(n), 2)
+    whole = block_health(raw, labels, other, rows=n)
+    sliced = block_health(raw, labels, other, rows=rows)
+    assert sliced == pytest.approx(whole, rel=1e-12)
+    grouped = torch.stack([raw, relu_affinity(n, 7)])
+    assert block_health(grouped, torch.stack([labels] * 2), rows=rows) == pytest.approx(
+        block_health(grouped, torch.stack([labels] * 2), rows=n), rel=1e-12)
+
+
+@pytest.mark.parametrize("scope", ["joint", "per_view"])
+def test_health_in_chunks_equals_one_forward(scope: str) -> None:
+    """The health batch loaded, augmented and embedded in chunks gives the numbers of one forward (strength 0: the
+    chunks draw no augmentation, so both see the same views)."""
+    from pipeline.loop import PretrainLoop
+
+    loop = PretrainLoop(_params(["model.depth=2", "augment.strength=0.0", f"model.fusion_scope={scope}"]),
+                        _digits_small(), torch.device("cpu"))
+    whole, chunked = loop.health(), loop.health(chunk=7)
+    assert set(whole) == set(chunked) and whole["block_2.positive"] > 0
+    for key, value in whole.items():
+        assert chunked[key] == (None if value is None else pytest.approx(value, rel=1e-6, abs=1e-9)), key
+
+
+def peak_bytes(fn) -> int:
+    """The peak of live CPU tensor bytes while ``fn`` runs, from torch's profiler: each op's own allocations less its
+    frees, and the frees between ops, in time order (a transient inside one op is not seen)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    deltas = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+                    for e in prof.events())
+    live = peak = 0
+    for _, delta in deltas:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_health_at_a_large_batch_needs_no_more_memory_than_a_training_step(depth: int) -> None:
+    """B = 1024 (2B = 2048 fused rows): the health check's peak stays below one training step's; the whole-matrix
+    way (every block's affinity collected, fp64 statistics over all of it) would not."""
+    from pipeline.datasets import load_dataset
+    from pipeline.health import attention_weights
+    from pipeline.loop import PretrainLoop
+
+    data = load_dataset("digits", root="data/raw", seed=0, limit_train=1100, limit_test=100)
+    loop = PretrainLoop(_params([f"model.depth={depth}", "train.batch_size=1024"]), data, torch.device("cpu"))
+    perm = torch.randperm(len(data.train.y), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        x, ids = loop._local_batch(perm, 0)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(0)
+            v1, v2 = loop.augment(x, gen), loop.augment(x, gen)
+        loop.step.lazy(torch.cat([v1, v2]), torch.cat([ids, ids]))
+        loop.optimizer.step()
+
+    def whole_matrix() -> None:  # every affinity collected at once, fp64 weights of each whole
+        with torch.no_grad():
+            x = torch.cat([data.train.x[:1024]] * 2).float()
+            for a in loop.model(x, collect=True, views=2).affinities:
+                w = attention_weights(a)  # (2B, 2B) fp64
+                (w * w.clamp_min(1e-300).log()).sum(-1)
+
+    training, health, naive = peak_bytes(step), peak_bytes(loop.health), peak_bytes(whole_matrix)
+    assert health <= training < naive, (health, training, naive)
+    assert health >= 2048 * 2048 * 4  # it does hold one fp32 (2B)² affinity: the meter sees the tensors
