@@ -30,8 +30,8 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from pipeline import measure  # noqa: E402
 from pipeline.losses import LOSS_NAMES, make_loss, self_supervised_ids  # noqa: E402
 
 TEMPERATURE = 0.1
@@ -85,14 +85,7 @@ def time_rounds(fns: dict[str, Callable], z: torch.Tensor, ids: torch.Tensor, re
 
 def peak_bytes(fn: Callable, z: torch.Tensor, ids: torch.Tensor) -> int:
     """Highest running total of allocations minus frees of one forward + backward (CPU allocator)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(fn, z, ids)
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    total = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        total += event.nbytes()
-        peak = max(peak, total)
-    return peak
+    return measure.peak_bytes(lambda: step(fn, z, ids))
 
 
 def run(n: int, d: int, repeats: int, reference: bool) -> None:

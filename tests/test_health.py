@@ -191,22 +191,6 @@ def test_health_in_chunks_equals_one_forward(scope: str) -> None:
         assert chunked[key] == (None if value is None else pytest.approx(value, rel=1e-6, abs=1e-9)), key
 
 
-def peak_bytes(fn) -> int:
-    """The peak of live CPU tensor bytes while ``fn`` runs, from torch's profiler: each op's own allocations less its
-    frees, and the frees between ops, in time order (a transient inside one op is not seen)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    deltas = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
-                    for e in prof.events())
-    live = peak = 0
-    for _, delta in deltas:
-        live += delta
-        peak = max(peak, live)
-    return peak
-
-
 @pytest.mark.parametrize("depth", [1, 3])
 def test_health_at_a_large_batch_needs_no_more_memory_than_a_training_step(depth: int) -> None:
     """B = 1024 (2B = 2048 fused rows): the health check's peak stays below one training step's; the whole-matrix
@@ -214,6 +198,7 @@ def test_health_at_a_large_batch_needs_no_more_memory_than_a_training_step(depth
     from pipeline.datasets import load_dataset
     from pipeline.health import attention_weights
     from pipeline.loop import PretrainLoop
+    from pipeline.measure import peak_bytes
 
     data = load_dataset("digits", root="data/raw", seed=0, limit_train=1100, limit_test=100)
     loop = PretrainLoop(_params([f"model.depth={depth}", "train.batch_size=1024"]), data, torch.device("cpu"))
