@@ -26,7 +26,8 @@ PROJECT = "transfusion-pipeline"
 EXTRAS = ("dev",)
 FILE = Path(__file__).with_name("constraints.txt")
 HEADER = ("# The exact versions the tests ran with (python deploy/constraints.py writes this file from a tested\n"
-          "# environment). CI and every cluster node install with: python -m pip install -c deploy/constraints.txt -e .\n")
+          "# environment). CI and every cluster node install with:\n"
+          "#   python -m pip install -c deploy/constraints.txt -e .\n")
 
 
 def closure(project: str = PROJECT, extras: tuple[str, ...] = EXTRAS) -> dict[str, str]:

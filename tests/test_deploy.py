@@ -115,7 +115,6 @@ def test_every_node_installs_the_tested_versions():
     """Nodes install with deploy/constraints.txt, exact pins of every package the project needs (Ray, torch and all
     beneath them), each within pyproject's range; CI installs with the same file, so the pins are what the tests ran."""
     import tomllib
-
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
