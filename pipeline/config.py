@@ -143,6 +143,9 @@ class TrainConfig(Section):
     knn_k: int = Field(20, ge=1)
     head_lr_scale: float = Field(1.0, gt=0.0, le=1000.0)  # ours: the head's lr = train.lr * this
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # the step's autocast (pipeline.precision)
+    # MiB the training set may take on a worker's device (above: streamed from memory-mapped files, same results);
+    # None: a share of the device's memory (pipeline.loop.data_budget); 0 always streams
+    data_budget_mb: float | None = Field(None, ge=0.0, le=1e9)
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainConfig:

@@ -9,6 +9,12 @@ Storage dtypes (what :func:`load_dataset` returns and :func:`save_prepared` writ
 
 Labels are always int64 ``(N,)`` in ``[0, len(classes))``.
 
+The ``prepare`` stage's format (:func:`prepare_dataset`, :func:`save_prepared`, :func:`load_prepared`): four
+``.npy`` files, ``{train,test}_x.npy`` (the inputs, stored dtype, C order) and ``{train,test}_y.npy`` (int64
+labels), plus ``manifest.json`` with each file's sha256. numpy's own format, so ``np.load(mmap_mode=...)`` maps a
+split of any size without reading it (``load_prepared(mmap=True)``); written block by block (:func:`write_npy`),
+an image folder one decoded image at a time, so preparing never holds the data set in memory.
+
 Every failure a user can cause (missing or corrupt files, bad values) raises :class:`DatasetError` whose
 message says what is wrong, in which file, and what to do about it.
 """
@@ -16,6 +22,8 @@ message says what is wrong, in which file, and what to do about it.
 from __future__ import annotations
 
 import gzip
+import hashlib
+import io
 import json
 import math
 import os
@@ -24,7 +32,7 @@ import shutil
 import struct
 import tarfile
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,12 +41,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.io import TensorFileError, atomic_dir, load_torch, save_torch, sha256_file, write_json
+from pipeline.io import atomic_dir, sha256_file, write_json
 
 DATASET_NAMES = ("digits", "synthetic", "cifar10", "fashion_mnist", "image_folder")
 
 MANIFEST = "manifest.json"
-PREPARED_FILES = ("train.pt", "test.pt")
+SPLIT_FILES = {"train": ("train_x.npy", "train_y.npy"), "test": ("test_x.npy", "test_y.npy")}  # (inputs, labels)
+PREPARED_FILES = (*SPLIT_FILES["train"], *SPLIT_FILES["test"])
 _PREPARE_HINT = "run `transfusion prepare` (or `dvc repro prepare`) first"
 _REPREPARE_HINT = "run `transfusion prepare` (or `dvc repro prepare`) again"
 _DOWNLOAD_HINT = "set data.download: true to fetch it"
@@ -175,8 +184,16 @@ def _limit(split: Split, limit: int | None, seed: int) -> Split:
     return _take(split, torch.from_numpy(stratified_subset(split.y, limit, seed)))
 
 
-def _stratified_split(x: Tensor, y: Tensor, test_fraction: float, seed: int, what: str) -> tuple[Split, Split]:
-    """Stratified train/test split of ``x`` (N, ...) / ``y`` (N,) by sklearn's ``train_test_split``."""
+def _limit_index(index: Tensor, y: Tensor, limit: int | None, seed: int) -> Tensor:
+    """``index`` (n,) into ``y`` cut to the subset :func:`_limit` keeps of the split ``y[index]``: (min(n, limit),)."""
+    if limit is None or limit >= len(index):
+        return index
+    return index[torch.from_numpy(stratified_subset(y[index], limit, seed))]
+
+
+def _split_index(y: Tensor, test_fraction: float, seed: int, what: str) -> tuple[Tensor, Tensor]:
+    """Sorted train and test indices (int64) of a stratified split of the labels ``y`` (N,), by sklearn's
+    ``train_test_split`` with ``test_fraction`` and ``seed``."""
     from sklearn.model_selection import train_test_split
 
     index = np.arange(int(y.shape[0]))
@@ -193,8 +210,12 @@ def _stratified_split(x: Tensor, y: Tensor, test_fraction: float, seed: int, wha
             "Every class needs at least 2 samples and the test split at least one sample per class; "
             "add data or change data.test_fraction."
         ) from e
-    train_idx = torch.from_numpy(np.sort(train_idx))
-    test_idx = torch.from_numpy(np.sort(test_idx))
+    return torch.from_numpy(np.sort(train_idx)), torch.from_numpy(np.sort(test_idx))
+
+
+def _stratified_split(x: Tensor, y: Tensor, test_fraction: float, seed: int, what: str) -> tuple[Split, Split]:
+    """Stratified train/test split of ``x`` (N, ...) / ``y`` (N,) (:func:`_split_index`)."""
+    train_idx, test_idx = _split_index(y, test_fraction, seed, what)
     return Split(x[train_idx].contiguous(), y[train_idx].contiguous()), Split(
         x[test_idx].contiguous(), y[test_idx].contiguous()
     )
@@ -211,20 +232,29 @@ def _resize(x: Tensor, size: int, chunk: int = 4096) -> Tensor:
     return out.clamp_(0.0, 1.0) if out.is_floating_point() else out
 
 
-def _check_split(split: Split, input_shape: tuple[int, ...], n_classes: int, where: str) -> None:
-    """Raise :class:`DatasetError` unless ``split`` is ``(N, *input_shape)``, finite, with valid labels."""
+def _count_nonfinite(x: Tensor, rows: int = 1 << 14) -> int:
+    """NaN/inf values of floating ``x`` (N, ...), counted ``rows`` rows at a time (a memory-mapped x is read once,
+    never copied whole)."""
+    return sum(int((~torch.isfinite(x[i : i + rows])).sum()) for i in range(0, x.shape[0], rows))
+
+
+def _check_split(split: Split, input_shape: tuple[int, ...], n_classes: int, where: str,
+                 labels_where: str | None = None) -> None:
+    """Raise :class:`DatasetError` unless ``split`` is ``(N, *input_shape)``, finite, with valid labels.
+
+    ``where`` names the inputs in messages, ``labels_where`` the labels (default: ``where``)."""
     if tuple(split.x.shape[1:]) != tuple(input_shape):
         raise DatasetError(
             f"{where}: inputs have shape {tuple(split.x.shape)}, expected (N, {', '.join(map(str, input_shape))}); "
             "fix or regenerate the data"
         )
-    if split.x.is_floating_point() and split.x.numel() and not bool(torch.isfinite(split.x).all()):
-        bad = int((~torch.isfinite(split.x)).sum())
+    bad = _count_nonfinite(split.x) if split.x.is_floating_point() and split.x.numel() else 0
+    if bad:
         raise DatasetError(f"{where}: {bad} input values are NaN or infinite; fix or regenerate the data")
     if len(split) and (int(split.y.min()) < 0 or int(split.y.max()) >= n_classes):
         raise DatasetError(
-            f"{where}: labels span [{int(split.y.min())}, {int(split.y.max())}] but there are {n_classes} classes; "
-            "fix or regenerate the data"
+            f"{labels_where or where}: labels span [{int(split.y.min())}, {int(split.y.max())}] but there are "
+            f"{n_classes} classes; fix or regenerate the data"
         )
 
 
@@ -523,12 +553,23 @@ def _load_fashion_mnist(root: Path, download: bool) -> tuple[Split, Split, tuple
 # image folder
 
 
-def _load_image_folder(root: Path, image_size: int) -> tuple[Tensor, Tensor, tuple[str, ...]]:
-    """``root/<class>/<image>`` via torchvision's ImageFolder: RGB uint8 (N, 3, image_size, image_size)."""
-    from torchvision.datasets import ImageFolder
-    from torchvision.transforms import v2
+@dataclass(frozen=True, eq=False)
+class _FolderPlan:
+    """What an image folder's splits are made of, before any image is decoded."""
 
-    transform = v2.Compose([v2.ToImage(), v2.Resize((image_size, image_size), antialias=True)])
+    paths: tuple[str, ...]  # (N,) every image, in ImageFolder's order (classes sorted, then file names)
+    y: Tensor  # (N,) int64 labels
+    classes: tuple[str, ...]
+    index: dict[str, Tensor]  # "train" / "test": ascending int64 indices into paths, the limits applied
+    loader: Callable[[str], Any]  # path -> PIL image in RGB
+
+
+def _plan_image_folder(root: Path, test_fraction: float, seed: int, limit_train: int | None,
+                       limit_test: int | None) -> _FolderPlan:
+    """Scan ``root/<class>/<image>`` (file names only) and choose each split's images: the stratified split of
+    :func:`_split_index`, then the stratified subsets of ``limit_train`` / ``limit_test``."""
+    from torchvision.datasets import ImageFolder
+
     try:
         folder = ImageFolder(str(root))
     except (FileNotFoundError, OSError) as e:
@@ -536,20 +577,79 @@ def _load_image_folder(root: Path, image_size: int) -> tuple[Tensor, Tensor, tup
             f"image_folder {root}: {str(e).rstrip('.')}. Expected one sub-folder per class holding images "
             "(e.g. <root>/cat/1.png, <root>/dog/2.jpg)"
         ) from e
-    images = []
-    for path, _ in folder.samples:
+    if not folder.samples:
+        raise DatasetError(f"image_folder {root} holds no images; add <root>/<class>/<image> files")
+    y = torch.tensor(folder.targets, dtype=torch.int64)
+    train, test = _split_index(y, test_fraction, seed, f"image_folder {root}")
+    index = {"train": _limit_index(train, y, limit_train, seed), "test": _limit_index(test, y, limit_test, seed)}
+    return _FolderPlan(tuple(p for p, _ in folder.samples), y, tuple(folder.classes), index, folder.loader)
+
+
+def _folder_images(plan: _FolderPlan, part: str, image_size: int) -> Iterator[Tensor]:
+    """The images of split ``part`` in row order, decoded one at a time: RGB uint8 (3, image_size, image_size)
+    each (bilinear, antialiased). A file that does not decode raises :class:`DatasetError` naming it."""
+    from torchvision.transforms import v2
+
+    transform = v2.Compose([v2.ToImage(), v2.Resize((image_size, image_size), antialias=True)])
+    for i in plan.index[part].tolist():
+        path = plan.paths[i]
         try:
-            img = folder.loader(path)  # PIL image converted to RGB
+            img = plan.loader(path)  # PIL image converted to RGB
         except Exception as e:  # UnidentifiedImageError, truncated file, ...
             raise DatasetError(f"image file {path} cannot be decoded ({e}); delete or replace it") from e
-        images.append(transform(img).as_subclass(Tensor))  # (3, S, S) uint8
-    x = torch.stack(images) if images else torch.empty((0, 3, image_size, image_size), dtype=torch.uint8)
-    y = torch.tensor([t for _, t in folder.samples], dtype=torch.int64)
-    return x, y, tuple(folder.classes)
+        yield transform(img).as_subclass(Tensor)  # (3, S, S) uint8
+
+
+def _load_image_folder(root: Path, image_size: int, test_fraction: float, seed: int, limit_train: int | None,
+                       limit_test: int | None) -> tuple[Split, Split, tuple[str, ...]]:
+    """An image folder's splits in memory, RGB uint8 (n, 3, S, S): each image decoded into a preallocated tensor
+    (never a list of images stacked, which would hold the split twice)."""
+    plan = _plan_image_folder(root, test_fraction, seed, limit_train, limit_test)
+    splits = []
+    for part in ("train", "test"):
+        idx = plan.index[part]
+        x = torch.empty((len(idx), 3, image_size, image_size), dtype=torch.uint8)  # (n, 3, S, S)
+        for row, img in enumerate(_folder_images(plan, part, image_size)):
+            x[row] = img
+        splits.append(Split(x, plan.y[idx]))
+    return splits[0], splits[1], plan.classes
 
 
 # --------------------------------------------------------------------------------------------------
 # public loader
+
+
+def _check_request(name: str, root: Path, download: bool, test_fraction: float, image_size: int | None,
+                   limit_train: int | None, limit_test: int | None) -> Path:
+    """ValueError for bad arguments, :class:`DatasetError` for a data root that cannot hold the data set; returns
+    the root with ``~`` expanded."""
+    if name not in DATASET_NAMES:
+        raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    for key, value in (("image_size", image_size), ("limit_train", limit_train), ("limit_test", limit_test)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{key} must be a positive integer or None, got {value!r}")
+    root = root.expanduser()
+
+    needs_root = name == "image_folder" or (name in ("cifar10", "fashion_mnist") and not download)
+    if root.exists() and not root.is_dir() and name in ("image_folder", "cifar10", "fashion_mnist"):
+        raise DatasetError(f"data root {root} for dataset '{name}' is not a directory; point data.root at the "
+                           "folder that holds the data"
+                           + (f" (the one with '{_CIFAR_FOLDER}' in it)" if name == "cifar10" else ""))
+    if needs_root and not root.is_dir():
+        if name == "image_folder":
+            fix = "point data.root at a folder with one sub-folder of images per class"
+        elif name == "cifar10":
+            fix = f"{_DOWNLOAD_HINT}, or place the extracted '{_CIFAR_FOLDER}' folder under {root}"
+        else:
+            fix = f"{_DOWNLOAD_HINT}, or place the idx files under {root / _FMNIST_FOLDER / 'raw'}"
+        raise DatasetError(f"data root {root} for dataset '{name}' does not exist; {fix}")
+    if name == "image_folder" and image_size is None:
+        raise ValueError(
+            "image_folder needs image_size (set data.image_size, e.g. 32) so that all images share one shape"
+        )
+    return root
 
 
 def load_dataset(
@@ -574,29 +674,7 @@ def load_dataset(
       :func:`stratified_subset`).
     - ``synthetic`` gives the union-of-subspaces parameters (default :class:`SyntheticSpec`).
     """
-    if name not in DATASET_NAMES:
-        raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    for key, value in (("image_size", image_size), ("limit_train", limit_train), ("limit_test", limit_test)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{key} must be a positive integer or None, got {value!r}")
-    root = Path(root).expanduser()
-
-    needs_root = name == "image_folder" or (name in ("cifar10", "fashion_mnist") and not download)
-    if root.exists() and not root.is_dir() and name in ("image_folder", "cifar10", "fashion_mnist"):
-        raise DatasetError(f"data root {root} for dataset '{name}' is not a directory; point data.root at the "
-                           "folder that holds the data"
-                           + (f" (the one with '{_CIFAR_FOLDER}' in it)" if name == "cifar10" else ""))
-    if needs_root and not root.is_dir():
-        if name == "image_folder":
-            fix = "point data.root at a folder with one sub-folder of images per class"
-        elif name == "cifar10":
-            fix = f"{_DOWNLOAD_HINT}, or place the extracted '{_CIFAR_FOLDER}' folder under {root}"
-        else:
-            fix = f"{_DOWNLOAD_HINT}, or place the idx files under {root / _FMNIST_FOLDER / 'raw'}"
-        raise DatasetError(f"data root {root} for dataset '{name}' does not exist; {fix}")
-
+    root = _check_request(name, Path(root), download, test_fraction, image_size, limit_train, limit_test)
     if name == "digits":
         x, y, classes = _load_digits()
         train, test = _stratified_split(x, y, test_fraction, seed, "digits")
@@ -609,14 +687,7 @@ def load_dataset(
     elif name == "fashion_mnist":
         train, test, classes = _load_fashion_mnist(root, download)
     else:
-        if image_size is None:
-            raise ValueError(
-                "image_folder needs image_size (set data.image_size, e.g. 32) so that all images share one shape"
-            )
-        x, y, classes = _load_image_folder(root, image_size)
-        if x.shape[0] == 0:
-            raise DatasetError(f"image_folder {root} holds no images; add <root>/<class>/<image> files")
-        train, test = _stratified_split(x, y, test_fraction, seed, f"image_folder {root}")
+        train, test, classes = _load_image_folder(root, image_size, test_fraction, seed, limit_train, limit_test)
 
     train, test = _limit(train, limit_train, seed), _limit(test, limit_test, seed)
     if image_size is not None:
@@ -631,51 +702,150 @@ def load_dataset(
 # prepared data on disk
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+_BLOCK_BYTES = 16 << 20  # rows per block of write_npy / gather_rows: about this many bytes
+
+
+def _dtype_name(dtype: torch.dtype | np.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _compact(t: Tensor) -> Tensor:
-    """A contiguous tensor owning exactly its storage (``torch.save`` of a view would save the whole base)."""
-    t = t.contiguous()
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset() != 0:
-        t = t.clone()
-    return t
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return torch.empty(0, dtype=dtype).numpy().dtype
 
 
-def save_prepared(ds: Dataset, out_dir: Path | str, extra: dict | None = None) -> dict:
-    """Write ``train.pt``, ``test.pt`` ({"x", "y"} tensors) and ``manifest.json`` to ``out_dir``, atomically.
+def write_npy(path: Path | str, shape: Sequence[int], dtype: np.dtype | type, blocks: Iterable[np.ndarray]) -> str:
+    """Write the ``.npy`` file of an array of ``shape`` (N, ...) and ``dtype`` from its row blocks, in order, one
+    block in memory at a time (``(n_i, *shape[1:])`` each, n_i summing to N); returns the file's sha256, hashed as
+    it is written.
 
-    The directory is built beside ``out_dir`` and swapped in whole, so a crash leaves the previous ``out_dir``
-    (or none). The manifest holds ``dataset, classes, input_shape, n_train, n_test, dtype`` and
-    ``files: {name: {sha256, shape}}`` (shape of ``x``), plus the keys of ``extra``. Returns the manifest.
+    numpy's own header (format 1.0, C order): ``np.load(path, mmap_mode=...)`` maps the file. The bytes go out by
+    plain writes (page cache, not the process's memory). ValueError if a block has another dtype or row shape, or
+    the blocks do not add up to N rows.
     """
-    extra = dict(extra or {})
-    if ds.train.x.dtype != ds.test.x.dtype:
-        raise DatasetError(f"train ({ds.train.x.dtype}) and test ({ds.test.x.dtype}) inputs differ in dtype")
-    for split, part in ((ds.train, "train"), (ds.test, "test")):
-        _check_split(split, ds.input_shape, len(ds.classes), f"dataset '{ds.name}' ({part} split)")
+    shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
+    digest, rows = hashlib.sha256(header.getvalue()), 0
+    with open(path, "wb") as f:
+        f.write(header.getvalue())
+        for block in blocks:
+            block = np.asarray(block)
+            if block.dtype != dtype or block.shape[1:] != shape[1:] or rows + block.shape[0] > shape[0]:
+                raise ValueError(f"{path}: a block of {block.dtype} {block.shape} does not continue an array of "
+                                 f"{dtype} {shape} at row {rows}")
+            data = np.ascontiguousarray(block).reshape(-1).view(np.uint8)  # (n_i * row bytes,)
+            f.write(data)
+            digest.update(data)
+            rows += block.shape[0]
+    if rows != shape[0]:
+        raise ValueError(f"{path}: {rows} rows written, the header says {shape[0]}")
+    return digest.hexdigest()
+
+
+def _row_blocks(x: Tensor) -> Iterator[np.ndarray]:
+    """``x`` (N, ...) as numpy row blocks of about ``_BLOCK_BYTES`` each, contiguous, in order."""
+    row = max(1, math.prod(x.shape[1:]) * x.element_size())
+    step = max(1, _BLOCK_BYTES // row)
+    for i in range(0, x.shape[0], step):
+        yield x[i : i + step].contiguous().numpy()
+
+
+def _manifest(name: str, classes: Sequence[str], input_shape: Sequence[int], n_train: int, n_test: int,
+              dtype: torch.dtype, extra: dict | None) -> dict[str, Any]:
+    """The manifest's fields, ``extra`` after them (``files`` is added once they are written)."""
     manifest: dict[str, Any] = {
-        "dataset": ds.name,
-        "classes": list(ds.classes),
-        "input_shape": list(ds.input_shape),
-        "n_train": len(ds.train),
-        "n_test": len(ds.test),
-        "dtype": _dtype_name(ds.train.x.dtype),
+        "dataset": name,
+        "classes": list(classes),
+        "input_shape": list(input_shape),
+        "n_train": n_train,
+        "n_test": n_test,
+        "dtype": _dtype_name(dtype),
     }
+    extra = dict(extra or {})
     clash = sorted(set(extra) & (set(manifest) | {"files"}))
     if clash:
         raise ValueError(f"extra manifest keys {clash} would overwrite reserved manifest fields")
     json.dumps(extra)  # fail before writing anything if extra is not JSON-serialisable
-    files: dict[str, dict] = {}
+    return {**manifest, "files": {}, **extra}
+
+
+def _write_split(out: Path, part: str, shape: Sequence[int], dtype: torch.dtype, x_blocks: Iterable[np.ndarray],
+                 y: Tensor) -> dict[str, dict]:
+    """Write split ``part``'s inputs (``shape`` (N, ...), from their row blocks) and labels ``y`` (N,) into ``out``;
+    returns their manifest entries ``{name: {sha256, shape}}``."""
+    x_name, y_name = SPLIT_FILES[part]
+    y_np = y.contiguous().numpy()
+    return {
+        x_name: {"sha256": write_npy(out / x_name, shape, _numpy_dtype(dtype), x_blocks), "shape": list(shape)},
+        y_name: {"sha256": write_npy(out / y_name, y_np.shape, np.int64, [y_np]), "shape": list(y_np.shape)},
+    }
+
+
+def save_prepared(ds: Dataset, out_dir: Path | str, extra: dict | None = None) -> dict:
+    """Write ``{train,test}_x.npy``, ``{train,test}_y.npy`` and ``manifest.json`` to ``out_dir``, atomically.
+
+    The directory is built beside ``out_dir`` and swapped in whole, so a crash leaves the previous ``out_dir``
+    (or none). The manifest holds ``dataset, classes, input_shape, n_train, n_test, dtype`` and
+    ``files: {name: {sha256, shape}}`` (the shape of the array in that file), plus the keys of ``extra``.
+    Returns the manifest.
+    """
+    if ds.train.x.dtype != ds.test.x.dtype:
+        raise DatasetError(f"train ({ds.train.x.dtype}) and test ({ds.test.x.dtype}) inputs differ in dtype")
+    for split, part in ((ds.train, "train"), (ds.test, "test")):
+        _check_split(split, ds.input_shape, len(ds.classes), f"dataset '{ds.name}' ({part} split)")
+    manifest = _manifest(ds.name, ds.classes, ds.input_shape, len(ds.train), len(ds.test), ds.train.x.dtype, extra)
     with atomic_dir(out_dir) as tmp:
-        for fname, split in zip(PREPARED_FILES, (ds.train, ds.test), strict=True):
-            save_torch(tmp / fname, {"x": _compact(split.x), "y": _compact(split.y)})
-            files[fname] = {"sha256": sha256_file(tmp / fname), "shape": list(split.x.shape)}
-        manifest["files"] = files
-        manifest.update(extra)
+        for part, split in (("train", ds.train), ("test", ds.test)):
+            manifest["files"].update(_write_split(tmp, part, split.x.shape, split.x.dtype, _row_blocks(split.x),
+                                                  split.y))
         write_json(tmp / MANIFEST, manifest)
     return manifest
+
+
+def _prepare_image_folder(root: Path, out_dir: Path | str, image_size: int, test_fraction: float, seed: int,
+                          limit_train: int | None, limit_test: int | None, extra: dict | None) -> dict:
+    """:func:`save_prepared` of the image folder :func:`load_dataset` would load, the same bytes, in bounded
+    memory: each image is decoded and appended to its split's file before the next is read."""
+    plan = _plan_image_folder(root, test_fraction, seed, limit_train, limit_test)
+    shape = (3, image_size, image_size)
+    n = {part: len(plan.index[part]) for part in ("train", "test")}
+    manifest = _manifest("image_folder", plan.classes, shape, n["train"], n["test"], torch.uint8, extra)
+    with atomic_dir(out_dir) as tmp:
+        for part in ("train", "test"):
+            images = (img.numpy()[None] for img in _folder_images(plan, part, image_size))  # (1, 3, S, S) each
+            manifest["files"].update(_write_split(tmp, part, (n[part], *shape), torch.uint8, images,
+                                                  plan.y[plan.index[part]]))
+        write_json(tmp / MANIFEST, manifest)
+    return manifest
+
+
+def prepare_dataset(
+    name: str,
+    out_dir: Path | str,
+    *,
+    root: Path | str,
+    download: bool = False,
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    image_size: int | None = None,
+    limit_train: int | None = None,
+    limit_test: int | None = None,
+    synthetic: SyntheticSpec | None = None,
+    extra: dict | None = None,
+) -> dict:
+    """``save_prepared(load_dataset(name, ...), out_dir, extra)``, the ``prepare`` stage; returns the manifest.
+
+    An ``image_folder`` is written without ever being in memory whole (one decoded image at a time), to the same
+    bytes; the other data sets are loaded, then written.
+    """
+    if name != "image_folder":
+        return save_prepared(load_dataset(name, root=root, download=download, test_fraction=test_fraction, seed=seed,
+                                          image_size=image_size, limit_train=limit_train, limit_test=limit_test,
+                                          synthetic=synthetic), out_dir, extra)
+    root = _check_request(name, Path(root), download, test_fraction, image_size, limit_train, limit_test)
+    assert image_size is not None  # _check_request refuses an image folder without it
+    return _prepare_image_folder(root, out_dir, image_size, test_fraction, seed, limit_train, limit_test, extra)
 
 
 def _require(manifest: dict, keys: Sequence[str], path: Path) -> None:
@@ -684,14 +854,7 @@ def _require(manifest: dict, keys: Sequence[str], path: Path) -> None:
         raise DatasetError(f"{path} lacks the field(s) {', '.join(missing)}; {_REPREPARE_HINT}")
 
 
-def load_prepared(out_dir: Path | str, verify: bool = True) -> Dataset:
-    """Load what :func:`save_prepared` wrote; with ``verify`` check each file's sha256 against the manifest.
-
-    Tensors are loaded with ``weights_only=True`` (no arbitrary unpickling). Raises :class:`DatasetError`
-    naming the file when the manifest is missing/unreadable, a file is missing, its hash or shape disagrees,
-    or values are NaN/inf.
-    """
-    out_dir = Path(out_dir)
+def _read_manifest(out_dir: Path) -> dict[str, Any]:
     mpath = out_dir / MANIFEST
     if not mpath.is_file():
         raise DatasetError(f"no prepared data: {mpath} does not exist; {_PREPARE_HINT}")
@@ -702,63 +865,123 @@ def load_prepared(out_dir: Path | str, verify: bool = True) -> Dataset:
     if not isinstance(manifest, dict):
         raise DatasetError(f"{mpath} does not hold a JSON object; {_REPREPARE_HINT}")
     _require(manifest, ("dataset", "classes", "input_shape", "n_train", "n_test", "dtype", "files"), mpath)
+    return manifest
+
+
+def _load_npy(out_dir: Path, manifest: dict[str, Any], name: str, verify: bool, mmap: bool) -> Tensor:
+    """One prepared file as a tensor over numpy's array: read whole, or (``mmap``) mapped copy-on-write, read by
+    the OS as rows are used. With ``verify`` its sha256 must be the manifest's. Never unpickles anything."""
+    path, mpath = out_dir / name, out_dir / MANIFEST
+    entry = manifest["files"].get(name) if isinstance(manifest["files"], dict) else None
+    if not isinstance(entry, dict) or "sha256" not in entry:
+        raise DatasetError(f"{mpath} has no sha256 entry for {name}; {_REPREPARE_HINT}")
+    if not path.is_file():
+        raise DatasetError(f"prepared file {path} is missing; {_REPREPARE_HINT}")
+    if verify and sha256_file(path) != entry["sha256"]:
+        raise DatasetError(
+            f"prepared file {path} does not match the sha256 in {mpath}: it was modified or corrupted; "
+            f"{_REPREPARE_HINT}"
+        )
+    try:
+        if _npy_dtype(path).hasobject:  # np.load refuses it too (allow_pickle=False): say why, whatever the mode
+            raise DatasetError(f"prepared file {path} holds pickled Python objects, which are never loaded (a "
+                               f"prepared file holds plain numbers); {_REPREPARE_HINT}")
+        array = np.load(path, mmap_mode="c" if mmap else None, allow_pickle=False)
+        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or array.ndim < 1:
+            raise ValueError("not a C-ordered array of at least one dimension")
+        return torch.from_numpy(array)
+    except (ValueError, OSError, TypeError) as e:  # truncated, a foreign header, a dtype torch has no tensor for
+        raise DatasetError(f"prepared file {path} cannot be loaded ({e}); {_REPREPARE_HINT}") from e
+
+
+def _npy_dtype(path: Path) -> np.dtype:
+    """The dtype an ``.npy`` file's header declares (format 1.0 or 2.0); ValueError for anything else."""
+    with open(path, "rb") as f:
+        major, _ = np.lib.format.read_magic(f)
+        if major not in (1, 2):
+            raise ValueError(f"npy format version {major} is not one prepare writes")
+        read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+        return read(f)[2]
+
+
+def _load_split(out_dir: Path, manifest: dict[str, Any], part: str, n: int, input_shape: tuple[int, ...],
+                n_classes: int, verify: bool, mmap: bool) -> Split:
+    x_name, y_name = SPLIT_FILES[part]
+    x_path = out_dir / x_name
+    x = _load_npy(out_dir, manifest, x_name, verify, mmap)  # (n, *input_shape)
+    y = _load_npy(out_dir, manifest, y_name, verify, False)  # (n,) int64
+    try:
+        split = Split(x, y)
+    except ValueError as e:
+        raise DatasetError(f"prepared files {x_path} / {y_name}: {e}; {_REPREPARE_HINT}") from e
+    if len(split) != n or _dtype_name(x.dtype) != manifest["dtype"]:
+        raise DatasetError(
+            f"prepared file {x_path} holds {len(split)} {_dtype_name(x.dtype)} samples, manifest says "
+            f"{n} {manifest['dtype']}; {_REPREPARE_HINT}"
+        )
+    _check_split(split, input_shape, n_classes, f"prepared file {x_path}", f"prepared file {out_dir / y_name}")
+    return split
+
+
+def load_prepared(out_dir: Path | str, verify: bool = True, mmap: bool = False) -> Dataset:
+    """Load what :func:`save_prepared` wrote; with ``verify`` check each file's sha256 against the manifest.
+
+    ``mmap=False``: the inputs are read into memory. ``mmap=True``: ``x`` of each split is a tensor over a
+    copy-on-write memory map of its file (zero copy; the OS reads the rows that are used, and processes mapping
+    the same file share its pages); the labels are read. Same :class:`Dataset`, same values either way.
+
+    Nothing is unpickled. Raises :class:`DatasetError` naming the file when the manifest is missing/unreadable, a
+    file is missing, its hash, shape, dtype or count disagrees, or values are NaN/inf.
+    """
+    out_dir = Path(out_dir)
+    manifest = _read_manifest(out_dir)
     try:
         input_shape = tuple(int(s) for s in manifest["input_shape"])
         classes = tuple(str(c) for c in manifest["classes"])
         counts = {k: int(manifest[k]) for k in ("n_train", "n_test")}
     except (TypeError, ValueError) as e:
         raise DatasetError(
-            f"{mpath}: malformed input_shape, classes, n_train or n_test ({e}); {_REPREPARE_HINT}"
+            f"{out_dir / MANIFEST}: malformed input_shape, classes, n_train or n_test ({e}); {_REPREPARE_HINT}"
         ) from e
-    splits = []
-    for fname, n_key in zip(PREPARED_FILES, ("n_train", "n_test"), strict=True):
-        path = out_dir / fname
-        entry = manifest["files"].get(fname) if isinstance(manifest["files"], dict) else None
-        if not isinstance(entry, dict) or "sha256" not in entry:
-            raise DatasetError(f"{mpath} has no sha256 entry for {fname}; {_REPREPARE_HINT}")
-        if not path.is_file():
-            raise DatasetError(f"prepared file {path} is missing; {_REPREPARE_HINT}")
-        if verify and sha256_file(path) != entry["sha256"]:
-            raise DatasetError(
-                f"prepared file {path} does not match the sha256 in {mpath}: it was modified or corrupted; "
-                f"{_REPREPARE_HINT}"
-            )
-        try:
-            obj = load_torch(path)
-        except TensorFileError as e:  # truncated zip, foreign pickle refused by weights_only, ...
-            raise DatasetError(f"prepared file {e}; it cannot be loaded, {_REPREPARE_HINT}") from e
-        if not isinstance(obj, dict) or not isinstance(obj.get("x"), Tensor) or not isinstance(obj.get("y"), Tensor):
-            raise DatasetError(f"prepared file {path} does not hold {{'x': tensor, 'y': tensor}}; {_REPREPARE_HINT}")
-        try:
-            split = Split(obj["x"], obj["y"])
-        except ValueError as e:
-            raise DatasetError(f"prepared file {path}: {e}; {_REPREPARE_HINT}") from e
-        if len(split) != counts[n_key] or _dtype_name(split.x.dtype) != manifest["dtype"]:
-            raise DatasetError(
-                f"prepared file {path} holds {len(split)} {_dtype_name(split.x.dtype)} samples, "
-                "manifest says "
-                f"{manifest[n_key]} {manifest['dtype']}; {_REPREPARE_HINT}"
-            )
-        _check_split(split, input_shape, len(classes), f"prepared file {path}")
-        splits.append(split)
-    return Dataset(
-        name=str(manifest["dataset"]),
-        train=splits[0],
-        test=splits[1],
-        classes=classes,
-        input_shape=input_shape,
-    )
+    train, test = (_load_split(out_dir, manifest, part, counts[f"n_{part}"], input_shape, len(classes), verify, mmap)
+                   for part in ("train", "test"))
+    return Dataset(name=str(manifest["dataset"]), train=train, test=test, classes=classes, input_shape=input_shape)
+
+
+def prepared_nbytes(manifest: dict[str, Any], part: str = "train") -> int:
+    """Bytes of split ``part``'s inputs, from the manifest alone (before anything is loaded)."""
+    shape = manifest["files"][SPLIT_FILES[part][0]]["shape"]
+    return math.prod(int(s) for s in shape) * np.dtype(manifest["dtype"]).itemsize
+
+
+def gather_rows(x: Tensor, index: Tensor, pin: bool = False) -> Tensor:
+    """``x[index]``: rows ``index`` (b,) of ``x`` (N, ...) -> (b, ...), on the host, in ``index``'s order.
+
+    Read in ascending row order (a memory-mapped ``x`` is then read as forward as the rows allow) and put back in
+    place; ``pin``: into page-locked memory, for an asynchronous copy to a GPU. Equal to ``x[index]``.
+    """
+    index = index.cpu()
+    order = torch.argsort(index)  # (b,)
+    out = torch.empty((index.shape[0], *x.shape[1:]), dtype=x.dtype, pin_memory=pin)
+    out[order] = x[index[order]]
+    return out
 
 
 __all__ = [
     "DATASET_NAMES",
+    "PREPARED_FILES",
+    "SPLIT_FILES",
     "Dataset",
     "DatasetError",
     "Split",
     "SyntheticSpec",
+    "gather_rows",
     "load_dataset",
     "load_prepared",
+    "prepare_dataset",
+    "prepared_nbytes",
     "save_prepared",
     "stratified_subset",
     "to_float",
+    "write_npy",
 ]

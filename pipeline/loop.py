@@ -9,8 +9,12 @@ Several workers (``world_size > 1``): BatchNorm becomes global BatchNorm (``pipe
 over the whole global batch, running statistics identical on every rank), and rank 0's parameters and
 buffers are broadcast to every rank at start, so ranks never start apart whatever their seeds.
 
-On CUDA: the uint8 training set lives on the GPU and is indexed there by the epoch's permutation (moved to
-the device once per epoch; indexing a pinned host tensor would give pageable memory and a synchronous copy);
+Where the training set lives (:func:`data_budget`): within ``train.data_budget_mb`` (default: a quarter of the
+device's memory) it is put on the device once and indexed there by the epoch's permutation (moved to the device
+once per epoch; indexing a pinned host tensor would give pageable memory and a synchronous copy). Beyond it, it
+stays where it is on the host (a memory-mapped file: ``load_prepared(mmap=True)``) and each step reads only this
+worker's rows of the global batch (:meth:`PretrainLoop.rows`), pinned and copied without blocking on CUDA; the
+same permutation picks the same rows in the same order, so both paths give the same numbers. On CUDA
 the step's loss and the view noise stay 0-d device tensors and are synced once per epoch, where the
 non-finite check then happens (``defer_sync``), before the epoch is reported or checkpointed. On CPU the
 loss is checked at every step, as before; ``defer_sync=True`` selects the deferred path on CPU too (tests).
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 from pipeline.augment import BatchAugment, view_noise
 from pipeline.batchnorm import convert_batchnorm
 from pipeline.config import Params
-from pipeline.datasets import Dataset, to_float
+from pipeline.datasets import Dataset, gather_rows, to_float
 from pipeline.health import block_health, flat
 from pipeline.knn import knn_accuracy
 from pipeline.losses import make_loss
@@ -41,6 +45,24 @@ from pipeline.precision import for_device
 from pipeline.step import GlobalBatchStep, NonFiniteLossError, broadcast_from_rank0
 
 KNN_BANK, KNN_QUERIES = 5000, 2000
+DATA_BUDGET_SHARE = 0.25  # train.data_budget_mb: null -> this share of the device's memory (device_memory)
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory of ``device``: a GPU's total memory; elsewhere the host RAM available now."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def data_budget(budget_mb: float | None, device: torch.device) -> int:
+    """Bytes the training set may take on ``device`` (``train.data_budget_mb`` in MiB; None: ``DATA_BUDGET_SHARE``
+    of :func:`device_memory`). A larger training set is streamed."""
+    if budget_mb is not None:
+        return int(budget_mb * 2**20)
+    return int(DATA_BUDGET_SHARE * device_memory(device))
 
 
 def _view_noise_tensor(v1: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
@@ -81,7 +103,8 @@ class PretrainLoop:
     """Owns the model, optimizer, schedule and data of one worker. ``fit`` runs the remaining epochs."""
 
     def __init__(self, params: Params, data: Dataset, device: torch.device, rank: int = 0, world_size: int = 1,
-                 defer_sync: bool | None = None):
+                 defer_sync: bool | None = None, budget: int | None = None):
+        """``budget``: bytes the training set may take on ``device`` (None: :func:`data_budget` of the params)."""
         t = params.train
         self.params, self.data, self.device, self.rank, self.world = params, data, device, rank, world_size
         self.batch = t.batch_size  # global images per step
@@ -106,11 +129,15 @@ class PretrainLoop:
         cuda = device.type == "cuda"
         self.precision = for_device(t.precision, device)  # bf16 / fp16 + scaler / fp32 by device (pipeline.precision)
         self.step = GlobalBatchStep(self.model, loss_fn, grad_cache_chunk=t.grad_cache_chunk,
-                                    autocast_dtype=self.precision.autocast)
+                                    autocast_dtype=self.precision.autocast,
+                                    layout="two_view" if t.mode == "self_supervised" else "labels")
         self.scaler = self.step.scaler = self.precision.grad_scaler(device)  # fp16 only
         self.defer_sync = cuda if defer_sync is None else defer_sync
         self.y_train = data.train.y  # (N,) on the host: the kNN monitor's labels
-        self.x_dev = data.train.x.to(device)  # (N, ...) uint8 on CUDA: the steps index it there
+        self.data_budget = data_budget(t.data_budget_mb, device) if budget is None else budget  # bytes
+        self.streaming = data.train.x.numel() * data.train.x.element_size() > self.data_budget
+        # (N, ...) on the device within the budget (on CUDA: the steps index it there); streamed: None, see rows()
+        self.x_dev = None if self.streaming else data.train.x.to(device)
         self.y_dev = data.train.y.to(device)  # (N,)
         self.epoch = 0  # completed epochs
         self.history: list[dict[str, Any]] = []
@@ -135,15 +162,34 @@ class PretrainLoop:
             self.scaler.load_state_dict(state["scaler"])
 
     # ------------------------------------------------------------------ one epoch
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Training inputs ``index`` (b,) -> (b, ...) on the device, stored dtype, in ``index``'s order.
+
+        Indexed on the device copy within the budget; streamed, read from the host source (only these rows, in
+        ascending order: :func:`pipeline.datasets.gather_rows`), pinned and copied without blocking on CUDA.
+        """
+        if self.x_dev is not None:
+            return self.x_dev[index.to(self.device)]
+        return self._from_host(self.data.train.x, index)
+
+    def _from_host(self, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``source[index]`` (b, ...) read on the host, then on the device: pinned and not blocking on CUDA."""
+        cuda = self.device.type == "cuda"
+        return gather_rows(source, index, pin=cuda).to(self.device, non_blocking=cuda)
+
     def _local_batch(self, perm: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """perm (N,) on the device -> this worker's inputs x (b, ...) float32 and ids (b,), on the device."""
+        """perm (N,) -> this worker's inputs x (b, ...) float32 and ids (b,), on the device.
+
+        ``perm`` is on the device when the training set is, on the host when it is streamed (the rows are read
+        there); either way this worker's rows are the same ones, in the same order.
+        """
         idx = perm[step * self.batch : (step + 1) * self.batch]  # (B,) the global batch
         mine = idx[self.rank * self.local : (self.rank + 1) * self.local]  # (b,) this worker's shard
-        x = to_float(self.x_dev[mine])  # (b, ...)
+        x = to_float(self.rows(mine))  # (b, ...)
         if self.params.train.mode == "self_supervised":  # positive = the other view of the same image
             ids = torch.arange(self.rank * self.local, (self.rank + 1) * self.local, device=self.device)
         else:  # positive = same label
-            ids = self.y_dev[mine]
+            ids = self.y_dev[mine] if self.x_dev is not None else self._from_host(self.y_train, mine)
         return x, ids
 
     def train_epoch(self) -> EpochMetrics:
@@ -152,7 +198,8 @@ class PretrainLoop:
         self.model.train()
         # drawn on the host (the same permutation on every device), moved once per epoch
         perm = torch.randperm(len(self.y_train), generator=torch.Generator().manual_seed(_seed(t.seed, epoch)))
-        perm = perm.to(self.device)  # (N,)
+        if not self.streaming:  # streamed: the rows are read on the host
+            perm = perm.to(self.device)  # (N,)
         gen = torch.Generator(self.device).manual_seed(_seed(t.seed, epoch, self.rank, 7))
         losses, noises = [], []  # floats, or 0-d device tensors with defer_sync
         start = time.perf_counter()
@@ -217,7 +264,7 @@ class PretrainLoop:
         self.model.eval()
         z1, z2 = [], []
         for part in idx.split(chunk):
-            x = to_float(self.data.train.x[part].to(self.device))  # (c, ...)
+            x = to_float(self.rows(part))  # (c, ...)
             v1, v2 = self.augment(x, gen), self.augment(x, gen)
             z = self.model.backbone(torch.cat([v1, v2]))  # (2c, m)
             z1.append(z[: len(part)])
@@ -237,10 +284,13 @@ class PretrainLoop:
         return flat(blocks)
 
     @torch.no_grad()
-    def embed(self, x: torch.Tensor, chunk: int = 512) -> torch.Tensor:
-        """Backbone embeddings (the representation probes use), batched. (N, ...) -> (N, m)."""
+    def embed(self, x: torch.Tensor, chunk: int = 512, index: torch.Tensor | None = None) -> torch.Tensor:
+        """Backbone embeddings (the representation probes use), batched: x (N, ...) -> (N, m); with ``index``
+        (n,) of the rows ``x[index]`` -> (n, m), read ``chunk`` rows at a time (a memory-mapped x is never read
+        whole)."""
         self.model.eval()
-        out = [self.model.backbone(to_float(c.to(self.device))).float().cpu() for c in x.split(chunk)]
+        parts = x.split(chunk) if index is None else (gather_rows(x, i) for i in index.split(chunk))
+        out = [self.model.backbone(to_float(c.to(self.device))).float().cpu() for c in parts]
         self.model.train()
         return torch.cat(out)
 
@@ -250,7 +300,7 @@ class PretrainLoop:
         bank = torch.randperm(len(self.y_train), generator=g)[:KNN_BANK]
         test = self.data.test
         queries = torch.randperm(len(test.y), generator=g)[:KNN_QUERIES]
-        zb, zq = self.embed(self.data.train.x[bank]), self.embed(test.x[queries])
+        zb, zq = self.embed(self.data.train.x, index=bank), self.embed(test.x, index=queries)
         return knn_accuracy(zb, self.y_train[bank], zq, test.y[queries], k=self.params.train.knn_k)
 
     # ------------------------------------------------------------------ the loop

@@ -2,7 +2,7 @@
 
 Every loss has the uniform signature::
 
-    loss(q, k, ids, *, rows=None, **hyper) -> scalar Tensor
+    loss(q, k, ids, *, rows=None, layout=None, **hyper) -> scalar Tensor
 
 - ``q``, ``k``: (n, d). The affinity is the cosine matrix ``A = normalize(q) @ normalize(k).T`` (n, n); the
   normalisation happens inside the loss (idempotent on unit rows). With the default head q = k = the fused
@@ -14,6 +14,8 @@ Every loss has the uniform signature::
   is ``sum over those rows of the per-row loss / n`` with n the *total* number of rows. Hence ``rows=None``
   is the mean over all rows and losses (and their gradients) over disjoint row slices add up to the full
   loss, which is what a distributed trainer that owns a slice of a global batch needs.
+- ``layout``: None, ``"two_view"`` or ``"labels"``, how the positives of eq. (1) are found from ``ids``; see
+  *Layouts and host syncs* below. None (the default) reads them from ``ids`` and validates the batch.
 
 Conventions shared by all row-wise losses:
 
@@ -27,6 +29,26 @@ Conventions shared by all row-wise losses:
   excluded: ``Normalize(S)[i, j] = (S_ij + 1e-10) / sum_{l != i} (S_il + 1e-10)`` for ``j != i`` and 0 on the
   diagonal. The 1e-10 keeps every off-diagonal probability > 0 (so every log is finite) and keeps a row whose
   affinities are all 0 well defined (it becomes uniform); otherwise it changes values by ~1e-10.
+
+Layouts and host syncs. On CUDA an op whose output shape depends on tensor values (``unique``, ``nonzero``,
+boolean-mask indexing, ``repeat_interleave`` without ``output_size``) or that reads a value on the host
+(``bool(t)``, ``t.item()``, ``torch.equal``) waits for the device. ``layout`` chooses how the positives
+P(i) = {j != i : ids[j] == ids[i]} of the r rows ``rows`` are represented:
+
+- None: read from the values of ``ids`` as P index pairs (sparse, O(n + P) memory); ``infonce``, ``dcl`` and
+  ``barlow_twins`` validate the batch. Host syncs: one for the number of pairs P, plus the validation.
+- ``"two_view"``: the caller guarantees the self-supervised two-view layout (:func:`check_layout`): n = 2B,
+  ``ids[:B] == ids[B:]`` and ``ids[:B]`` distinct, so row i's only positive is ``(i + B) mod 2B``. These pairs
+  depend on (n, rows) alone and are cached; ``ids`` is not read and nothing is validated. Values and
+  gradients equal the default's bit for bit. No host sync.
+- ``"labels"``: any labels (supervised). P(i) is the dense (r, n) bool mask ``Y[rows] > 0`` and a sum over the
+  positives is a masked row sum ``sum_j Y_ij x_ij``. Nothing is validated: ``infonce`` and ``barlow_twins``
+  refuse this layout, ``dcl`` on a batch with a single id gives NaN instead of a ValueError. Values and
+  gradients equal the default's up to rounding (summation order); the fused losses keep the mask and, for
+  the JSD / KL ones, one more (r, n) buffer for backward. No host sync.
+
+A trainer checks its ids against the layout once (:func:`check_layout`, one host sync), not at every step;
+``pipeline.step.GlobalBatchStep(..., layout=...)`` does so on its first step of each batch size.
 """
 
 from __future__ import annotations
@@ -35,6 +57,7 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,13 +65,16 @@ from torch import Tensor
 
 EPS = 1e-10  # the normalisation epsilon of Appendix E
 BN_EPS = 1e-5  # Barlow Twins standardisation epsilon (as in BatchNorm1d)
+LAYOUTS: tuple[str, ...] = ("two_view", "labels")  # the ``layout`` hints besides None (module docstring)
 
 __all__ = [
     "EPS",
+    "LAYOUTS",
     "LOSSES",
     "LOSS_NAMES",
     "SELF_SUPERVISED_ONLY",
     "barlow_twins",
+    "check_layout",
     "dcl",
     "infonce",
     "jsd",
@@ -147,20 +173,127 @@ def _positive_pairs(ids: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor,
 
     ids: (n,) int. Returns ``(pos_row, pos_col, npos)``: pos_row (P,) local row in 0..r-1 (sorted), pos_col
     (P,) column in 0..n-1 (ascending within a row), npos (r,) int64 = |P(i)| = number of positives of each
-    row. Memory is O(n + P) with P = sum_i |P(i)| (P = r in the self-supervised layout).
+    row. Memory is O(n + P) with P = sum_i |P(i)| (P = r in the self-supervised layout). One host sync: P.
+
+    In ``order`` (ids sorted, stable) the class of row i is the run [first_i, first_i + |P(i)| + 1), its own
+    place in it s_i; its w-th positive (w = 0..|P(i)|-1) is ``order[first_i + w + (w >= s_i)]``.
     """
     r = stop - start
     sorted_ids, order = torch.sort(ids, stable=True)  # (n,), (n,)
-    classes, counts = torch.unique_consecutive(sorted_ids, return_counts=True)  # (C,), (C,)
-    first = counts.cumsum(0) - counts  # (C,) where each class starts in `order`
-    cls = torch.searchsorted(classes, ids[start:stop])  # (r,) class index of each row
-    size = counts[cls]  # (r,) members of the row's class, the row itself included
-    local = torch.arange(r, device=ids.device)
-    rep = torch.repeat_interleave(local, size)  # (sum size,) local row of each candidate pair
-    within = torch.arange(rep.numel(), device=ids.device) - torch.repeat_interleave(size.cumsum(0) - size, size)
-    col = order[first[cls][rep] + within]  # (sum size,) the class members, ascending
-    keep = col != rep + start  # drop the diagonal
-    return rep[keep], col[keep], size - 1
+    mine = ids[start:stop]  # (r,)
+    first = torch.searchsorted(sorted_ids, mine)  # (r,) where the row's class starts in `order`
+    npos = torch.searchsorted(sorted_ids, mine, right=True) - first - 1  # (r,) |P(i)|
+    place = torch.empty_like(order).scatter_(0, order, torch.arange(ids.shape[0], device=ids.device))  # (n,)
+    own = place[start:stop] - first  # (r,) s_i, the row's own place in its run
+    total = int(npos.sum())  # P: the host sync (a data-dependent size)
+    pos_row = torch.repeat_interleave(torch.arange(r, device=ids.device), npos, output_size=total)  # (P,)
+    offset = torch.repeat_interleave(npos.cumsum(0) - npos, npos, output_size=total)  # (P,) row's first pair
+    within = torch.arange(total, device=ids.device) - offset  # (P,) w
+    within = within + (within >= own[pos_row]).long()  # skip the diagonal
+    return pos_row, order[first[pos_row] + within], npos
+
+
+class _Pairs(NamedTuple):
+    """Positives of rows start..stop-1 as P index pairs; the values at the positives are (P,) vectors."""
+
+    row: Tensor  # (P,) local row in 0..r-1, sorted
+    col: Tensor  # (P,) column in 0..n-1, ascending within a row
+    npos: Tensor  # (r,) int64 |P(i)|
+
+    def take(self, x: Tensor) -> Tensor:
+        """(r, n) -> (P,): x at the positives."""
+        return x[self.row, self.col]
+
+    def spread(self, v: Tensor) -> Tensor:
+        """(r,) per row -> (P,) per positive."""
+        return v[self.row]
+
+    def row_sum(self, x: Tensor) -> Tensor:
+        """(P,) -> (r,): sum over each row's positives."""
+        return x.new_zeros(self.npos.shape).index_add_(0, self.row, x)
+
+    def add_(self, grad: Tensor, x: Tensor) -> None:
+        """grad (r, n) += x (P,) at the positives."""
+        grad.index_put_((self.row, self.col), x, accumulate=True)
+
+    def fill_(self, z: Tensor, value: float) -> None:
+        """z (r, n) = value at the positives."""
+        z.index_put_((self.row, self.col), z.new_full((), value))
+
+
+class _Mask(NamedTuple):
+    """Positives of rows start..stop-1 as a dense mask; the values at the positives stay (r, n) (or (r, 1))."""
+
+    mask: Tensor  # (r, n) bool, Y[start:stop] > 0
+    npos: Tensor  # (r,) int64 |P(i)|
+
+    def take(self, x: Tensor) -> Tensor:
+        return x  # (r, n), masked where it is summed
+
+    def spread(self, v: Tensor) -> Tensor:
+        return v[:, None]  # (r, 1)
+
+    def row_sum(self, x: Tensor) -> Tensor:
+        return torch.where(self.mask, x, 0.0).sum(dim=1)  # (r,) sum_j Y_ij x_ij
+
+    def add_(self, grad: Tensor, x: Tensor) -> None:
+        grad.add_(torch.where(self.mask, x, 0.0))
+
+    def fill_(self, z: Tensor, value: float) -> None:
+        z.masked_fill_(self.mask, value)
+
+
+@functools.lru_cache(maxsize=64)
+def _two_view_pairs(n: int, start: int, stop: int, device: torch.device) -> _Pairs:
+    """The pairs of the two-view layout (n = 2B): row i's one positive is (i + B) mod n. Equal to
+    :func:`_positive_pairs` on such ids, but from (n, rows) alone: built once, no data-dependent shape."""
+    with torch.inference_mode(False), torch.no_grad():  # plain tensors, whatever mode the first call runs in
+        rows = torch.arange(start, stop, device=device)  # (r,) global row indices
+        return _Pairs(rows - start, (rows + n // 2) % n, torch.ones_like(rows))
+
+
+def _check_layout_name(layout: str | None) -> None:
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; allowed: None, {', '.join(map(repr, LAYOUTS))}")
+
+
+def _positives(ids: Tensor, start: int, stop: int, layout: str | None) -> _Pairs | _Mask:
+    """The positives of rows start..stop-1 in the representation ``layout`` asks for (module docstring)."""
+    _check_layout_name(layout)
+    if layout is None:
+        return _Pairs(*_positive_pairs(ids, start, stop))
+    if layout == "two_view":
+        if ids.shape[0] % 2:
+            raise ValueError(f"layout='two_view' needs an even number of rows, got {ids.shape[0]}")
+        return _two_view_pairs(ids.shape[0], start, stop, ids.device)
+    mask = target_affinity(ids, slice(start, stop), dtype=torch.bool)  # (r, n), layout "labels"
+    return _Mask(mask, mask.sum(dim=1))
+
+
+def _is_two_view(ids: Tensor) -> bool:
+    """ids (n,): n even, ``ids[:B] == ids[B:]`` and ``ids[:B]`` distinct (B = n / 2). Host syncs."""
+    n = ids.shape[0]
+    half = n // 2
+    return bool(
+        n >= 2 and n % 2 == 0 and bool((ids[:half] == ids[half:]).all()) and ids[:half].unique().numel() == half
+    )
+
+
+def check_layout(ids: Tensor, layout: str | None) -> None:
+    """Raise ValueError unless ``ids`` (n,) fit ``layout`` (module docstring). Reads ``ids``: host syncs.
+
+    ``"two_view"``: n even, ``ids[:B] == ids[B:]`` and ``ids[:B]`` pairwise distinct (B = n / 2), so that row
+    i's only positive is ``(i + B) mod n`` (e.g. :func:`self_supervised_ids`). ``"labels"`` and None accept
+    any 1-D ids (without reading them).
+    """
+    _check_layout_name(layout)
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be 1-D (n,), got shape {tuple(ids.shape)}")
+    if layout == "two_view" and not _is_two_view(ids):
+        raise ValueError(
+            "layout='two_view' needs the self-supervised two-view ids: [view 1; view 2] with ids[:B] == ids[B:] "
+            "and ids[:B] distinct, e.g. [0..B-1, 0..B-1]"
+        )
 
 
 def _by_row_blocks(a: Tensor, fn: Callable[[Tensor], Tensor], block: int = 256) -> Tensor:
@@ -186,9 +319,10 @@ _LOG2 = math.log(2.0)
 class _NormalizedAffinityLoss(torch.autograd.Function):
     """Fused forward / backward of ``jsd``, ``jsd_appendix_e``, ``kl_squared`` and ``kl_relu``.
 
-    Inputs: qn (r, d) and kn (n, d) unit rows, the positives of :func:`_positive_pairs` (P,), (P,), (r,),
-    ``start``, n and the kind. Output: the scalar ``sum_{i in rows} L_i / n``. With A = qn knᵀ (r, n), its
-    diagonal (i, start + i) set to 0, f(a) = a² (``kl_relu``: max(a, 0)), ε = 1e-10 and, for each row i::
+    Inputs: qn (r, d) and kn (n, d) unit rows, the positives (:class:`_Pairs`; with the dense :class:`_Mask`
+    every "(P,)" below reads "(r, n), masked"), ``start``, n and the kind. Output: the scalar
+    ``sum_{i in rows} L_i / n``. With A = qn knᵀ (r, n), its diagonal (i, start + i) set to 0,
+    f(a) = a² (``kl_relu``: max(a, 0)), ε = 1e-10 and, for each row i::
 
         S_ij = f(A_ij) + ε  (j != i),  T_i = sum_{j != i} S_ij + δ ε,  P_ij = S_ij / T_i
 
@@ -218,11 +352,12 @@ class _NormalizedAffinityLoss(torch.autograd.Function):
     with w_i = ∂out/n (0 for rows without a positive), g_neg the negatives' constant g (log 2 or 0),
     f'(a) = 2a (``kl_relu``: [a > 0], as clamp_min's gradient). So the (r, n) gradient is one scaled copy of
     A (or of its sign) plus P sparse corrections; ∂qn = G kn and ∂kn = Gᵀ qn. Forward: one n×n buffer (A,
-    kept for backward) plus one reduction pass; backward: one more n×n buffer (G).
+    kept for backward) plus one reduction pass; backward: one more n×n buffer (G). With a :class:`_Mask` the
+    forward's per-positive temporaries are (r, n), and the corrections and the mask are kept for backward.
     """
 
     @staticmethod
-    def forward(ctx, qn, kn, pos_row, pos_col, npos, start, n, kind):  # noqa: D102
+    def forward(ctx, qn, kn, pos, start, n, kind):  # noqa: D102
         a, diag = _affinity(qn, kn, start)  # (r, n)
         diag.zero_()  # the diagonal is never a positive, never a negative, never normalised over
         relu = kind == "kl_relu"
@@ -231,14 +366,12 @@ class _NormalizedAffinityLoss(torch.autograd.Function):
         else:
             row_sum = torch.linalg.vector_norm(a, dim=1).square()  # (r,) sum_j A_ij², no temporary
         total = row_sum + (n - 1 + (kind == "jsd_appendix_e")) * EPS  # (r,) T_i
-        a_pos = a[pos_row, pos_col]  # (P,)
+        a_pos = pos.take(a)  # (P,)
         f_pos = a_pos.clamp_min(0.0) if relu else a_pos.square()
-        p = (f_pos + EPS) / total[pos_row]  # (P,) P at the positives
-        has_pos = npos > 0  # (r,)
-        y_hat = 1.0 / npos.clamp_min(1).to(a.dtype)[pos_row]  # (P,) Ŷ at the positives
-
-        def per_row_sum(x: Tensor) -> Tensor:  # (P,) -> (r,)
-            return torch.zeros_like(total).index_add_(0, pos_row, x)
+        p = (f_pos + EPS) / pos.spread(total)  # (P,) P at the positives
+        has_pos = pos.npos > 0  # (r,)
+        y_hat = 1.0 / pos.spread(pos.npos.clamp_min(1).to(a.dtype))  # (P,) Ŷ at the positives
+        per_row_sum = pos.row_sum  # (P,) -> (r,)
 
         if kind == "jsd":
             mix = p + y_hat  # 2M
@@ -261,36 +394,40 @@ class _NormalizedAffinityLoss(torch.autograd.Function):
         per_row = torch.where(has_pos, per_row, torch.zeros_like(per_row))
         coef = torch.where(has_pos, (g_neg - g_bar) / total, torch.zeros_like(total))  # (r,) c_i / w
         fprime_pos = (a_pos > 0).to(a.dtype) if relu else 2.0 * a_pos
-        corr = fprime_pos * (g - g_neg) / total[pos_row]  # (P,)
-        ctx.save_for_backward(qn, kn, a, coef, pos_row, pos_col, corr)
-        ctx.relu, ctx.n = relu, n
+        corr = fprime_pos * (g - g_neg) / pos.spread(total)  # (P,)
+        ctx.save_for_backward(qn, kn, a, coef, corr, *pos)
+        ctx.relu, ctx.n, ctx.positives = relu, n, type(pos)
         return per_row.sum() / n
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # noqa: D102
-        qn, kn, a, coef, pos_row, pos_col, corr = ctx.saved_tensors
+        qn, kn, a, coef, corr, *pos = ctx.saved_tensors
         w = grad_out / ctx.n
         if ctx.relu:
             grad = torch.sign(a).clamp_min_(0.0).mul_((coef * w)[:, None])  # (r, n) [A > 0] c_i
         else:
             grad = torch.mul(a, (2.0 * w) * coef[:, None])  # (r, n) 2 A_ij c_i
-        grad.index_put_((pos_row, pos_col), corr * w, accumulate=True)
+        ctx.positives(*pos).add_(grad, corr * w)
         grad_q = grad @ kn if ctx.needs_input_grad[0] else None  # (r, d)
         grad_k = grad.T @ qn if ctx.needs_input_grad[1] else None  # (n, d)
-        return grad_q, grad_k, None, None, None, None, None, None
+        return grad_q, grad_k, None, None, None, None
 
 
-def _normalized_loss(kind: str, q: Tensor, k: Tensor, ids: Tensor, rows: slice | None) -> Tensor:
+def _normalized_loss(
+    kind: str, q: Tensor, k: Tensor, ids: Tensor, rows: slice | None, layout: str | None
+) -> Tensor:
     n = _check_inputs(q, k, ids)
     start, stop = _row_range(rows, n)
+    pos = _positives(ids, start, stop, layout)
     qn = F.normalize(q[start:stop], dim=1)  # (r, d)
     kn = F.normalize(k, dim=1)  # (n, d)
-    pos_row, pos_col, npos = _positive_pairs(ids, start, stop)
-    return _NormalizedAffinityLoss.apply(qn, kn, pos_row, pos_col, npos, start, n, kind)
+    return _NormalizedAffinityLoss.apply(qn, kn, pos, start, n, kind)
 
 
-def jsd(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None) -> Tensor:
+def jsd(
+    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None
+) -> Tensor:
     """TransFusion loss, eqs. (4)-(5) with their logs (Appendix B's JSD-Squared): a scalar.
 
     With A (r, n) the cosine affinity and Y (r, n) the target of eq. (1)::
@@ -305,12 +442,15 @@ def jsd(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None) -> Tens
     contribute 0. Returns ``sum_{i in rows} L_i / n``.
 
     Computed by the fused :class:`_NormalizedAffinityLoss` (analytic gradient, two n×n buffers): a negative
-    j contributes P_ij log 2, so ``L_i = sum_pos [...] + log 2 · (1 - sum_pos P_ij)``.
+    j contributes P_ij log 2, so ``L_i = sum_pos [...] + log 2 · (1 - sum_pos P_ij)``. ``layout``: None (ids
+    read, one host sync), ``"two_view"`` or ``"labels"`` (no host sync), see the module docstring.
     """
-    return _normalized_loss("jsd", q, k, ids, rows)
+    return _normalized_loss("jsd", q, k, ids, rows, layout)
 
 
-def jsd_appendix_e(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None) -> Tensor:
+def jsd_appendix_e(
+    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None
+) -> Tensor:
     """The loss exactly as Appendix E.2's ``Loss.forward`` computes it: a scalar.
 
     With A (r, n) the cosine affinity and Y (r, n) the 0/1 target of eq. (1) (NOT row-normalised)::
@@ -326,9 +466,9 @@ def jsd_appendix_e(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = No
     each) gives ``-m log(1 + 1/m) - log(1 + m)`` (-2 log 2 for m = 1).
 
     Computed by the fused :class:`_NormalizedAffinityLoss`: where Y = 0 both terms vanish, so only the
-    positives and the row sums of S enter.
+    positives and the row sums of S enter. ``layout``: as :func:`jsd`.
     """
-    return _normalized_loss("jsd_appendix_e", q, k, ids, rows)
+    return _normalized_loss("jsd_appendix_e", q, k, ids, rows, layout)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -336,23 +476,27 @@ def jsd_appendix_e(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = No
 # --------------------------------------------------------------------------------------------------
 
 
-def kl_relu(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None) -> Tensor:
+def kl_relu(
+    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None
+) -> Tensor:
     """KL-ReLU of Appendix B: ``L_i = D(Ŷ_i || Normalize(A_+)_i)``, a scalar.
 
     A_+ = max(A, 0); Normalize excludes the diagonal and uses the 1e-10 of Appendix E (so a positive with
     A_ij <= 0 costs about log(1e10) instead of infinity). Rows without a positive contribute 0.
-    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_NormalizedAffinityLoss`.
+    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_NormalizedAffinityLoss`. ``layout``: as :func:`jsd`.
     """
-    return _normalized_loss("kl_relu", q, k, ids, rows)
+    return _normalized_loss("kl_relu", q, k, ids, rows, layout)
 
 
-def kl_squared(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None) -> Tensor:
+def kl_squared(
+    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None
+) -> Tensor:
     """KL-Squared of Appendix B: ``L_i = D(Ŷ_i || Normalize(A ∘ A)_i)``, a scalar.
 
     Same conventions as :func:`kl_relu`. Rows without a positive contribute 0.
-    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_NormalizedAffinityLoss`.
+    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_NormalizedAffinityLoss`. ``layout``: as :func:`jsd`.
     """
-    return _normalized_loss("kl_squared", q, k, ids, rows)
+    return _normalized_loss("kl_squared", q, k, ids, rows, layout)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -377,63 +521,73 @@ class _SoftmaxAffinityLoss(torch.autograd.Function):
     with w_i = ∂out/n (0 without a positive); ∂qn = (∂L/∂Z) kn / τ, ∂kn = (∂L/∂Z)ᵀ qn / τ. Forward: one n×n
     buffer, Z, turned in place into E_ij = exp(Z_ij - max_l Z_il) (the excluded entries set to -inf first,
     so E = 0 there), kept for backward with its row sums (σ = E / sum_l E_il). Backward: one more buffer,
-    ∂L/∂Z = w σ - w Ŷ (a scaled copy of E plus the P positives).
+    ∂L/∂Z = w σ - w Ŷ (a scaled copy of E plus the P positives). With a :class:`_Mask` the (r, n) bool mask
+    is kept for backward too.
     """
 
     @staticmethod
-    def forward(ctx, qn, kn, pos_row, pos_col, npos, start, n, kind, temperature):  # noqa: D102
+    def forward(ctx, qn, kn, pos, start, n, kind, temperature):  # noqa: D102
         z, diag = _affinity(qn / temperature, kn, start)  # (r, n) logits
-        z_pos = z[pos_row, pos_col]  # (P,)
+        pos_sum = pos.row_sum(pos.take(z))  # (r,) sum_pos Z_ij, before Z is overwritten
         diag.fill_(float("-inf"))
         if kind == "dcl":
-            z.index_put_((pos_row, pos_col), z_pos.new_full((), float("-inf")))
+            pos.fill_(z, float("-inf"))
         row_max = z.amax(dim=1)  # (r,) finite: every row has an entry in D(i)
         expz = z.sub_(row_max[:, None]).exp_()  # (r, n) in place: exp(Z_ij - max_i), 0 outside D(i)
         sum_exp = expz.sum(dim=1)  # (r,)
         lse = row_max + torch.log(sum_exp)  # (r,)
-        has_pos = npos > 0  # (r,)
-        y_hat = 1.0 / npos.clamp_min(1).to(z.dtype)  # (r,)
-        pos_mean = torch.zeros_like(lse).index_add_(0, pos_row, z_pos) * y_hat  # (r,)
+        has_pos = pos.npos > 0  # (r,)
+        y_hat = 1.0 / pos.npos.clamp_min(1).to(z.dtype)  # (r,)
+        pos_mean = pos_sum * y_hat  # (r,)
         per_row = lse - pos_mean
         if kind == "kl_softmax":
             per_row = per_row + torch.log(y_hat)
         per_row = torch.where(has_pos, per_row, torch.zeros_like(per_row))
-        ctx.save_for_backward(qn, kn, expz, sum_exp, pos_row, pos_col, has_pos, y_hat)
-        ctx.n, ctx.temperature = n, temperature
+        ctx.save_for_backward(qn, kn, expz, sum_exp, has_pos, y_hat, *pos)
+        ctx.n, ctx.temperature, ctx.positives = n, temperature, type(pos)
         return per_row.sum() / n
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # noqa: D102
-        qn, kn, expz, sum_exp, pos_row, pos_col, has_pos, y_hat = ctx.saved_tensors
+        qn, kn, expz, sum_exp, has_pos, y_hat, *pos = ctx.saved_tensors
+        pos = ctx.positives(*pos)
         scale = torch.where(has_pos, grad_out / (ctx.n * ctx.temperature), torch.zeros_like(sum_exp))  # (r,)
         grad = torch.mul(expz, (scale / sum_exp)[:, None])  # (r, n) w σ / τ
-        grad.index_put_((pos_row, pos_col), -(scale * y_hat)[pos_row], accumulate=True)
+        pos.add_(grad, pos.spread(-(scale * y_hat)))
         grad_q = grad @ kn if ctx.needs_input_grad[0] else None  # (r, d)
         grad_k = grad.T @ qn if ctx.needs_input_grad[1] else None  # (n, d)
-        return grad_q, grad_k, None, None, None, None, None, None, None
+        return grad_q, grad_k, None, None, None, None, None
 
 
-def _softmax_loss(kind: str, q: Tensor, k: Tensor, ids: Tensor, rows: slice | None, temperature: float) -> Tensor:
+def _softmax_loss(
+    kind: str, q: Tensor, k: Tensor, ids: Tensor, rows: slice | None, layout: str | None, temperature: float
+) -> Tensor:
     n = _check_inputs(q, k, ids)
     start, stop = _row_range(rows, n)
+    pos = _positives(ids, start, stop, layout)
     qn = F.normalize(q[start:stop], dim=1)  # (r, d)
     kn = F.normalize(k, dim=1)  # (n, d)
-    pos_row, pos_col, npos = _positive_pairs(ids, start, stop)
-    return _SoftmaxAffinityLoss.apply(qn, kn, pos_row, pos_col, npos, start, n, kind, temperature)
+    return _SoftmaxAffinityLoss.apply(qn, kn, pos, start, n, kind, temperature)
 
 
 def kl_softmax(
-    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, temperature: float = 0.1
+    q: Tensor,
+    k: Tensor,
+    ids: Tensor,
+    *,
+    rows: slice | None = None,
+    layout: str | None = None,
+    temperature: float = 0.1,
 ) -> Tensor:
     """KL-Softmax of Appendices A/B: ``L_i = D(Ŷ_i || σ(A_i / τ))``, a scalar.
 
     σ is the softmax over j != i (diagonal excluded), Ŷ the row-normalised target. Equals SupCon (eq. 10)
     minus the entropy constant ``log |P(i)|`` per row (Appendix A). Rows without a positive contribute 0.
-    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`.
+    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`. ``layout``: as :func:`jsd`.
     """
     _check_temperature(temperature)
-    return _softmax_loss("kl_softmax", q, k, ids, rows, temperature)
+    return _softmax_loss("kl_softmax", q, k, ids, rows, layout, temperature)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -442,16 +596,30 @@ def kl_softmax(
 
 
 def infonce(
-    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, temperature: float = 0.1
+    q: Tensor,
+    k: Tensor,
+    ids: Tensor,
+    *,
+    rows: slice | None = None,
+    layout: str | None = None,
+    temperature: float = 0.1,
 ) -> Tensor:
     """NT-Xent / InfoNCE, eq. (9): ``L_i = -log( exp(A_ip/τ) / sum_{a != i} exp(A_ia/τ) )``, a scalar.
 
     p = the unique positive of row i. Requires exactly one positive per row (the self-supervised two-view
     layout), checked on the whole batch; raises ValueError otherwise. Returns ``sum_{i in rows} L_i / n``.
     Fused: :class:`_SoftmaxAffinityLoss`.
+
+    ``layout``: None checks the batch (host syncs); ``"two_view"`` guarantees one positive per row and skips
+    the check (no host sync); ``"labels"`` does not, so it raises ValueError.
     """
     _check_temperature(temperature)
-    if ids.dim() == 1:
+    if layout == "labels":
+        raise ValueError(
+            "infonce needs exactly one positive per row (self-supervised two-view ids), which layout='labels' "
+            "does not guarantee — use layout='two_view', or supcon for supervised batches"
+        )
+    if layout is None and ids.dim() == 1:
         _, inverse, size = torch.unique(ids, return_inverse=True, return_counts=True)
         counts = size[inverse] - 1  # (n,) positives per row
         if not bool((counts == 1).all()):
@@ -459,24 +627,38 @@ def infonce(
                 "infonce needs exactly one positive per row (self-supervised two-view ids); got rows with "
                 f"{sorted(set(counts.tolist()))} positives — use supcon for supervised batches"
             )
-    return _softmax_loss("infonce", q, k, ids, rows, temperature)
+    return _softmax_loss("infonce", q, k, ids, rows, layout, temperature)
 
 
 def supcon(
-    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, temperature: float = 0.1
+    q: Tensor,
+    k: Tensor,
+    ids: Tensor,
+    *,
+    rows: slice | None = None,
+    layout: str | None = None,
+    temperature: float = 0.1,
 ) -> Tensor:
     """SupCon L_out (Khosla et al.), eq. (10), a scalar::
 
         L_i = -1/|P(i)| sum_{p in P(i)} log( exp(A_ip/τ) / sum_{a != i} exp(A_ia/τ) )
 
     P(i) = {j != i : ids[j] == ids[i]}. Rows with empty P(i) contribute 0.
-    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`.
+    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`. ``layout``: as :func:`jsd`.
     """
     _check_temperature(temperature)
-    return _softmax_loss("supcon", q, k, ids, rows, temperature)
+    return _softmax_loss("supcon", q, k, ids, rows, layout, temperature)
 
 
-def dcl(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, temperature: float = 0.1) -> Tensor:
+def dcl(
+    q: Tensor,
+    k: Tensor,
+    ids: Tensor,
+    *,
+    rows: slice | None = None,
+    layout: str | None = None,
+    temperature: float = 0.1,
+) -> Tensor:
     """Decoupled contrastive loss (Yeh et al.), a scalar::
 
         L_i = -1/|P(i)| sum_{p in P(i)} A_ip/τ + log sum_{a not in P(i) ∪ {i}} exp(A_ia/τ)
@@ -484,15 +666,24 @@ def dcl(q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, tempera
     (the positives are removed from the denominator). Rows with empty P(i) contribute 0. Every row needs at
     least one negative, i.e. the batch must hold at least two distinct ids (ValueError otherwise).
     Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`.
+
+    ``layout``: None checks the batch (host syncs); ``"two_view"`` has a negative in every row (n >= 4) and
+    ``"labels"`` skips the check (no host sync): a batch with a single id then gives NaN, not a ValueError.
     """
     _check_temperature(temperature)
-    if ids.dim() == 1 and ids.numel() > 0 and ids.unique().numel() < 2:
+    if layout is None and ids.dim() == 1 and ids.numel() > 0 and ids.unique().numel() < 2:
         raise ValueError("dcl needs at least one negative per row: the batch holds a single id")
-    return _softmax_loss("dcl", q, k, ids, rows, temperature)
+    return _softmax_loss("dcl", q, k, ids, rows, layout, temperature)
 
 
 def barlow_twins(
-    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, barlow_lambda: float = 5e-3
+    q: Tensor,
+    k: Tensor,
+    ids: Tensor,
+    *,
+    rows: slice | None = None,
+    layout: str | None = None,
+    barlow_lambda: float = 5e-3,
 ) -> Tensor:
     """Barlow Twins (Zbontar et al.) on the two views of q (k is ignored; q is used raw, not normalised).
 
@@ -504,17 +695,26 @@ def barlow_twins(
 
     Needs the self-supervised two-view layout (ids[:B] == ids[B:] and ids[:B] distinct), else ValueError.
     Not row-separable: with ``rows`` of r rows it returns ``L * r / n`` so that row slices still add up to L.
+
+    ``layout``: None checks the ids (host syncs); ``"two_view"`` guarantees the layout and skips reading them
+    (no host sync; n must still be even); ``"labels"`` does not, so it raises ValueError.
     """
     if q.dim() != 2:
         raise ValueError(f"q must be (n, d), got {tuple(q.shape)}")
     n = q.shape[0]
     if ids.shape != (n,):
         raise ValueError(f"ids must have shape ({n},) to match q, got {tuple(ids.shape)}")
+    _check_layout_name(layout)
     half = n // 2
-    if n < 2 or n % 2 or not bool((ids[:half] == ids[half:]).all()) or ids[:half].unique().numel() != half:
+    if layout == "two_view":
+        two_view = n >= 2 and n % 2 == 0  # the caller's guarantee: only the shape is checked
+    else:
+        two_view = layout is None and _is_two_view(ids)  # "labels" guarantees nothing
+    if not two_view:
+        why = "; layout='labels' does not say so" if layout == "labels" else ""
         raise ValueError(
             "Barlow Twins needs the self-supervised two-view layout: ids = [0..B-1, 0..B-1] "
-            "(both halves equal, each half distinct)"
+            f"(both halves equal, each half distinct){why}"
         )
     start, stop = _row_range(rows, n)
 
@@ -549,7 +749,7 @@ SELF_SUPERVISED_ONLY: frozenset[str] = frozenset({"infonce", "barlow_twins"})
 
 
 def make_loss(name: str, *, temperature: float = 0.1, barlow_lambda: float = 5e-3) -> Callable[..., Tensor]:
-    """The loss ``name`` with its hyper-parameters bound: ``f(q, k, ids, *, rows=None) -> scalar``.
+    """The loss ``name`` with its hyper-parameters bound: ``f(q, k, ids, *, rows=None, layout=None) -> scalar``.
 
     Only the hyper-parameters the loss takes are bound (``temperature`` for kl_softmax / infonce / supcon /
     dcl, ``barlow_lambda`` for barlow_twins). Unknown names raise ValueError listing the allowed ones.

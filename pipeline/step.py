@@ -9,11 +9,13 @@ must see the *global* batch, not each worker's shard. Each worker:
 3. runs the head on the global batch (replicated; it is cheap next to the backbone) and computes the loss
    for *its own rows* only: ``L_w = Σ_{i ∈ rows(w)} ℓ_i / 2B``, so that ``Σ_w L_w = L`` (the full loss);
 4. back-propagates ``L_w``. The all-gather's backward sums, into each z_w, the gradients of every
-   worker's share; summing the parameter gradients over workers (one all-reduce) then gives exactly
-   ``∂L/∂θ`` of one process on the concatenated batch.
+   worker's share; summing the parameter gradients over workers then gives exactly ``∂L/∂θ`` of one
+   process on the concatenated batch. The sum travels in buckets that start as soon as their gradients are
+   ready, during the backward (``pipeline.comm.GradReducer``); gradient caching sums once after its last
+   backward (:func:`allreduce_grads`, one coalesced all-reduce).
 
 No DistributedDataParallel: its gradient *averaging* and forward hooks fit a per-sample loss, not a loss
-over the gathered batch; one explicit coalesced all-reduce (sum) is simpler and exact.
+over the gathered batch; explicit sums are simpler and exact.
 
 The differentiable all-gather is our own (:class:`_AllGatherRows`): ``torch.distributed.nn.functional.all_gather``
 is deprecated in torch 2.14 (FutureWarning, "use torch.distributed._functional_collectives.all_gather_single").
@@ -28,7 +30,10 @@ check): chunks would put the two views of an image in different BN batches and t
 would be updated in both passes.
 
 Host syncs: ``__call__`` returns the loss as a float after checking it (one sync per step); :meth:`lazy`
-returns it as a 0-d tensor without a sync and without the check, for a caller that checks once per epoch.
+returns it as a 0-d tensor without a sync and without the check, for a caller that checks once per epoch. With a
+``layout`` (``pipeline.losses``) nothing inside a lazy step syncs (``tests/test_host_syncs.py`` counts it): the
+losses' positive pairs are fixed per batch size, the ids are checked once per batch size, and in the two-view
+layout they are not even gathered after that. The lazy loss's sum over workers rides in a gradient bucket.
 
 Gradient caching (Gao et al., 2021) for batches larger than memory: embed in chunks without a graph,
 compute the loss and ∂L/∂z on the full (global) batch, then re-embed chunk by chunk with a graph and
@@ -48,6 +53,8 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipeline.batchnorm import has_batchnorm
+from pipeline.comm import GradReducer
+from pipeline.losses import LAYOUTS, check_layout, self_supervised_ids
 from pipeline.model import TransFusion
 
 LossFn = Callable[..., Tensor]
@@ -182,6 +189,8 @@ class GlobalBatchStep:
     """
 
     scaler: torch.amp.GradScaler | None = None
+    reducer: GradReducer | None = None  # with several workers: made by the first step (pipeline.comm)
+    overlap: bool = True  # False: one coalesced all-reduce after the backward instead (a baseline for benchmarks)
 
     def __init__(
         self,
@@ -190,7 +199,17 @@ class GlobalBatchStep:
         *,
         grad_cache_chunk: int | None = None,
         autocast_dtype: torch.dtype | None = None,
+        layout: str | None = None,
     ) -> None:
+        """``layout``: what the gathered ids (2B,) are, passed on to ``loss_fn`` (``pipeline.losses``, *Layouts
+        and host syncs*): ``"two_view"`` (self-supervised: the image index of ``[view 1; view 2]``) or
+        ``"labels"`` (supervised). Then the loss has no host sync, and the ids are checked against the layout
+        once, on the first step of each global batch size (:func:`pipeline.losses.check_layout`; a host sync),
+        not at every step. None: ``loss_fn`` is called without it and reads (and validates) the ids itself."""
+        if layout is not None and layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; allowed: None, {', '.join(map(repr, LAYOUTS))}")
+        self.layout = layout
+        self._layout_checked: set[int] = set()  # global batch sizes whose ids were checked against the layout
         self.model = model
         self.loss_fn = loss_fn
         if grad_cache_chunk is not None and has_batchnorm(model):
@@ -208,14 +227,27 @@ class GlobalBatchStep:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
 
+    def _global_ids(self, ids: Tensor, world_size: int) -> Tensor:
+        """The global batch's ids (2B,). Gathered, except for the two-view layout once its first step of this batch
+        size was checked: its ids are then fixed, ``[0..B-1; 0..B-1]``, and the losses do not read them anyway."""
+        n = ids.shape[0] * world_size
+        if self.layout == "two_view" and n in self._layout_checked:
+            return self_supervised_ids(n // 2, device=ids.device)
+        ids_all = gather_ids(ids, world_size)  # (2B,)
+        if self.layout is not None and n not in self._layout_checked:
+            check_layout(ids_all, self.layout)  # once per batch size (host syncs), not at every step
+            self._layout_checked.add(n)
+        return ids_all
+
     def _head_loss(self, z_local: Tensor, ids: Tensor, world_size: int, rank: int) -> Tensor:
         z_all = gather_views(z_local, world_size)  # (2B, m)
-        ids_all = gather_ids(ids, world_size)  # (2B,)
+        ids_all = self._global_ids(ids, world_size)  # (2B,)
         with self._autocast(z_local.device):
             out = self.model.head(z_all, views=2)  # rows [view 1; view 2]
         q, k = _upcast(out.q), _upcast(out.k)  # the loss in full precision whatever the autocast
         b = z_local.shape[0] // 2
-        return sum(self.loss_fn(q, k, ids_all, rows=r) for r in local_rows(rank, b, world_size))
+        hint = {} if self.layout is None else {"layout": self.layout}
+        return sum(self.loss_fn(q, k, ids_all, rows=r, **hint) for r in local_rows(rank, b, world_size))
 
     def __call__(self, x: Tensor, ids: Tensor) -> float:
         return float(self._run(x, ids, check=True))
@@ -234,8 +266,19 @@ class GlobalBatchStep:
             with self._autocast(x.device):
                 z = self.model.backbone(x)  # (2b, m)
             loss = self._head_loss(_upcast(z), ids, world_size, rank)
-            total = self._total(loss, world_size, check)
-            self._backward(loss)
+            if world_size == 1 or not self.overlap:
+                total = self._total(loss, world_size, check)
+                self._backward(loss)
+                if world_size > 1:
+                    allreduce_grads(self.params)
+                return total
+            reducer = self._overlapping_reducer()
+            # checked: the sum first (before .grad is touched); lazy: this rank's share rides in a gradient bucket
+            total = self._total(loss, world_size, check) if check else loss.detach().clone()
+            reducer.start(extra=None if check else total)
+            self._backward(loss)  # buckets of gradients are summed over workers while the backward goes on
+            reducer.finish()  # lazy: total is now the sum of the shares
+            return total
         else:
             with torch.no_grad(), self._autocast(x.device):
                 z = _upcast(torch.cat([self.model.backbone(c) for c in x.split(self.chunk)]))
@@ -251,6 +294,12 @@ class GlobalBatchStep:
         if world_size > 1:
             allreduce_grads(self.params)
         return total
+
+    def _overlapping_reducer(self) -> GradReducer:
+        """The bucketed all-reduce of the gradients that overlaps the backward (``pipeline.comm``), made once."""
+        if self.reducer is None:
+            self.reducer = GradReducer(self.params)
+        return self.reducer
 
     def _backward(self, loss: Tensor) -> None:
         """``loss.backward()``, through the fp16 gradient scaler when there is one (:attr:`scaler`): the gradients

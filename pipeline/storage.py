@@ -4,12 +4,14 @@ Ray Train already requires ``ray.storage_path`` to be storage every node sees (a
 on every node, or a URI such as ``s3://bucket/prefix``): checkpoints go there. The driver therefore *stages* the
 prepared data there too, content-addressed by the manifest's file digests::
 
-    <storage>/prepared-data/<digest>/{manifest.json, train.pt, test.pt}
+    <storage>/prepared-data/<digest>/{manifest.json, train_x.npy, train_y.npy, test_x.npy, test_y.npy}
 
 and every worker loads it from there, after checking that the copy it sees is the one the driver saw (the file
 digests of its manifest, then each file's sha256). A worker on a node that does not see the storage fails with a
 message naming its node and the path, instead of training on a stale local copy or dying in a traceback. On one
-machine with local storage the staged copy is a hard link when the file system allows (no second copy).
+machine with local storage the staged copy is a hard link when the file system allows (no second copy). A worker
+whose training set exceeds its data budget maps the files (``fetch_prepared(..., mmap=True)``) instead of reading
+them: on shared storage every worker of a node then shares the same pages, and reads only the rows it trains on.
 
 Also here: the run status a worker leaves for the driver (``transfusion_status.json`` in the Ray run directory),
 readable wherever the run directory lives.
@@ -147,11 +149,13 @@ def _node() -> str:
     return f"host {host}"
 
 
-def fetch_prepared(location: str, expected: dict[str, Any]) -> Dataset:
+def fetch_prepared(location: str, expected: dict[str, Any], mmap: bool = False) -> Dataset:
     """Load the staged prepared data on a worker, checking it is the copy the driver saw.
 
-    ``expected``: the driver's manifest. Raises :class:`DatasetError` naming this node and the path when the copy
-    is missing, is another version, or a file's sha256 disagrees (a torn or modified copy).
+    ``expected``: the driver's manifest; ``mmap``: map the inputs instead of reading them
+    (:func:`pipeline.datasets.load_prepared`; a remote copy is downloaded to this node's disk first).
+    Raises :class:`DatasetError` naming this node and the path when the copy is missing, is another version, or a
+    file's sha256 disagrees (a torn or modified copy).
     """
     fix = ("ray.storage_path must be storage that every node sees at the same path (an NFS/EFS mount) or a URI "
            "such as s3://bucket/prefix; the driver stages the prepared data there")
@@ -165,7 +169,7 @@ def fetch_prepared(location: str, expected: dict[str, Any]) -> Dataset:
     if is_uri(location):
         local = _download(location, data_digest(expected))
     try:
-        return load_prepared(local, verify=True)
+        return load_prepared(local, verify=True, mmap=mmap)
     except DatasetError as exc:
         raise DatasetError(f"{_node()}: {exc}") from exc
 

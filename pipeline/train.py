@@ -28,10 +28,10 @@ import torch
 
 from pipeline.cluster import connect, train_logging, wait_for_workers
 from pipeline.config import Params, ParamsError, flatten
-from pipeline.datasets import load_prepared
+from pipeline.datasets import load_prepared, prepared_nbytes
 from pipeline.health import unflat
 from pipeline.io import load_torch
-from pipeline.loop import EpochMetrics, PretrainLoop
+from pipeline.loop import EpochMetrics, PretrainLoop, data_budget
 from pipeline.step import NonFiniteLossError
 from pipeline.storage import (
     check_storage,
@@ -80,6 +80,16 @@ class WorkerSpec:
     fault: str | None = None
     quiet: bool = False  # no per-epoch progress lines (sweep trials: the driver prints them)
     resume_dir: str | None = None  # a checkpoint to start from when Ray knows none (see recover_run_snapshot)
+
+
+def data_line(loop: PretrainLoop) -> str:
+    """Where a worker's training set lives: ``"training set 0.4 MiB on cpu (data budget 3,968 MiB)"``, or
+    ``"... streamed from memory-mapped files, each step reading its rows (data budget 0 MiB)"``."""
+    x = loop.data.train.x
+    where = ("streamed from memory-mapped files, each step reading its rows" if loop.streaming
+             else f"on {loop.device}")
+    return (f"training set {x.numel() * x.element_size() / 2**20:,.1f} MiB {where} "
+            f"(data budget {loop.data_budget / 2**20:,.0f} MiB)")
 
 
 def _progress(line: str) -> None:
@@ -185,8 +195,14 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
     params = Params.model_validate(spec.params, strict=False)
     torch.set_num_threads(max(1, int(params.ray.cpus_per_worker)))
     device = device or torch.device("cpu")
-    data = fetch_prepared(spec.data_dir, spec.manifest)  # the copy the driver staged, or a clear error
-    loop = PretrainLoop(params, data, device, rank=rank, world_size=world)
+    # the copy the driver staged, or a clear error; mapped, not read, when the loop will stream it (beyond the data
+    # budget) or put it on a GPU (no host copy of what the device holds)
+    budget = data_budget(params.train.data_budget_mb, device)
+    data = fetch_prepared(spec.data_dir, spec.manifest,
+                          mmap=device.type == "cuda" or prepared_nbytes(spec.manifest) > budget)
+    loop = PretrainLoop(params, data, device, rank=rank, world_size=world, budget=budget)
+    if rank == 0 and not spec.quiet:
+        _progress(f"[pretrain] {data_line(loop)}")
     workers = _placement(rank, world, device)
 
     checkpoint = session.get_checkpoint()
@@ -327,7 +343,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
 
     from pipeline import tracking as trk
 
-    data = load_prepared(data_dir, verify=True)  # a corrupt input fails here, before Ray starts
+    data = load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here, before Ray starts
     manifest = json.loads((data_dir / "manifest.json").read_text())
     if params.train.batch_size > len(data.train.y):
         raise ParamsError(f"train.batch_size ({params.train.batch_size}) exceeds the training set "

@@ -1,6 +1,7 @@
 """``prepare`` stage: load the configured dataset and write ``data/prepared/`` atomically.
 
-Reads params: ``data``. Writes: ``train.pt``, ``test.pt`` and ``manifest.json`` (shapes, classes, sha256).
+Reads params: ``data``. Writes: ``{train,test}_x.npy`` (inputs), ``{train,test}_y.npy`` (labels) and
+``manifest.json`` (shapes, classes, sha256); an image folder in bounded memory (``pipeline.datasets.prepare_dataset``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 import click
 
 from pipeline.config import Params
-from pipeline.datasets import DatasetError, SyntheticSpec, load_dataset, save_prepared
+from pipeline.datasets import DatasetError, SyntheticSpec, prepare_dataset
 from stages._common import params_options, runtime_errors
 
 DEFAULT_OUT = Path("data/prepared")
@@ -18,8 +19,9 @@ DEFAULT_OUT = Path("data/prepared")
 
 def run(params: Params, out: Path = DEFAULT_OUT) -> dict:
     d = params.data
-    ds = load_dataset(
+    return prepare_dataset(
         d.dataset,
+        out,
         root=Path(d.root),
         download=d.download,
         test_fraction=d.test_fraction,
@@ -28,8 +30,8 @@ def run(params: Params, out: Path = DEFAULT_OUT) -> dict:
         limit_train=d.limit_train,
         limit_test=d.limit_test,
         synthetic=SyntheticSpec(**d.synthetic.model_dump()),
+        extra={"params": {"data": d.model_dump()}},
     )
-    return save_prepared(ds, out, extra={"params": {"data": d.model_dump()}})
 
 
 @click.command("prepare")
@@ -38,7 +40,7 @@ def run(params: Params, out: Path = DEFAULT_OUT) -> dict:
               show_default=True, help="Output directory.")
 @runtime_errors(DatasetError)
 def prepare(params: Params, out: Path) -> None:
-    """Load the dataset named by data.dataset and write train/test tensors plus a manifest."""
+    """Load the dataset named by data.dataset and write train/test arrays plus a manifest."""
     manifest = run(params, out)
     click.echo(
         f"prepared {manifest['dataset']}: {manifest['n_train']} train / {manifest['n_test']} test, "

@@ -91,7 +91,7 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
         raise ParamsUsageError(f"{exc}\n  the point comes from {axes}: change those lists or the base params") from None
     check_weights(params)
     root = project_root()
-    load_prepared(data_dir, verify=True)
+    load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here (mapped: never read whole)
     try:
         result = run_sweep(params, data_dir, root, tracking=not no_tracking)
     except ParamsError as exc:  # a batch beyond the prepared data: run_sweep checks it before Ray or tracking

@@ -44,7 +44,7 @@ def tables_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
         raise ParamsUsageError(str(exc)) from None
     check_weights(params)
     root = project_root()
-    load_prepared(data_dir, verify=True)
+    load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here (mapped: never read whole)
     try:
         result, unit = run_tables(params, data_dir, root, tracking=not no_tracking)
     except ParamsError as exc:  # a row's batch beyond the prepared data, a request the cluster can never hold

@@ -39,6 +39,12 @@ def test_overrides_parse_yaml_values():
     assert p.model.depth == 5 and p.data.synthetic.noise == 0.3
 
 
+def test_data_budget_is_null_by_default_and_takes_fractions_of_a_mib():
+    assert load_params(ROOT / "params.yaml").train.data_budget_mb is None  # auto: a share of the device's memory
+    assert load_params(ROOT / "params.yaml", ["train.data_budget_mb=0.25"]).train.data_budget_mb == 0.25
+    assert load_params(ROOT / "params.yaml", ["train.data_budget_mb=4096"]).train.data_budget_mb == 4096.0
+
+
 def test_flatten_gives_dotted_keys():
     flat = flatten(load_params(ROOT / "params.yaml"))
     assert flat["model.depth"] == 1 and flat["data.synthetic.rank"] == 3 and "ray.num_workers" in flat
@@ -53,6 +59,8 @@ BAD = [
     (["model.fusion_scope=pairs"], ["model.fusion_scope", "joint", "per_view"]),
     (["model.qk_init=zeros"], ["model.qk_init", "default", "tied", "identity"]),
     (["train.head_lr_scale=0"], ["train.head_lr_scale", "greater than 0"]),
+    (["train.data_budget_mb=-1"], ["train.data_budget_mb", "greater than or equal to 0"]),
+    (["train.data_budget_mb=lots"], ["train.data_budget_mb", "valid number"]),
     (["augment.preset=strong"], ["augment.preset", "paper", "simclr"]),
     (["model.depth=-1"], ["model.depth", "greater than or equal to 0"]),
     (["model.depth=three"], ["model.depth", "valid integer"]),

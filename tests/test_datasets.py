@@ -18,16 +18,24 @@ import torch
 from pipeline import datasets as D
 from pipeline.datasets import (
     DATASET_NAMES,
+    PREPARED_FILES,
     Dataset,
     DatasetError,
     Split,
     SyntheticSpec,
+    gather_rows,
     load_dataset,
     load_prepared,
+    prepare_dataset,
+    prepared_nbytes,
     save_prepared,
     stratified_subset,
     to_float,
+    write_npy,
 )
+from pipeline.io import sha256_file
+
+FILES = sorted(["manifest.json", *PREPARED_FILES])  # what a prepared directory holds
 
 CIFAR_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -546,7 +554,7 @@ def test_prepared_round_trip(tmp_path, digits, which):
     ds = digits if which == "digits" else _uint8_dataset()
     out = tmp_path / "prepared"
     manifest = save_prepared(ds, out, extra={"seed": 0, "source": which})
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "test.pt", "train.pt"]
+    assert sorted(p.name for p in out.iterdir()) == FILES
     on_disk = json.loads((out / "manifest.json").read_text())
     assert on_disk == manifest
     assert manifest["dataset"] == ds.name and manifest["classes"] == list(ds.classes)
@@ -554,16 +562,19 @@ def test_prepared_round_trip(tmp_path, digits, which):
     assert manifest["n_train"] == len(ds.train) and manifest["n_test"] == len(ds.test)
     assert manifest["dtype"] == str(ds.train.x.dtype).removeprefix("torch.")
     assert manifest["seed"] == 0 and manifest["source"] == which
-    assert manifest["files"]["train.pt"]["shape"] == list(ds.train.x.shape)
-    assert len(manifest["files"]["test.pt"]["sha256"]) == 64
+    assert manifest["files"]["train_x.npy"]["shape"] == list(ds.train.x.shape)
+    assert manifest["files"]["test_y.npy"]["shape"] == [len(ds.test)]
+    assert all(len(manifest["files"][name]["sha256"]) == 64 for name in PREPARED_FILES)
     for verify in (True, False):
-        back = load_prepared(out, verify=verify)
-        assert back.name == ds.name and back.classes == ds.classes and back.input_shape == ds.input_shape
-        for a, b in ((back.train, ds.train), (back.test, ds.test)):
-            assert a.x.dtype == b.x.dtype and torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
-    if which == "uint8":  # views were compacted: the file holds 12 images, not the 18 of the base storage
-        saved = torch.load(out / "train.pt", weights_only=True)
-        assert saved["x"].untyped_storage().nbytes() == 12 * 3 * 16
+        for mmap in (False, True):
+            back = load_prepared(out, verify=verify, mmap=mmap)
+            assert back.name == ds.name and back.classes == ds.classes and back.input_shape == ds.input_shape
+            for a, b in ((back.train, ds.train), (back.test, ds.test)):
+                assert a.x.dtype == b.x.dtype and torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+    # plain numpy files: the views were written, not their base storage (12 images of the 18)
+    saved = np.load(out / "train_x.npy", allow_pickle=False)
+    assert saved.shape == tuple(ds.train.x.shape) and np.array_equal(saved, ds.train.x.numpy())
+    assert prepared_nbytes(manifest) == ds.train.x.numel() * ds.train.x.element_size()
 
 
 def test_prepared_extra_cannot_override_fields(tmp_path):
@@ -577,7 +588,7 @@ def test_load_prepared_without_manifest(tmp_path):
         load_prepared(tmp_path / "prepared")
 
 
-@pytest.mark.parametrize("name", ["train.pt", "test.pt"])
+@pytest.mark.parametrize("name", PREPARED_FILES)
 def test_load_prepared_detects_corruption(tmp_path, name):
     out = tmp_path / "prepared"
     save_prepared(_uint8_dataset(), out)
@@ -592,34 +603,34 @@ def test_load_prepared_detects_corruption(tmp_path, name):
 def test_load_prepared_detects_missing_file(tmp_path):
     out = tmp_path / "prepared"
     save_prepared(_uint8_dataset(), out)
-    (out / "test.pt").unlink()
-    with pytest.raises(DatasetError, match=r"test\.pt is missing"):
+    (out / "test_x.npy").unlink()
+    with pytest.raises(DatasetError, match=r"test_x\.npy is missing"):
         load_prepared(out)
 
 
 def test_save_prepared_crash_leaves_nothing_half_written(tmp_path, monkeypatch):
     out = tmp_path / "prepared"
     calls = []
-    real_save = D.save_torch
+    real_save = D.write_npy
 
-    def crash_on_second(path, obj):
+    def crash_on_second(path, *args):
         calls.append(Path(path).name)
         if len(calls) == 2:
             raise OSError("disk full")
-        real_save(path, obj)
+        return real_save(path, *args)
 
-    monkeypatch.setattr(D, "save_torch", crash_on_second)
+    monkeypatch.setattr(D, "write_npy", crash_on_second)
     with pytest.raises(OSError, match="disk full"):
         save_prepared(_uint8_dataset(), out)
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
     # with a previous good directory: it survives a crashed rewrite untouched
-    monkeypatch.setattr(D, "save_torch", real_save)
+    monkeypatch.setattr(D, "write_npy", real_save)
     old = _uint8_dataset(n_train=9, n_test=3)
     save_prepared(old, out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     calls.clear()
-    monkeypatch.setattr(D, "save_torch", crash_on_second)
+    monkeypatch.setattr(D, "write_npy", crash_on_second)
     with pytest.raises(OSError, match="disk full"):
         save_prepared(_uint8_dataset(), out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -643,5 +654,85 @@ def test_load_prepared_rejects_wrong_shape(tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["input_shape"] = [3, 8, 8]
     (out / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DatasetError, match=r"train\.pt.*shape"):
+    with pytest.raises(DatasetError, match=r"train_x\.npy.*shape"):
         load_prepared(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the prepared format at scale: block-wise writing, memory maps, row reads
+
+
+def mapped_file(t: torch.Tensor) -> str | None:
+    """The file whose memory map holds ``t``'s data (from /proc/self/maps), or None if it is ordinary memory."""
+    ptr = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(v, 16) for v in fields[0].split("-"))
+        if lo <= ptr < hi:
+            return fields[5] if len(fields) == 6 and fields[5].startswith("/") else None
+    return None
+
+
+def test_write_npy_is_numpys_format_hashed_as_written(tmp_path):
+    x = np.random.default_rng(0).integers(0, 256, size=(10, 3, 2, 2), dtype=np.uint8)
+    digest = write_npy(tmp_path / "x.npy", x.shape, np.uint8, [x[:3], x[3:4], x[4:]])
+    np.save(tmp_path / "ref.npy", x)
+    assert (tmp_path / "x.npy").read_bytes() == (tmp_path / "ref.npy").read_bytes()
+    assert digest == sha256_file(tmp_path / "x.npy")
+    with pytest.raises(ValueError, match="does not continue"):  # a block of another row shape
+        write_npy(tmp_path / "bad.npy", x.shape, np.uint8, [x[:3, :2]])
+    with pytest.raises(ValueError, match="does not continue"):  # another dtype: never converted silently
+        write_npy(tmp_path / "bad.npy", x.shape, np.uint8, [x.astype(np.int64)])
+    with pytest.raises(ValueError, match="9 rows written"):
+        write_npy(tmp_path / "bad.npy", x.shape, np.uint8, [x[:9]])
+
+
+@pytest.mark.parametrize("which", ["digits", "uint8"])
+def test_load_prepared_mmap_maps_the_files(tmp_path, digits, which):
+    ds = digits if which == "digits" else _uint8_dataset()
+    out = tmp_path / "prepared"
+    save_prepared(ds, out)
+    mapped, loaded = load_prepared(out, mmap=True), load_prepared(out)
+    for part in ("train", "test"):
+        x = getattr(mapped, part).x
+        assert mapped_file(x) == str((out / f"{part}_x.npy").resolve())  # zero copy: the file's pages
+        assert mapped_file(getattr(loaded, part).x) is None  # the default reads into memory
+        assert torch.equal(x, getattr(ds, part).x)
+    x = mapped.train.x
+    x[0] += 1  # copy-on-write: a change stays in this process, the file and its digest are untouched
+    assert load_prepared(out, verify=True).train.x[0].equal(ds.train.x[0])
+
+
+def test_load_prepared_never_unpickles(tmp_path):
+    out = tmp_path / "prepared"
+    save_prepared(_uint8_dataset(), out)
+    np.save(out / "train_y.npy", np.array([object()] * 12, dtype=object), allow_pickle=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["files"]["train_y.npy"]["sha256"] = sha256_file(out / "train_y.npy")
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    for mmap in (False, True):
+        with pytest.raises(DatasetError, match=r"train_y\.npy holds pickled Python objects, which are never loaded"):
+            load_prepared(out, mmap=mmap)
+
+
+def test_gather_rows_equals_indexing(tmp_path):
+    x = torch.arange(7 * 2 * 3, dtype=torch.float32).reshape(7, 2, 3)
+    for index in (torch.tensor([5, 0, 3]), torch.tensor([6, 6, 1, 0, 2]), torch.tensor([], dtype=torch.int64)):
+        got = gather_rows(x, index)
+        assert torch.equal(got, x[index]) and got.dtype == x.dtype
+
+
+def test_image_folder_is_prepared_in_bounded_memory_to_the_same_bytes(tmp_path):
+    """``prepare_dataset`` writes an image folder one image at a time: the same files as loading it, then saving."""
+    write_png_folder(tmp_path / "raw")
+    kwargs = dict(root=tmp_path / "raw", image_size=8, test_fraction=0.4, seed=1)
+    for limits in ({}, {"limit_train": 8, "limit_test": 4}):
+        streamed = prepare_dataset("image_folder", tmp_path / "streamed", **kwargs, **limits, extra={"k": 1})
+        loaded = save_prepared(load_dataset("image_folder", **kwargs, **limits), tmp_path / "loaded", extra={"k": 1})
+        assert streamed == loaded
+        assert (streamed["n_train"], streamed["n_test"]) == (limits.get("limit_train", 12), limits.get("limit_test", 8))
+        for name in PREPARED_FILES:
+            assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "loaded" / name).read_bytes()
+    with pytest.raises(ValueError, match="image_size"):
+        prepare_dataset("image_folder", tmp_path / "x", root=tmp_path / "raw")
+    assert not (tmp_path / "x").exists()

@@ -73,7 +73,7 @@ def test_prepare_runs_then_is_a_no_op_and_reruns_only_on_its_params(repo):
     set_param(repo, "data", "seed", 1)  # read by prepare
     out = run(["dvc", "repro", "prepare"], repo)
     assert "Running stage 'prepare'" in out
-    assert os.path.getsize(repo / "data/prepared/train.pt") > 0
+    assert os.path.getsize(repo / "data/prepared/train_x.npy") > 0
 
 
 TINY = {

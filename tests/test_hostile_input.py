@@ -125,13 +125,21 @@ def torch_bytes(obj) -> bytes:
     return buf.getvalue()
 
 
+def npy_bytes(array: np.ndarray, allow_pickle: bool = False) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=allow_pickle)
+    return buf.getvalue()
+
+
 def nan_pixels(p: Path, blob: bytes) -> bytes:
-    x = torch.rand(12, 3, 4, 4)
+    x = np.random.default_rng(0).random((12, 3, 4, 4), dtype=np.float32)
     x[3, 1, 2, 2] = float("nan")
     manifest = json.loads((p / PREPARED / "manifest.json").read_text())
     manifest["dtype"] = "float32"
     (p / PREPARED / "manifest.json").write_text(json.dumps(manifest))
-    return torch_bytes({"x": x, "y": torch.arange(12) % 3})
+    return npy_bytes(x)
 
 
 def flip_byte(p: Path, blob: bytes) -> bytes:
@@ -355,27 +363,32 @@ CASES = [
          (prepared, manifest_edit(lambda m: m.update(input_shape="three by four")))),
     Case("prepared-manifest-no-files", ("pretrain",), 1, ("manifest.json", "files", "transfusion prepare"),
          (prepared, manifest_edit(lambda m: m.pop("files")))),
-    Case("prepared-file-missing", ("pretrain",), 1, ("test.pt", "missing", "transfusion prepare"),
-         (prepared, remove(f"{PREPARED}/test.pt"))),
-    Case("prepared-sha-mismatch", ("pretrain",), 1, ("train.pt", "sha256", "transfusion prepare"),
-         (prepared, prepared_file("train.pt", flip_byte, fix_hash=False))),
-    Case("prepared-truncated", ("sweep",), 1, ("test.pt", "sha256", "transfusion prepare"),
-         (prepared, prepared_file("test.pt", lambda p, b: b[: len(b) // 2], fix_hash=False))),
-    Case("prepared-truncated-rehashed", ("pretrain",), 1, ("train.pt", "cannot be loaded", "transfusion prepare"),
-         (prepared, prepared_file("train.pt", lambda p, b: b[: len(b) // 2], fix_hash=True))),
-    Case("prepared-nan-pixels", ("pretrain",), 1, ("train.pt", "NaN", "regenerate"),
-         (prepared, prepared_file("train.pt", nan_pixels, fix_hash=True))),
-    Case("prepared-wrong-shape", ("pretrain",), 1, ("train.pt", "shape", "(N, 3, 8, 8)", "regenerate"),
+    Case("prepared-file-missing", ("pretrain",), 1, ("test_x.npy", "missing", "transfusion prepare"),
+         (prepared, remove(f"{PREPARED}/test_x.npy"))),
+    Case("prepared-labels-missing", ("evaluate",), 1, ("train_y.npy", "missing", "transfusion prepare"),
+         (prepared, pretrained(), remove(f"{PREPARED}/train_y.npy"))),
+    Case("prepared-sha-mismatch", ("pretrain",), 1, ("train_x.npy", "sha256", "transfusion prepare"),
+         (prepared, prepared_file("train_x.npy", flip_byte, fix_hash=False))),
+    Case("prepared-truncated", ("sweep",), 1, ("test_x.npy", "sha256", "transfusion prepare"),
+         (prepared, prepared_file("test_x.npy", lambda p, b: b[: len(b) // 2], fix_hash=False))),
+    Case("prepared-truncated-rehashed", ("pretrain",), 1, ("train_x.npy", "cannot be loaded", "transfusion prepare"),
+         (prepared, prepared_file("train_x.npy", lambda p, b: b[: len(b) // 2], fix_hash=True))),
+    Case("prepared-truncated-rehashed-read", ("evaluate",), 1, ("test_x.npy", "cannot be loaded", "prepare"),
+         (prepared, pretrained(), prepared_file("test_x.npy", lambda p, b: b[: len(b) // 2], fix_hash=True))),
+    Case("prepared-nan-pixels", ("pretrain",), 1, ("train_x.npy", "NaN", "regenerate"),
+         (prepared, prepared_file("train_x.npy", nan_pixels, fix_hash=True))),
+    Case("prepared-wrong-shape", ("pretrain",), 1, ("train_x.npy", "shape", "(N, 3, 8, 8)", "regenerate"),
          (prepared, manifest_edit(lambda m: m.update(input_shape=[3, 8, 8])))),
-    Case("prepared-count-mismatch", ("sweep",), 1, ("train.pt", "12", "manifest says", "transfusion prepare"),
+    Case("prepared-count-mismatch", ("sweep",), 1, ("train_x.npy", "12", "manifest says", "transfusion prepare"),
          (prepared, manifest_edit(lambda m: m.update(n_train=13)))),
-    Case("prepared-pickled-code", ("pretrain",), 1, ("train.pt", "other than tensors", "transfusion prepare"),
-         (prepared, prepared_file("train.pt", lambda p, b: torch_bytes({"x": Payload(p / MARKER),
-                                                                        "y": torch.zeros(12, dtype=torch.int64)}),
+    Case("prepared-pickled-code", ("pretrain",), 1, ("train_x.npy", "pickled Python objects", "transfusion prepare"),
+         (prepared, prepared_file("train_x.npy", lambda p, b: npy_bytes(np.array([Payload(p / MARKER)] * 12),
+                                                                        allow_pickle=True), fix_hash=True))),
+    Case("prepared-labels-out-of-range", ("pretrain",), 1, ("test_y.npy", "labels span [2, 7]", "3 classes"),
+         (prepared, prepared_file("test_y.npy", lambda p, b: npy_bytes(np.arange(6) + 2), fix_hash=True))),
+    Case("prepared-labels-not-int64", ("sweep",), 1, ("train_x.npy", "train_y.npy", "int64", "transfusion prepare"),
+         (prepared, prepared_file("train_y.npy", lambda p, b: npy_bytes(np.arange(12, dtype=np.float32)),
                                   fix_hash=True))),
-    Case("prepared-labels-out-of-range", ("pretrain",), 1, ("test.pt", "labels span [2, 7]", "3 classes"),
-         (prepared, prepared_file("test.pt", lambda p, b: torch_bytes({"x": torch.zeros(6, 3, 4, 4, dtype=torch.uint8),
-                                                                       "y": torch.arange(6) + 2}), fix_hash=True))),
     Case("pretrain-batch-beyond-data", ("pretrain", "--no-tracking"), 2, ("train.batch_size (128)", "12 samples"),
          (prepared,)),
     # ---------------------------------------------------------------- output paths (exit 1)
@@ -524,6 +537,17 @@ def test_tensor_files_are_only_loaded_weights_only():
             assert isinstance(flag, ast.Constant) and flag.value is True, f"{path.name}:{call.lineno} torch.load"
             found.append(f"{path.name}:{call.lineno}")
     assert len(found) >= 3, found  # io.load_torch, the resnet18 weights, the Ray checkpoint
+
+
+def test_arrays_are_only_loaded_without_pickles():
+    """Prepared arrays: every np.load passes allow_pickle=False (an object array is refused, never unpickled)."""
+    found = []
+    for path in PRODUCT_SOURCES:
+        for call in _calls(path, "np", {"load"}):
+            flag = {k.arg: k.value for k in call.keywords}.get("allow_pickle")
+            assert isinstance(flag, ast.Constant) and flag.value is False, f"{path.name}:{call.lineno} np.load"
+            found.append(f"{path.name}:{call.lineno}")
+    assert found, "load_prepared reads the prepared .npy files with np.load"
 
 
 def test_no_unsafe_unpickling_or_archive_extraction():

@@ -10,10 +10,12 @@ import torch.nn.functional as F
 
 from pipeline.losses import (
     EPS,
+    LAYOUTS,
     LOSS_NAMES,
     LOSSES,
     SELF_SUPERVISED_ONLY,
     barlow_twins,
+    check_layout,
     dcl,
     infonce,
     jsd,
@@ -191,13 +193,13 @@ def appendix_e_transcription(embeddings: torch.Tensor, target_affinity: torch.Te
     return out
 
 
-def call(name: str, q, k, ids, rows=None, tau: float = 0.1, lam: float = 5e-3) -> torch.Tensor:
+def call(name: str, q, k, ids, rows=None, tau: float = 0.1, lam: float = 5e-3, layout=None) -> torch.Tensor:
     hyper = {}
     if name in TEMPERATURES:
         hyper["temperature"] = tau
     if name == "barlow_twins":
         hyper["barlow_lambda"] = lam
-    return LOSSES[name](q, k, ids, rows=rows, **hyper)
+    return LOSSES[name](q, k, ids, rows=rows, layout=layout, **hyper)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -831,3 +833,176 @@ def test_fused_keeps_one_n_by_n_tensor_for_backward(name):
     assert count_big(lambda: call(name, q, k, ids, rows=slice(0, n // 2))) == 1  # an (n/2, n) block
     assert count_big(lambda: call(name, q, k, ids)) == 1
     assert count_big(lambda: call_pre_fusion(name, q, k, ids)) >= 2
+
+
+# --------------------------------------------------------------------------------------------------
+# layout hints (no host sync): "two_view" bit for bit the default, "labels" equal up to rounding
+# --------------------------------------------------------------------------------------------------
+
+
+def layouts_for(name: str, kind: str) -> list[str]:
+    """The hints a batch of ids ``kind`` may be given to the loss ``name``."""
+    hints = ["two_view"] if kind == "self" else []
+    return hints if name in SELF_SUPERVISED_ONLY else [*hints, "labels"]
+
+
+@pytest.mark.parametrize("name", LOSS_NAMES)
+@pytest.mark.parametrize("n,d", [(2, 3), (4, 3), (10, 8), (40, 16), (130, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_two_view_layout_is_bit_identical(name, n, d, dtype):
+    """The cached pairs of the self-supervised layout: the very values and gradients of the validated path."""
+    ids = self_supervised_ids(n // 2)
+    q0, k0 = make_qk(n, d, seed=n + d, dtype=dtype)
+    for rows in slices(n) if n > 2 else [None, slice(0, 1), slice(1, 2)]:
+        if name == "dcl" and n == 2:  # a single id: no negative, the validated path refuses
+            with pytest.raises(ValueError, match="negative"):
+                call(name, q0, k0, ids, rows=rows)
+            continue
+        for weight in (1.0, -2.5):
+            want = values_and_grads(lambda q, k, r: call(name, q, k, ids, rows=r, tau=0.3), q0, k0, rows=rows,
+                                    weight=weight)
+            got = values_and_grads(lambda q, k, r: call(name, q, k, ids, rows=r, tau=0.3, layout="two_view"),
+                                   q0, k0, rows=rows, weight=weight)
+            for g, w in zip(got, want, strict=True):
+                assert g.dtype == w.dtype and torch.equal(g, w), (rows, weight)
+
+
+@pytest.mark.parametrize("name", [nm for nm in LOSS_NAMES if nm not in SELF_SUPERVISED_ONLY])
+@pytest.mark.parametrize("kind", ["self", "sup", "random0", "random1", "single-class-rows"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_labels_layout_matches_the_validated_path(name, kind, dtype):
+    """The dense masks of ``layout="labels"`` against the sparse pairs, on whole batches and row slices."""
+    if kind.startswith("random"):
+        n, d, labels = RANDOM_SUP[int(kind[-1])]
+        ids = random_sup_ids(n, labels)
+    elif kind == "single-class-rows":  # one class holds all but two rows; rows 3 and 7 are singletons
+        n, d = 12, 4
+        ids = torch.tensor([5, 5, 5, 9, 5, 5, 5, 8, 5, 5, 5, 5])
+    else:
+        n, d = 10, 5
+        ids = make_ids(kind, n)
+    q0, k0 = make_qk(n, d, seed=2 * n + d, dtype=dtype)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    for rows in slices(n):
+        want = values_and_grads(lambda q, k, r: call(name, q, k, ids, rows=r, tau=0.2), q0, k0, rows=rows)
+        got = values_and_grads(lambda q, k, r: call(name, q, k, ids, rows=r, tau=0.2, layout="labels"),
+                               q0, k0, rows=rows)
+        assert got[0].dtype == dtype
+        assert_same(got, want, tol)
+        pre = values_and_grads(lambda q, k, r: call_pre_fusion(name, q, k, ids, rows=r, tau=0.2), q0, k0, rows=rows)
+        assert_same(got, pre, 1e-10 if dtype == torch.float64 else 2e-5)
+
+
+@pytest.mark.parametrize("name,kind", [(nm, kd) for nm, kd in NAME_KIND if nm in FUSED])
+def test_layouts_match_the_loop_reference(name, kind):
+    """Values and gradients of every hint against autograd through the explicit i, j loops."""
+    ids = make_ids(kind, 6)
+    q0, k0 = make_qk(6, 4, seed=21)
+    want = values_and_grads(lambda q, k, _: ref_loss_torch(name, q, k, ids, 0.3), q0, k0)
+    for layout in layouts_for(name, kind):
+        got = values_and_grads(lambda q, k, _, lay=layout: call(name, q, k, ids, tau=0.3, layout=lay), q0, k0)
+        assert_same(got, want, 1e-6 if name == "jsd" else 1e-8)
+
+
+@pytest.mark.parametrize("name,kind", NAME_KIND)
+def test_gradcheck_with_layouts(name, kind):
+    ids = make_ids(kind, 6)
+    q, k = make_qk(6, 3, seed=13)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    for layout in layouts_for(name, kind):
+        for rows in (None, slice(1, 4)):
+            assert torch.autograd.gradcheck(
+                lambda a, b, lay=layout, r=rows: call(name, a, b, ids, rows=r, tau=0.5, layout=lay), (q, k)
+            )
+
+
+@pytest.mark.parametrize("name", [nm for nm in LOSS_NAMES if nm not in SELF_SUPERVISED_ONLY])
+@pytest.mark.parametrize("n", [18, 40])
+def test_labels_layout_disjoint_slices_add_up(name, n):
+    ids = random_sup_ids(n, None)
+    q0, k0 = make_qk(n, 6, seed=3 * n)
+
+    def fn(q, k, rows):
+        return call(name, q, k, ids, rows=rows, layout="labels")
+
+    full = values_and_grads(fn, q0, k0)
+    cuts = [0, 1, n // 3, n // 2 + 1, n]
+    parts = [values_and_grads(fn, q0, k0, rows=slice(a, b)) for a, b in zip(cuts, cuts[1:], strict=False)]
+    assert_same([sum(p[t] for p in parts) for t in range(3)], full, 1e-10)
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_two_view_layout_keeps_one_n_by_n_tensor_for_backward(name):
+    n = 64
+    ids = self_supervised_ids(n // 2)
+    q, k = make_qk(n, 4, seed=0, dtype=torch.float32)
+    q.requires_grad_(True)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        call(name, q, k, ids, layout="two_view")
+    assert sum(1 for size in saved if size >= n * n // 2) == 1
+
+
+@pytest.mark.parametrize("name", sorted(SELF_SUPERVISED_ONLY))
+def test_self_supervised_only_losses_refuse_the_labels_layout(name):
+    q, k = make_qk(6, 4, seed=2)
+    match = "one positive per row" if name == "infonce" else "Barlow Twins needs the self-supervised two-view"
+    with pytest.raises(ValueError, match=match):  # even on two-view ids: "labels" does not guarantee them
+        make_loss(name)(q, k, self_supervised_ids(3), layout="labels")
+
+
+@pytest.mark.parametrize("name", LOSS_NAMES)
+def test_layout_errors(name):
+    q, k = make_qk(6, 4, seed=2)
+    with pytest.raises(ValueError, match="unknown layout 'dense'"):
+        make_loss(name)(q, k, self_supervised_ids(3), layout="dense")
+    with pytest.raises(ValueError, match="two-view|two_view"):  # the shape is still checked
+        make_loss(name)(q[:5], k[:5], torch.arange(5), layout="two_view")
+
+
+def test_two_view_layout_does_not_read_the_ids():
+    """The caller's guarantee: the positives are (i + B) mod 2B whatever ids says (check_layout checks once)."""
+    q, k = make_qk(8, 4, seed=6)
+    wrong = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    assert torch.equal(supcon(q, k, wrong, layout="two_view"), supcon(q, k, self_supervised_ids(4)))
+    with pytest.raises(ValueError, match="two_view"):
+        check_layout(wrong, "two_view")
+
+
+def test_check_layout():
+    assert LAYOUTS == ("two_view", "labels")
+    for ids in [self_supervised_ids(1), self_supervised_ids(5), torch.tensor([7, -2, 40, 7, -2, 40])]:
+        check_layout(ids, "two_view")
+    bad = [torch.tensor([0, 1, 2, 0, 1]), torch.tensor([0, 1, 1, 0]), torch.tensor([0, 0, 0, 0]),
+           torch.tensor([0, 1, 0, 2]), torch.tensor([], dtype=torch.int64)]
+    for ids in bad:
+        with pytest.raises(ValueError, match="two_view"):
+            check_layout(ids, "two_view")
+    for layout in (None, "labels"):  # anything goes, unread
+        check_layout(torch.tensor([3, 3, 3]), layout)
+    with pytest.raises(ValueError, match="unknown layout"):
+        check_layout(self_supervised_ids(2), "self")
+    with pytest.raises(ValueError, match="1-D"):
+        check_layout(torch.zeros(2, 2, dtype=torch.int64), "two_view")
+
+
+def test_dcl_labels_layout_gives_nan_without_a_negative():
+    """No check with layout="labels" (it would sync): a single-id batch gives NaN, which the trainer catches."""
+    q, k = make_qk(4, 3, seed=0)
+    assert torch.isnan(dcl(q, k, torch.zeros(4, dtype=torch.int64), layout="labels"))
+
+
+@pytest.mark.parametrize("name", LOSS_NAMES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nan_embeddings_give_a_nan_loss_with_layouts(name, layout):
+    if layout == "labels" and name in SELF_SUPERVISED_ONLY:
+        return
+    q = torch.randn(8, 4)
+    q[0, 0] = float("nan")
+    assert torch.isnan(make_loss(name)(q, q, self_supervised_ids(4), layout=layout))

@@ -41,6 +41,7 @@ class Spec:
     global_bn: bool = True  # convert BatchNorm to global BN when world > 1 (False: the plain-BN control)
     no_gather: bool = False  # the control: a step that forgets to gather sees only its shard
     reduce_scatter: bool | None = None  # force the all-gather's backward collective (None: the default)
+    layout: str | None = None  # GlobalBatchStep's layout hint (pipeline.losses): None, two_view or labels
 
 
 def make_model(seed: int = 0, depth: int = 2, truncated: bool = False, backbone: str = "cnn_small",
@@ -80,7 +81,7 @@ def _run_step(spec: Spec, rank: int, world: int):
     v1, v2, ids = make_batch(spec.mode, spec.shape, spec.dtype)
     b = B // world
     mine = slice(rank * b, (rank + 1) * b)
-    step = GlobalBatchStep(model, make_loss(spec.loss_name), grad_cache_chunk=spec.chunk)
+    step = GlobalBatchStep(model, make_loss(spec.loss_name), grad_cache_chunk=spec.chunk, layout=spec.layout)
     loss = step(torch.cat([v1[mine], v2[mine]]), torch.cat([ids[mine], ids[mine]]))
     return loss, grads_of(model), bn_buffers(model), captured[0]
 
@@ -350,3 +351,56 @@ def test_nan_mid_epoch_raises_before_the_epoch_is_reported(defer):
         loop.fit(lambda m, ckpt: reported.append(m.epoch))
     assert reported == [1]  # epoch 2 never reported (nor checkpointed)
     assert loop.epoch == 1 and len(loop.history) == 1
+
+
+# ------------------------------------------------------------------------------------- layout hints (no host sync)
+@pytest.mark.parametrize("loss_name,mode,layout,exact", [
+    ("jsd", "self", "two_view", True), ("barlow_twins", "self", "two_view", True),
+    ("infonce", "self", "two_view", True), ("supcon", "sup", "labels", False), ("kl_relu", "sup", "labels", False),
+    ("jsd", "self", "labels", False)])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_layout_hint_gives_the_same_step(loss_name, mode, layout, exact, chunk):
+    """``two_view``: the step of the validated path bit for bit; ``labels``: up to rounding."""
+    loss, grads, _, _ = one_process(Spec(loss_name, mode, chunk))
+    loss_h, grads_h, _, _ = one_process(Spec(loss_name, mode, chunk, layout=layout))
+    if exact:
+        assert loss_h == loss
+        assert grads_h.keys() == grads.keys() and all(torch.equal(grads_h[k], grads[k]) for k in grads)
+    else:
+        assert loss_h == pytest.approx(loss, rel=1e-12)
+        assert_grads_close(grads_h, grads, rtol=1e-10)
+
+
+def test_two_gloo_workers_with_a_layout_equal_one_process(tmp_path):
+    ref_loss, ref_grads = single_process("jsd", "self")
+    for loss, grads, _, _ in run_two(tmp_path, Spec("jsd", "self", layout="two_view")):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert_grads_close(grads, ref_grads)
+
+
+def test_two_view_ids_are_checked_once_per_batch_size(monkeypatch):
+    import pipeline.step as step_mod
+
+    calls = []
+    monkeypatch.setattr(step_mod, "check_layout", lambda ids, layout: calls.append((ids.shape[0], layout)))
+    step = GlobalBatchStep(make_model(), make_loss("jsd"), layout="two_view")
+    v1, v2, ids = make_batch("self")
+    x, ids2 = torch.cat([v1, v2]), torch.cat([ids, ids])
+    step.lazy(x, ids2)
+    step.lazy(x, ids2)
+    step(x, ids2)
+    assert calls == [(2 * B, "two_view")]
+    step.lazy(torch.cat([v1[:4], v2[:4]]), torch.cat([ids[:4], ids[:4]]))  # another batch size: checked again
+    assert calls == [(2 * B, "two_view"), (8, "two_view")]
+
+
+def test_wrong_ids_for_the_layout_are_refused():
+    v1, v2, _ = make_batch("sup")
+    labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    x = torch.cat([v1, v2])
+    with pytest.raises(ValueError, match="two_view"):
+        GlobalBatchStep(make_model(), make_loss("supcon"), layout="two_view").lazy(x, torch.cat([labels, labels]))
+    with pytest.raises(ValueError, match="one positive per row"):
+        GlobalBatchStep(make_model(), make_loss("infonce"), layout="labels").lazy(x, torch.cat([labels, labels]))
+    with pytest.raises(ValueError, match="unknown layout 'dense'"):
+        GlobalBatchStep(make_model(), make_loss("jsd"), layout="dense")

@@ -6,8 +6,9 @@ import json
 import os
 
 import pytest
+import torch
 
-from pipeline.datasets import DatasetError, load_dataset, save_prepared
+from pipeline.datasets import PREPARED_FILES, DatasetError, load_dataset, save_prepared
 from pipeline.storage import (
     CACHE_ENV,
     STAGED,
@@ -19,6 +20,7 @@ from pipeline.storage import (
     staged_manifest,
     write_status,
 )
+from tests.test_datasets import mapped_file
 
 
 @pytest.fixture
@@ -36,10 +38,14 @@ def test_staging_is_content_addressed_linked_and_idempotent(tmp_path, prepared):
     assert where == os.path.join(storage, STAGED, data_digest(manifest))
     assert staged_manifest(where) == manifest
     # same file system: a hard link, not a second copy
-    assert os.stat(os.path.join(where, "train.pt")).st_ino == os.stat(data_dir / "train.pt").st_ino
+    for name in PREPARED_FILES:
+        assert os.stat(os.path.join(where, name)).st_ino == os.stat(data_dir / name).st_ino
     assert stage_prepared(data_dir, storage) == where  # once per data version
     ds = fetch_prepared(where, manifest)
     assert len(ds.train.y) == manifest["n_train"] and len(ds.test.y) == manifest["n_test"]
+    mapped = fetch_prepared(where, manifest, mmap=True)  # a worker beyond its data budget maps the staged files
+    assert torch.equal(mapped.train.x, ds.train.x) and torch.equal(mapped.test.y, ds.test.y)
+    assert mapped_file(mapped.train.x) == os.path.realpath(os.path.join(where, "train_x.npy"))
 
 
 def test_a_worker_that_cannot_see_the_storage_names_its_node_and_the_path(tmp_path, prepared):
@@ -54,7 +60,7 @@ def test_another_version_of_the_data_is_refused(tmp_path, prepared):
     data_dir, manifest = prepared
     where = stage_prepared(data_dir, str(tmp_path / "shared"))
     other = json.loads(json.dumps(manifest))
-    other["files"]["train.pt"]["sha256"] = "0" * 64
+    other["files"]["train_x.npy"]["sha256"] = "0" * 64
     with pytest.raises(DatasetError, match="another version of the prepared data"):
         fetch_prepared(where, other)
 
@@ -62,9 +68,9 @@ def test_another_version_of_the_data_is_refused(tmp_path, prepared):
 def test_a_torn_or_modified_copy_is_refused(tmp_path, prepared):
     data_dir, manifest = prepared
     where = stage_prepared(data_dir, str(tmp_path / "shared"), )
-    target = os.path.join(where, "test.pt")
+    target = os.path.join(where, "test_x.npy")
     os.unlink(target)  # break the link first: the project's copy stays intact
-    with open(data_dir / "test.pt", "rb") as f:
+    with open(data_dir / "test_x.npy", "rb") as f:
         blob = bytearray(f.read())
     blob[-10] ^= 0xFF
     with open(target, "wb") as f:
@@ -82,7 +88,10 @@ def test_remote_storage_uri_is_staged_and_downloaded_once(tmp_path, prepared, mo
     ds = fetch_prepared(where, manifest)
     assert len(ds.train.y) == manifest["n_train"]
     cached = tmp_path / "cache" / "transfusion-data" / data_digest(manifest)
-    assert sorted(p.name for p in cached.iterdir()) == ["manifest.json", "test.pt", "train.pt"]
+    assert sorted(p.name for p in cached.iterdir()) == sorted(["manifest.json", *PREPARED_FILES])
+    mapped = fetch_prepared(where, manifest, mmap=True)  # mapped from this node's copy
+    assert torch.equal(mapped.train.x, ds.train.x)
+    assert mapped_file(mapped.train.x) == os.path.realpath(cached / "train_x.npy")
 
 
 @pytest.mark.parametrize("uri", [False, True])

@@ -7,10 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from click.testing import CliRunner
 
-from pipeline.datasets import load_prepared
+from pipeline.datasets import PREPARED_FILES, load_prepared
 from stages.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +32,7 @@ def test_prepare_writes_tensors_and_manifest(project):
     assert manifest["params"]["data"]["seed"] == 0
     ds = load_prepared(out)
     assert ds.train.x.shape[1:] == (1, 8, 8) and len(ds.classes) == 10
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "test.pt", "train.pt"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(["manifest.json", *PREPARED_FILES])
     assert not [p for p in project.rglob("*.tmp*")]
 
 
@@ -76,3 +77,66 @@ def test_check_validates_without_running(project):
     bad = CliRunner().invoke(main, ["check", "-S", "loss.name=nope"])
     assert bad.exit_code == 2 and "loss.name" in bad.output and "jsd" in bad.output
     assert sorted(p.name for p in project.iterdir()) == ["params.yaml"]
+
+
+# The child: the modules either way of preparing uses, imported; the peak resident memory reset (Linux's clear_refs
+# "5") once they are; one way of preparing the image folder; the peak's growth over the memory at the reset.
+MEASURE = r"""
+import json, re, sys
+from pathlib import Path
+import PIL.Image, sklearn.model_selection, torchvision.datasets, torchvision.transforms.v2
+from pipeline.config import load_params
+from pipeline.datasets import load_dataset, save_prepared
+from stages.prepare import run
+
+def kib(field):
+    return int(re.search(field + r":\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
+
+how, params_file, root, out = sys.argv[1:]
+params = load_params(params_file, ["data.dataset=image_folder", f"data.root={root}", "data.image_size=256"])
+Path("/proc/self/clear_refs").write_text("5")
+start = kib("VmRSS")
+if how == "stage":
+    run(params, Path(out))
+else:  # the whole data set in memory, then written: what the cap must catch
+    save_prepared(load_dataset("image_folder", root=root, image_size=256), Path(out))
+print(json.dumps({"start": start * 1024, "growth": (kib("VmHWM") - start) * 1024}))
+"""
+
+
+def write_jpeg_folder(root: Path, n: int, size: int) -> None:
+    """``n`` RGB JPEGs of ``size`` x ``size`` (smooth gradients, small files) in 4 classes."""
+    from PIL import Image
+
+    yy, xx = np.mgrid[0:size, 0:size]
+    for i in range(n):
+        folder = root / f"class{i % 4}"
+        folder.mkdir(parents=True, exist_ok=True)
+        rgb = np.stack([(xx + 7 * i) % 256, (yy + 3 * i) % 256, ((xx + yy) // 2 + i) % 256], -1).astype(np.uint8)
+        Image.fromarray(rgb).save(folder / f"{i}.jpg", quality=90)
+
+
+def peak_growth(how: str, project: Path, root: Path, out: Path) -> int:
+    """Bytes the peak resident memory of a fresh process grows by while it prepares ``root`` ``how``."""
+    proc = subprocess.run([sys.executable, "-c", MEASURE, how, str(project / "params.yaml"), str(root), str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])["growth"]
+
+
+def test_an_image_folder_is_prepared_in_bounded_memory(project):
+    """500 images of 256 x 256 decode to 98 MB: the stage stays under half of that, loading them does not."""
+    n, size = 500, 256
+    write_jpeg_folder(project / "raw", n, size)
+    decoded = n * 3 * size * size
+    cap = decoded // 2
+    bounded = peak_growth("stage", project, project / "raw", project / "bounded")
+    in_memory = peak_growth("in_memory", project, project / "raw", project / "in_memory")
+    print(f"decoded {decoded / 2**20:.1f} MiB, cap {cap / 2**20:.1f} MiB: prepare stage's peak grew by "
+          f"{bounded / 2**20:.1f} MiB, loading the folder whole by {in_memory / 2**20:.1f} MiB")
+    assert in_memory > 0.9 * decoded  # the meter sees a data set held whole (a list then stacked: twice that)
+    assert bounded < cap
+    for name in PREPARED_FILES:  # the same files either way
+        assert (project / "bounded" / name).read_bytes() == (project / "in_memory" / name).read_bytes()
+    ds = load_prepared(project / "bounded", mmap=True)
+    assert ds.input_shape == (3, size, size) and len(ds.train) + len(ds.test) == n
