@@ -44,21 +44,22 @@ class StorageError(RuntimeError):
 
 def check_storage(storage: str) -> None:
     """Fail fast, before Ray starts, when a local ``ray.storage_path`` cannot be a directory: one paragraph naming the
-    key, the path and the reason, instead of an ``OSError`` traceback from the first write. (A URI's bucket is checked
-    by its first write.)"""
+    key, the path and the reason, instead of an ``OSError`` traceback from the first write. Creates nothing: the
+    nearest existing directory on the path must be writable, and nothing on the way a file. (A URI's bucket is
+    checked by its first write.)"""
     if is_uri(storage):
         return
-    try:
-        Path(storage).mkdir(parents=True, exist_ok=True)
-        if not os.access(storage, os.W_OK | os.X_OK):
-            raise PermissionError(13, "no permission to write there")
-    except OSError as exc:
-        blocker = next((p for p in [Path(storage), *Path(storage).parents] if p.exists() and not p.is_dir()), None)
-        why = (f"{blocker} is a file, not a directory" if blocker is not None
-               else (exc.strerror or str(exc)).lower())
-        raise StorageError(f"ray.storage_path: {storage} cannot hold the run storage ({why}); point ray.storage_path "
-                           "at a directory this machine can write and, on a cluster, every node sees (an NFS/EFS "
-                           "mount or s3://bucket/prefix)") from None
+    path = Path(storage).absolute()
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir():
+        why = f"{existing} is a file, not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"no permission to write in {existing}" if existing != path else "no permission to write there"
+    else:
+        return
+    raise StorageError(f"ray.storage_path: {storage} cannot hold the run storage ({why}); point ray.storage_path "
+                       "at a directory this machine can write and, on a cluster, every node sees (an NFS/EFS "
+                       "mount or s3://bucket/prefix)")
 
 
 def is_uri(path: str) -> bool:

@@ -564,7 +564,10 @@ def trial_rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
         paths = [h.get("checkpoint_path") for h in reported if isinstance(h.get("checkpoint_path"), str)]
         last_path = last_checkpoint_path(paths[-1] if paths else None, result)
         history = checkpoint_history(last_path)
-        workers = sorted(checkpoint_history(last_path, WORKERS_FILE) or [], key=lambda w: w["rank"])
+        # where each rank ran, from the newest checkpoint that has it: a trial stopped (ASHA) while its last
+        # checkpoint was still uploading has it in the one before
+        found = (checkpoint_history(path, WORKERS_FILE) for path in dict.fromkeys([last_path, *reversed(paths)]))
+        workers = sorted(next((w for w in found if w), []), key=lambda w: w["rank"])
         last_reported = int(reported[-1].get("epoch", 0) or 0) if reported else 0
         if history is None or (history and int(history[-1]["epoch"]) < last_reported):
             history = reported  # no checkpoint of the last reported epoch: Tune's table is the latest word

@@ -269,7 +269,19 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     spec = WorkerSpec(**config)
     ctx = ray.train.get_context()
     device = worker_device(spec.use_gpu, spec.params["ray"]["backend"])
-    run_worker(spec, TrainSession(), ctx.get_world_rank(), ctx.get_world_size(), device)
+    try:
+        run_worker(spec, TrainSession(), ctx.get_world_rank(), ctx.get_world_size(), device)
+    except ray.exceptions.ActorDiedError as exc:
+        if not run_torn_down(exc):
+            raise
+        # the run is being torn down (ASHA stopped its trial, Ctrl-C): its controller ends it; no traceback here
+
+
+def run_torn_down(exc: BaseException) -> bool:
+    """``exc`` says that the run's own synchronization actor died because the run's placement group was removed:
+    the controller tore the run down (a trial stopped by ASHA, an interrupted job), not a failure of this worker."""
+    text = str(exc)
+    return "SynchronizationActor" in text and "placement group was removed" in text
 
 
 # ---------------------------------------------------------------------------------------------- driver

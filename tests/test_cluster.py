@@ -96,3 +96,23 @@ def test_pending_nodes_are_read_from_the_autoscalers_own_report():
                                     pending_launches={}))
     assert pending_in_report({"time": 1000.0, "autoscaler_report": idle}, now=1001.0) == 0
     assert pending_in_report({"time": 1000.0}, now=1001.0) == 0  # a local Ray's monitor: no autoscaler
+
+
+def test_a_run_torn_down_is_told_apart_from_a_failing_worker():
+    """Ray's own error (seen when Ctrl-C removed a multi-worker trial's placement group) ends a worker quietly; any
+    other actor death stays an error."""
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError
+
+    from pipeline.train import run_torn_down
+
+    def died(class_name: str, why: str) -> ActorDiedError:
+        return ActorDiedError(ActorDiedErrorContext(class_name=class_name, actor_id=bytes(16), pid=23204,
+                                                    error_message=why))
+
+    removed = ("The actor is dead because its worker process has died. Worker exit type: INTENDED_SYSTEM_EXIT Worker "
+               "exit detail: Destroying worker since its placement group was removed.")
+    assert run_torn_down(died("SynchronizationActor", removed))
+    assert not run_torn_down(died("TrainController", removed))
+    assert not run_torn_down(died("SynchronizationActor", "The actor is dead because its worker process has died. "
+                                  "Worker exit type: SYSTEM_ERROR Worker exit detail: the node was killed (OOM)."))

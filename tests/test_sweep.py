@@ -217,3 +217,28 @@ def test_rows_carry_the_last_epochs_block_health():
     assert "block_2.positive" in b["history"][-1]  # the curves keep the health too
     for col in ("min_positive", "max_uniform_rows", "dead_blocks"):
         assert col in COLUMNS
+
+
+def test_where_ranks_ran_comes_from_the_newest_checkpoint_that_has_it(tmp_path):
+    """A multi-worker trial stopped by ASHA while its last checkpoint was still uploading: its workers.json is in
+    the checkpoint before."""
+    import json
+
+    import pandas as pd
+
+    from pipeline.sweep import trial_rows
+    from pipeline.train import WORKERS_FILE
+
+    ranks = [{"rank": 1, "gpu_ids": ["3"]}, {"rank": 0, "gpu_ids": ["2"]}]
+    done, torn = tmp_path / "checkpoint_000008", tmp_path / "checkpoint_000009"
+    done.mkdir()
+    torn.mkdir()  # the upload never finished: nothing in it
+    (done / WORKERS_FILE).write_text(json.dumps(ranks))
+
+    class Result:
+        metrics_dataframe = pd.DataFrame([{"epoch": 9, "loss": 1.0, "checkpoint_path": str(done)},
+                                          {"epoch": 10, "loss": 0.9, "checkpoint_path": str(torn)}])
+        path, config, error, checkpoint = str(tmp_path / "trial-x"), {}, None, None
+
+    (row,) = trial_rows([Result()], epochs=20, labels=lambda config: {})
+    assert (row["workers"], row["gpu_ids"], row["epochs"], row["stopped_early"]) == (2, "2 3", 10, True)
