@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from pipeline.augment import PRESETS, BatchAugment
+from pipeline.data.augment import PRESETS, BatchAugment
 
 
 def torchvision_per_sample(preset: str, strength: float, size: int) -> Callable[[torch.Tensor], torch.Tensor]:

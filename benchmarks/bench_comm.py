@@ -3,7 +3,7 @@
 Two workers (``torch.multiprocessing``, gloo on the CPU by default) train ``resnet18_cifar`` (global BatchNorm, a
 1-block TransFusion head, the jsd loss, self-supervised) on a global batch split between them, with the step the
 pipeline uses on a GPU (``GlobalBatchStep.lazy``: no host sync, the loss checked once per epoch). Rank 0 counts
-one step with ``pipeline.measure.OpCounter`` (every c10d collective and the bytes it sends, every op that would
+one step with ``pipeline.training.measure.OpCounter`` (every c10d collective and the bytes it sends, every op that would
 sync a CUDA host) and reads how many gradient buckets started during the backward. Then both ranks time
 ``--steps`` steps, overlapped (gradient buckets all-reduced as the backward produces them) and coalesced (one
 all-reduce after the backward: the baseline, same run); one process times the same global batch alone, with as
@@ -38,12 +38,12 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline import measure  # noqa: E402
-from pipeline.batchnorm import convert_batchnorm  # noqa: E402
-from pipeline.config import ModelConfig  # noqa: E402
-from pipeline.losses import make_loss  # noqa: E402
-from pipeline.model import build_model  # noqa: E402
-from pipeline.step import GlobalBatchStep  # noqa: E402
+from pipeline.config.model import ModelConfig  # noqa: E402
+from pipeline.core.batchnorm import convert_batchnorm  # noqa: E402
+from pipeline.core.losses import make_loss  # noqa: E402
+from pipeline.core.model import build_model  # noqa: E402
+from pipeline.training import measure  # noqa: E402
+from pipeline.training.step import GlobalBatchStep  # noqa: E402
 
 BACKBONE, IMAGE = "resnet18_cifar", 32
 

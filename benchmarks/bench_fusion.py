@@ -4,7 +4,7 @@ For each dataset (digits: ``cnn_small``; the paper's union of subspaces: ``mlp``
 params overrides, below), each depth and each seed, the stage's own loop (no Ray) pretrains on the default
 recipe (``params.yaml``) for ``--epochs`` epochs; then, on frozen embeddings of the test split (batches of the
 trained size, as the evaluate stage does), kNN-200, SVM and the 3-layer FFN at 100 % labels on the fused output
-(last block) and on the backbone, and the per-block health (``pipeline.health``) of a stratified test batch.
+(last block) and on the backbone, and the per-block health (``pipeline.evaluation.health``) of a stratified test batch.
 
 Prints one Markdown table per dataset: mean ± sd over seeds, the weakest block's positive-pair fraction, the
 largest uniform-row fraction, the last block's same-class attention share (chance in the header), and the
@@ -49,8 +49,8 @@ PROBES = ("knn200", "svm", "ffn")
 
 
 def _data(name: str):
-    from pipeline.config import load_params
-    from pipeline.datasets import SyntheticSpec, load_dataset
+    from pipeline.config.params import load_params
+    from pipeline.data.sources import SyntheticSpec, load_dataset
 
     d = load_params(ROOT / "params.yaml", DATASETS[name]).data
     return load_dataset(d.dataset, root=ROOT / d.root, test_fraction=d.test_fraction, seed=d.seed,
@@ -61,10 +61,10 @@ def run_one(job: dict) -> dict:
     """Pretrain one configuration and measure it; returns the row written to the JSON lines file."""
     import torch
 
-    from pipeline.config import load_params
-    from pipeline.evaluation import layer_embeddings, test_health
-    from pipeline.loop import PretrainLoop
-    from pipeline.probes import run_probes
+    from pipeline.config.params import load_params
+    from pipeline.evaluation.evaluate import layer_embeddings, test_health
+    from pipeline.evaluation.probes import run_probes
+    from pipeline.training.loop import PretrainLoop
 
     torch.set_num_threads(1)
     overrides = [*REMEDIES["paper"][1], *DATASETS[job["dataset"]], *REMEDIES[job["remedy"]][1],
@@ -104,7 +104,7 @@ def fmt(values: list[float]) -> str:
 
 
 def table(rows: list[dict], dataset: str, remedies: list[str], depths: list[int]) -> list[str]:
-    from pipeline.health import DEAD_POSITIVE
+    from pipeline.evaluation.health import DEAD_POSITIVE
 
     chance = [h["same_class_chance"] for r in rows if r["dataset"] == dataset for h in r["health"].values()]
     lines = [f"**{dataset}** ({len({r['seed'] for r in rows if r['dataset'] == dataset})} seeds, "

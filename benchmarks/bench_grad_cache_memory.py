@@ -14,10 +14,10 @@ import sys
 
 CHILD = r"""
 import resource, sys, torch
-from pipeline.backbones import build_backbone
-from pipeline.losses import make_loss
-from pipeline.model import TransFusion, TransFusionHead
-from pipeline.step import GlobalBatchStep
+from pipeline.core.backbones import build_backbone
+from pipeline.core.losses import make_loss
+from pipeline.core.model import TransFusion, TransFusionHead
+from pipeline.training.step import GlobalBatchStep
 batch, chunk, step = int(sys.argv[1]), int(sys.argv[2]) or None, sys.argv[3] == "1"
 torch.manual_seed(0)
 bb, dim = build_backbone("cnn_small", (3, 32, 32), embed_dim=128)

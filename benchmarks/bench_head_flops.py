@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pipeline.model import TransFusionHead
+from pipeline.core.model import TransFusionHead
 
 
 def timed(fn, repeats: int) -> float:

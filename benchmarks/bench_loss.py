@@ -31,8 +31,9 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from pipeline import measure  # noqa: E402
-from pipeline.losses import LOSS_NAMES, make_loss, self_supervised_ids  # noqa: E402
+from pipeline.core.losses import LOSS_NAMES, make_loss
+from pipeline.core.targets import self_supervised_ids  # noqa: E402
+from pipeline.training import measure  # noqa: E402
 
 TEMPERATURE = 0.1
 REFERENCE_MAX_N = 8192  # --reference only up to here: 14 n x n fp32 buffers are 3.5 GiB at 8192
@@ -55,7 +56,7 @@ def loss_fns(reference: bool) -> dict[str, Callable[[torch.Tensor, torch.Tensor]
         fns[name] = lambda z, ids, fn=fn: fn(z, z, ids)
     if reference:  # the implementation before fusion, kept as the tests' reference
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tests.test_losses import reference_jsd, reference_jsd_appendix_e
+        from tests.core.test_losses import reference_jsd, reference_jsd_appendix_e
 
         fns["jsd (pre-fusion)"] = lambda z, ids: reference_jsd(z, z, ids)
         fns["jsd_appendix_e (pre-fusion)"] = lambda z, ids: reference_jsd_appendix_e(z, z, ids)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import load_params
-from pipeline.datasets import load_dataset
-from pipeline.evaluation import evaluate
-from pipeline.loop import PretrainLoop
+from pipeline.config.params import load_params
+from pipeline.data.sources import load_dataset
+from pipeline.evaluation.evaluate import evaluate
+from pipeline.training.loop import PretrainLoop
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBES = ["ffn", "svm", "knn50", "knn200"]

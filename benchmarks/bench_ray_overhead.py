@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import load_params
-from pipeline.datasets import load_dataset, load_prepared, save_prepared
-from pipeline.loop import PretrainLoop
-from pipeline.train import cleanup_run, pretrain
+from pipeline.config.params import load_params
+from pipeline.data.sources import load_dataset, load_prepared, save_prepared
+from pipeline.runs.train import cleanup_run, pretrain
+from pipeline.training.loop import PretrainLoop
 
 ROOT = Path(__file__).resolve().parents[1]
 

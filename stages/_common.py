@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from pipeline.config import Params, ParamsError, load_params
+from pipeline.config.base import ParamsError
 from pipeline.io import OutputError
 
 STARTED_ENV = "TRANSFUSION_STAGE_STARTED"  # a stage's start (time.time()) when it does not start its own process
@@ -23,22 +23,30 @@ class ParamsUsageError(click.ClickException):
     exit_code = 2
 
 
-def params_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Add ``--params PATH`` and repeatable ``-S key=value``; pass the validated :class:`Params`."""
+def params_options(load: Callable[[str, Sequence[str]], Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add ``--params PATH`` and repeatable ``-S key=value``; pass what ``load(path, overrides)`` validated.
 
-    @click.option("--params", "params_path", default="params.yaml", show_default=True,
-                  type=click.Path(dir_okay=False), help="Params file.")
-    @click.option("-S", "--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                  help="Override a param, like `dvc exp run -S` (repeatable), e.g. -S model.depth=3.")
-    @functools.wraps(fn)
-    def wrapper(params_path: str, overrides: tuple[str, ...], **kwargs: Any) -> Any:
-        try:
-            params = load_params(params_path, overrides)
-        except ParamsError as exc:
-            raise ParamsUsageError(str(exc)) from None
-        return fn(params, **kwargs)
+    A stage names its loader, and so its import closure holds only the config it reads: most stages pass
+    :func:`pipeline.config.params.load_params` (all of ``params.yaml``); ``prepare`` reads the ``data`` section
+    alone (:func:`pipeline.config.base.load_section`), so no other section's names are among its DVC deps.
+    """
 
-    return wrapper
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @click.option("--params", "params_path", default="params.yaml", show_default=True,
+                      type=click.Path(dir_okay=False), help="Params file.")
+        @click.option("-S", "--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                      help="Override a param, like `dvc exp run -S` (repeatable), e.g. -S model.depth=3.")
+        @functools.wraps(fn)
+        def wrapper(params_path: str, overrides: tuple[str, ...], **kwargs: Any) -> Any:
+            try:
+                params = load(params_path, overrides)
+            except ParamsError as exc:
+                raise ParamsUsageError(str(exc)) from None
+            return fn(params, **kwargs)
+
+        return wrapper
+
+    return deco
 
 
 def runtime_errors(*kinds: type[Exception]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -58,12 +66,11 @@ def runtime_errors(*kinds: type[Exception]) -> Callable[[Callable[..., Any]], Ca
     return deco
 
 
-def check_weights(params: Params) -> None:
+def check_weights(weights: str | None) -> None:
     """Fail fast, before data loading and Ray, if ``model.weights`` is not a loadable resnet18 state_dict.
 
     The file is loaded weights-only (pickled code never runs). Raises :class:`click.ClickException` (exit 1).
     """
-    weights = params.model.weights
     if weights is None:
         return
     from pathlib import Path
@@ -118,5 +125,5 @@ def around(started: float, run_started: float, run_seconds: float, now: float) -
     return before, max(now - started - before - run_seconds, 0.0)
 
 
-__all__ = ["STARTED_ENV", "Params", "ParamsUsageError", "around", "check_weights", "params_options", "process_started",
+__all__ = ["STARTED_ENV", "ParamsUsageError", "around", "check_weights", "params_options", "process_started",
            "runtime_errors", "time_line"]

@@ -16,18 +16,19 @@ from typing import Any
 
 import click
 
-from pipeline.config import Params, flatten
-from pipeline.datasets import DatasetError
-from pipeline.evaluation import Evaluation, evaluate, load_data, load_pretrained
+from pipeline.config.base import flatten
+from pipeline.config.params import Params, load_params
+from pipeline.data.sources import DatasetError
+from pipeline.evaluation.evaluate import Evaluation, evaluate, load_data, load_pretrained
 from pipeline.io import TensorFileError, atomic_dir, json_safe, write_csv, write_json
-from pipeline.tracking import TrackingError
+from pipeline.runs.tracking import TrackingError
 from stages._common import params_options, process_started, runtime_errors, time_line
 
 PLOTS = Path("plots/evaluate")
 
 
 def write_figures(ev: Evaluation, out: Path, curves_csv: Path) -> None:
-    from pipeline import figures
+    from pipeline.evaluation import figures
 
     write_csv(out / "probes.csv", ev.probe_rows)
     layers = [r["layer"] for r in ev.sharpness_rows]
@@ -50,7 +51,7 @@ def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, fil
                   data_dir: Path = Path("data/prepared")) -> str:
     """The stage's run (a child of the pretraining run, named by its probes and label fractions): probe params, the
     metrics' flat numbers, the figures, the prepared data as its dataset input (context ``evaluation``)."""
-    from pipeline import tracking as trk
+    from pipeline.runs import tracking as trk
 
     metrics = {}
     for rep, by_probe in ev.metrics["probes"].items():
@@ -105,7 +106,7 @@ def load_model(model_dir: Path) -> tuple[Any, dict[str, Any]]:
 
 
 @click.command("evaluate")
-@params_options
+@params_options(load_params)
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
               show_default=True)
 @click.option("--model", "model_dir", type=click.Path(file_okay=False, path_type=Path),
@@ -116,7 +117,7 @@ def evaluate_cmd(params: Params, data_dir: Path, model_dir: Path, no_tracking: b
     """Probe the frozen embeddings of every layer, cluster the learned affinity, draw the figures."""
     started = process_started()
     if not no_tracking:  # fail fast, before the probes, if the store is unreachable
-        from pipeline.tracking import check_reachable, project_root, tracking_uri
+        from pipeline.runs.tracking import check_reachable, project_root, tracking_uri
 
         check_reachable(tracking_uri(project_root()))
     model, config = load_model(model_dir)

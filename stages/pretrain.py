@@ -13,14 +13,15 @@ from pathlib import Path
 
 import click
 
-from pipeline.cluster import ClusterError
-from pipeline.config import Params, ParamsError
-from pipeline.datasets import DatasetError
-from pipeline.health import unflat, warnings_for
+from pipeline.config.base import ParamsError
+from pipeline.config.params import Params, load_params
+from pipeline.data.sources import DatasetError
+from pipeline.evaluation.health import unflat, warnings_for
 from pipeline.io import atomic_dir, save_torch, write_csv, write_json
-from pipeline.storage import StorageError
-from pipeline.tracking import TrackingError, log_pytorch_model, project_root, set_tags, tracking_uri
-from pipeline.train import PretrainError, PretrainResult, cleanup_run, pretrain
+from pipeline.runs.cluster import ClusterError
+from pipeline.runs.storage import StorageError
+from pipeline.runs.tracking import TrackingError, log_pytorch_model, project_root, set_tags, tracking_uri
+from pipeline.runs.train import PretrainError, PretrainResult, cleanup_run, pretrain
 from stages._common import (
     ParamsUsageError,
     around,
@@ -50,7 +51,7 @@ def write_outputs(params: Params, res: PretrainResult, models: Path, metrics: Pa
         "view_noise": sum(h["view_noise"] for h in history) / len(history),
         "samples_per_s": sorted(h["samples_per_s"] for h in history)[len(history) // 2],  # median epoch
         "train_seconds": sum(h["seconds"] for h in history),
-        "health": unflat(last),  # the last epoch's, on a training batch of two views (pipeline.health)
+        "health": unflat(last),  # the last epoch's, on a training batch of two views (pipeline.evaluation.health)
         "mlflow_run_id": res.mlflow_run_id,
     }
     write_json(metrics, summary)
@@ -77,7 +78,7 @@ def time_parts(started: float, res: PretrainResult, now: float) -> list[tuple[st
 
 def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
     """The pretraining run gets the stage's files and the model (MLflow's pytorch flavour), and ends FINISHED."""
-    from pipeline.model import build_model
+    from pipeline.core.model import build_model
 
     model = build_model(params.model, res.input_shape)
     model.load_state_dict(res.state["model"])
@@ -85,7 +86,7 @@ def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
 
 
 @click.command("pretrain")
-@params_options
+@params_options(load_params)
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
               show_default=True, help="Prepared data (output of `prepare`).")
 @click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
@@ -93,7 +94,7 @@ def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
 def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Pretrain TransFusion on the prepared data with Ray Train (resumes an interrupted run)."""
     started = process_started()
-    check_weights(params)
+    check_weights(params.model.weights)
     root = project_root()
     try:
         res = pretrain(params, data_dir, root, tracking=not no_tracking)

@@ -1,5 +1,5 @@
 """``rehearse`` command: a shipped params file's jobs, end to end on this machine, shrunk only in size
-(``pipeline.rehearse``), before a cluster is rented for them.
+(``pipeline.runs.rehearse``), before a cluster is rented for them.
 
 Writes the shrunk params and every job's outputs under ``--dir`` (default ``.rehearsal/<file name>/``, git-ignored),
 with an MLflow store of its own there; the project's outputs and runs are not touched. Each job runs as its command
@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 import yaml
 
-from pipeline.tracking import project_root
+from pipeline.runs.tracking import project_root
 from stages._common import STARTED_ENV, ParamsUsageError
 
 DEFAULT_DIR = ".rehearsal"
@@ -29,7 +29,7 @@ DEFAULT_DIR = ".rehearsal"
 @click.option("--params", "params_path", default="params.yaml", show_default=True, type=click.Path(dir_okay=False),
               help="The params file to rehearse (params.yaml, presets/*.yaml).")
 @click.option("-S", "--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Another size (repeatable); control keys are refused (pipeline/rehearse.py: SIZE_KEYS).")
+              help="Another size (repeatable); control keys are refused (pipeline/runs/rehearse.py: SIZE_KEYS).")
 @click.option("--gpus", type=click.IntRange(min=0), default=0, show_default=True,
               help="GPUs the local Ray declares (its workers train on gloo/CPU); 0 rehearses on CPUs.")
 @click.option("--dir", "work_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -39,9 +39,9 @@ def rehearse_cmd(params_path: str, overrides: tuple[str, ...], gpus: int, work_d
                  jobs: str | None) -> None:
     """Rehearse a params file's jobs end to end on this machine, shrunk only in size (data, backbone, epochs, grid
     lengths, CPUs, storage, declared GPUs), every control key as shipped."""
-    from pipeline.config import ParamsError
-    from pipeline.rehearse import plan
-    from pipeline.resources import usable_cpus
+    from pipeline.config.base import ParamsError
+    from pipeline.host import usable_cpus
+    from pipeline.runs.rehearse import plan
 
     started = time.time()
     if gpus and os.environ.get("RAY_ADDRESS"):
@@ -68,7 +68,7 @@ def rehearse_cmd(params_path: str, overrides: tuple[str, ...], gpus: int, work_d
     os.chdir(work)
     try:
         if gpus:
-            from pipeline.cluster import start_local_ray
+            from pipeline.runs.cluster import start_local_ray
 
             start_local_ray(num_gpus=gpus)
         for job in chosen:

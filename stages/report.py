@@ -10,9 +10,9 @@ from pathlib import Path
 
 import click
 
-from pipeline.config import Params
+from pipeline.config.params import Params, load_params
+from pipeline.evaluation.report import render
 from pipeline.io import write_text
-from pipeline.report import render
 from stages._common import params_options, runtime_errors
 
 OUT = Path("reports/REPORT.md")
@@ -25,7 +25,7 @@ FIGURES = {
 
 
 @click.command("report")
-@params_options
+@params_options(load_params)
 @runtime_errors(FileNotFoundError)
 def report_cmd(params: Params) -> None:
     """Write reports/REPORT.md: our tables beside the paper's, the figures, the params."""

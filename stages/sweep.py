@@ -17,12 +17,13 @@ from typing import Any
 
 import click
 
-from pipeline.cluster import ClusterError
-from pipeline.config import Params, ParamsError
-from pipeline.datasets import DatasetError
+from pipeline.config.base import ParamsError
+from pipeline.config.params import Params, load_params
+from pipeline.data.sources import DatasetError
 from pipeline.io import atomic_dir, write_csv, write_json
-from pipeline.storage import StorageError
-from pipeline.tracking import TrackingError, project_root
+from pipeline.runs.cluster import ClusterError
+from pipeline.runs.storage import StorageError
+from pipeline.runs.tracking import TrackingError, project_root
 from stages._common import (
     ParamsUsageError,
     around,
@@ -48,8 +49,7 @@ def best_trial(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plots: Path,
                   dataset: str = "") -> dict[str, Any] | None:
     """results.csv, best.json (the best finished trial; {} if none) and plots/sweep/; returns the best row."""
-    from pipeline import figures
-
+    from pipeline import plots as P
     for r in rows:
         r.setdefault("train.lr", params.train.lr)
         r.setdefault("train.seed", params.train.seed)
@@ -59,7 +59,7 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
         early = {(r["train.batch_size"], r["augment.strength"], r["model.depth"]) for r in rows if r["stopped_early"]}
         dead = {(r["train.batch_size"], r["augment.strength"], r["model.depth"]) for r in rows if r.get("dead_blocks")}
         title = f"final online kNN accuracy after {params.sweep.epochs} epochs" + (f" ({dataset})" if dataset else "")
-        figures.phase_diagram(
+        P.phase_diagram(
             rows, x="train.batch_size", y="augment.strength", value="knn_acc", panel="model.depth",
             png=out / "phase.png", csv=out / "phase.csv", title=title,
             region=(lambda x, y, p: (x, y, p) in early) if early else None, region_label="stopped early by ASHA",
@@ -73,15 +73,15 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
 
 
 @click.command("sweep")
-@params_options
+@params_options(load_params)
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
               show_default=True)
 @click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
 @runtime_errors(DatasetError, TrackingError, ClusterError, ValueError, StorageError)
 def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Sweep depth, batch size and augmentation strength with Ray Tune (each trial a Ray Train run)."""
-    from pipeline.datasets import load_prepared
-    from pipeline.sweep import SPACE_KEYS, SweepError, check_points, cleanup, finish_tracking, run_sweep
+    from pipeline.data.sources import load_prepared
+    from pipeline.runs.sweep import SPACE_KEYS, SweepError, check_points, cleanup, finish_tracking, run_sweep
 
     started = process_started()
     try:  # every point of the grid is valid params (e.g. batch vs workers) before any work
@@ -89,7 +89,7 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     except ParamsError as exc:
         axes = ", ".join(f"sweep.{k} (sets {v})" for k, v in SPACE_KEYS.items())
         raise ParamsUsageError(f"{exc}\n  the point comes from {axes}: change those lists or the base params") from None
-    check_weights(params)
+    check_weights(params.model.weights)
     root = project_root()
     load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here (mapped: never read whole)
     try:
@@ -115,7 +115,7 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
 
 def time_parts(started: float, result: Any, now: float) -> list[tuple[str, float]]:
     """Where the stage's time went: before Ray Tune's run (imports, Ray's start, the checks, the MLflow parent run),
-    the trials (``result``: a ``pipeline.sweep.SweepResult``), after them (outputs, figures, MLflow)."""
+    the trials (``result``: a ``pipeline.runs.sweep.SweepResult``), after them (outputs, figures, MLflow)."""
     before, after = around(started, result.started, result.seconds, now)
     return [("start (imports, Ray, checks, MLflow run)", before), ("trials", result.seconds),
             ("outputs, figures and MLflow", after)]

@@ -1,4 +1,4 @@
-"""``tables`` command: the paper's Tables 1-2 as one Ray Tune job (``pipeline.tables``).
+"""``tables`` command: the paper's Tables 1-2 as one Ray Tune job (``pipeline.runs.tables``).
 
 Reads params: ``tables.rows`` (each row's overrides on ``model``/``loss``/``augment``/``train``), ``ray``, ``probe``;
 input ``data/prepared/``. Writes (atomically, once every row has ended): ``reports/TABLES.md`` (both tables in the
@@ -14,12 +14,13 @@ from pathlib import Path
 
 import click
 
-from pipeline.cluster import ClusterError
-from pipeline.config import Params, ParamsError
-from pipeline.datasets import DatasetError
+from pipeline.config.base import ParamsError
+from pipeline.config.params import Params, load_params
+from pipeline.data.sources import DatasetError
 from pipeline.io import write_csv, write_json, write_text
-from pipeline.storage import StorageError
-from pipeline.tracking import TrackingError, project_root
+from pipeline.runs.cluster import ClusterError
+from pipeline.runs.storage import StorageError
+from pipeline.runs.tracking import TrackingError, project_root
 from stages._common import ParamsUsageError, check_weights, params_options, runtime_errors
 
 REPORT = Path("reports/TABLES.md")
@@ -27,22 +28,22 @@ OUT = Path("tables")
 
 
 @click.command("tables")
-@params_options
+@params_options(load_params)
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
               show_default=True)
 @click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
 @runtime_errors(DatasetError, TrackingError, ClusterError, StorageError)
 def tables_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Run the paper's Tables 1-2 (tables.rows) as one Ray Tune job and write reports/TABLES.md."""
-    from pipeline.datasets import load_prepared
-    from pipeline.sweep import SweepError, cleanup, finish_tracking
-    from pipeline.tables import COLUMNS, csv_records, render, resolve_rows, run_tables
+    from pipeline.data.sources import load_prepared
+    from pipeline.runs.sweep import SweepError, cleanup, finish_tracking
+    from pipeline.runs.tables import COLUMNS, csv_records, render, resolve_rows, run_tables
 
     try:  # every row resolves to valid params of its table before any work
         resolve_rows(params)
     except ParamsError as exc:
         raise ParamsUsageError(str(exc)) from None
-    check_weights(params)
+    check_weights(params.model.weights)
     root = project_root()
     load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here (mapped: never read whole)
     try:

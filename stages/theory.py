@@ -4,7 +4,7 @@ Reads params: ``theory`` only. Writes (atomically): ``plots/theory/``, figures a
 them) -- ``theory.png`` (formula panels | measured panels), ``measured_nmi.{png,csv}``, ``measured_gain.{png,csv}``,
 ``formula.csv``, ``empirical.csv``, ``table.csv`` --; ``reports/theory.md`` (setup, verdict, tables) and
 ``metrics/theory.json``. No input data: everything is generated from
-the seeds in the params (see :mod:`pipeline.theory_experiments` and :mod:`pipeline.theory_report`).
+the seeds in the params (see :mod:`pipeline.theory.experiments` and :mod:`pipeline.theory.report`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from pipeline.config import TheoryConfig
+from pipeline.config.theory import TheoryConfig
 from pipeline.io import atomic_dir, write_json
-from pipeline.theory_experiments import EmpiricalGrid, TheoryGrid
-from pipeline.theory_report import run_all
+from pipeline.theory.experiments import EmpiricalGrid, TheoryGrid
+from pipeline.theory.report import run_all
+from pipeline.config.params import load_params
 from stages._common import ParamsUsageError, params_options, runtime_errors
 
 PLOTS = Path("plots/theory")
@@ -55,7 +56,7 @@ def run(params: Any, plots: Path = PLOTS, metrics: Path = METRICS, progress: Any
     cfg = getattr(params, "theory", None)
     if cfg is None:
         raise ValueError("params has no `theory` section: add the theory block to params.yaml (and TheoryConfig "
-                         "to pipeline/config.py)")
+                         "to pipeline/config/params.py)")
     tg, eg = grids(cfg)
     with atomic_dir(plots) as out:
         result = run_all(tg, eg, out, progress, report=report)
@@ -64,7 +65,7 @@ def run(params: Any, plots: Path = PLOTS, metrics: Path = METRICS, progress: Any
 
 
 @click.command("theory")
-@params_options
+@params_options(load_params)
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path), default=PLOTS,
               show_default=True, help="Output directory for figures and tables.")
 @click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False, path_type=Path), default=METRICS,

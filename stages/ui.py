@@ -1,11 +1,11 @@
 """``transfusion ui``: the MLflow UI over the project's tracking store, in the foreground until Ctrl-C.
 
-The store is resolved like every stage resolves it (:func:`pipeline.tracking.tracking_uri`): the project's
+The store is resolved like every stage resolves it (:func:`pipeline.runs.tracking.tracking_uri`): the project's
 ``mlflow.db`` with artifacts in ``mlartifacts/``, or ``MLFLOW_TRACKING_URI``. A remote ``http(s)://``
 tracking URI already has a UI: its URL is printed and nothing is started. Otherwise ``mlflow server`` runs
 in its own process group (so a terminal's Ctrl-C reaches only this command), and that whole group is
 stopped on Ctrl-C, SIGTERM or SIGHUP. The experiment's saved view of the runs table
-(:func:`pipeline.tracking.save_view`: dataset, metrics and main params as columns) is written first; its URL is
+(:func:`pipeline.runs.tracking.save_view`: dataset, metrics and main params as columns) is written first; its URL is
 printed after the runs table's.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.tracking import (
+from pipeline.runs.tracking import (
     EXPERIMENT,
     TrackingError,
     check_reachable,

@@ -26,7 +26,7 @@ def ray_session():
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     if not ray.is_initialized():  # as a stage starts its local Ray (its own GCS port, that address in its processes)
-        from pipeline.cluster import start_local_ray
+        from pipeline.runs.cluster import start_local_ray
 
         start_local_ray(num_cpus=2, object_store_memory=200 * 1024**2)
     yield ray
@@ -46,9 +46,9 @@ def project(tmp_path, monkeypatch):
 
 @pytest.fixture
 def ray_starts(monkeypatch) -> list[str]:
-    """Every call of the stages' one way into Ray (``pipeline.cluster.init_ray``) is recorded and refused: bad input
+    """Every call of the stages' one way into Ray (``pipeline.runs.cluster.init_ray``) is recorded and refused: bad input
     must fail before it. (Checking ``ray.is_initialized()`` is not enough: another test's session Ray may be up.)"""
-    import pipeline.cluster
+    import pipeline.runs.cluster
 
     calls: list[str] = []
 
@@ -56,5 +56,5 @@ def ray_starts(monkeypatch) -> list[str]:
         calls.append("ray")
         raise AssertionError("bad input reached Ray start-up")
 
-    monkeypatch.setattr(pipeline.cluster, "init_ray", refuse)
+    monkeypatch.setattr(pipeline.runs.cluster, "init_ray", refuse)
     return calls

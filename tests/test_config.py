@@ -7,15 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import (
-    Params,
-    ParamsError,
-    apply_overrides,
-    flatten,
-    load_params,
-    parse_override,
-    validate_params,
-)
+from pipeline.config.base import ParamsError, apply_overrides, flatten, parse_override
+from pipeline.config.params import Params, load_params, validate_params
 
 ROOT = Path(__file__).resolve().parents[1]
 

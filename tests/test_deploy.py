@@ -31,16 +31,16 @@ def test_kuberay_cluster_mounts_one_shared_volume_everywhere():
 
 
 # ---------------------------------------------------------------------------------- recipes x the sweep preset
-# A preset trial asks for its function's {CPU: 0.25} (pipeline.sweep.TRIAL_CPU) and ray.num_workers = 4 workers of
+# A preset trial asks for its function's {CPU: 0.25} (pipeline.runs.sweep.TRIAL_CPU) and ray.num_workers = 4 workers of
 # {CPU: sweep.cpus_per_worker = 3, GPU: 1}. Both recipes give the head 2 Ray CPUs (8 trial functions) and GPU nodes
 # of {CPU: 3, GPU: 1} (one worker each, no CPU left over for a trial function), 16 of them at most: 16 GPUs / 4 per
 # trial = 4 trials at once, their functions on the head (1 of its 2 CPUs), every GPU node busy. At start the
 # launcher has no GPU worker (min_workers 0): 0 trials until the autoscaler adds nodes; KubeRay starts 4 pods
 # (replicas): 1 trial.
 def _preset_shapes():
-    from pipeline.config import load_params
-    from pipeline.resources import TrialShape
-    from pipeline.sweep import TRIAL_CPU
+    from pipeline.config.params import load_params
+    from pipeline.runs.resources import TrialShape
+    from pipeline.runs.sweep import TRIAL_CPU
 
     p = load_params(ROOT / "presets/cluster-sweep.yaml")
     sweep = TrialShape(p.ray.num_workers, p.sweep.cpus_per_worker, p.ray.use_gpu, TRIAL_CPU)
@@ -49,7 +49,7 @@ def _preset_shapes():
 
 
 def _recipe(name):
-    from pipeline.resources import cluster_from_kuberay_yaml, cluster_from_launcher_yaml
+    from pipeline.runs.resources import cluster_from_kuberay_yaml, cluster_from_launcher_yaml
 
     if name == "aws":
         return cluster_from_launcher_yaml(ROOT / "deploy/ray-cluster-aws.yaml")
@@ -58,7 +58,7 @@ def _recipe(name):
 
 @pytest.mark.parametrize("recipe, gpu_type, at_start", [("aws", "gpu_worker", 0), ("kuberay", "gpu", 1)])
 def test_recipe_runs_the_preset_several_trials_at_once_on_every_node_type(recipe, gpu_type, at_start):
-    from pipeline.resources import infeasible, packing, trials_at_once
+    from pipeline.runs.resources import infeasible, packing, trials_at_once
 
     nodes = _recipe(recipe)
     sweep, pretrain = _preset_shapes()
@@ -79,7 +79,7 @@ def test_recipe_runs_the_preset_several_trials_at_once_on_every_node_type(recipe
 def test_recipes_leave_ray_a_cpu_on_gpu_nodes():
     """Ray's CPUs on a GPU node are fewer than the node's vCPUs (one left to Ray's own processes), and the head
     keeps vCPUs beyond its Ray CPUs for the DVC driver and the MLflow server."""
-    from pipeline.resources import AWS_INSTANCES
+    from pipeline.runs.resources import AWS_INSTANCES
 
     cfg = yaml.safe_load((ROOT / "deploy/ray-cluster-aws.yaml").read_text())
     for name, spec in cfg["available_node_types"].items():
@@ -158,8 +158,8 @@ def test_the_installed_versions_are_the_pinned_ones():
 def test_cluster_presets_wait_for_a_cold_start():
     """The first job on a fresh cluster waits for GPU nodes that are still booting: each preset that asks for GPUs
     waits at least a cold start (budget below) for its workers, and the wait goes on while the autoscaler adds nodes
-    (pipeline.cluster.wait_for_workers, tests/stages/test_cluster_errors.py)."""
-    from pipeline.config import load_params
+    (pipeline.runs.cluster.wait_for_workers, tests/stages/test_cluster_errors.py)."""
+    from pipeline.config.params import load_params
 
     cold_start_s = sum({  # a g5.xlarge from nothing, as the AWS recipe sets it up
         "instance boot and ssh": 180, "EFS mount": 30, "pip install (torch with CUDA, Ray)": 600, "ray start": 30,

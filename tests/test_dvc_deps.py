@@ -43,7 +43,7 @@ def imported_files(path: Path, root: Path = ROOT) -> set[Path]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            # `from pipeline import figures` imports pipeline/figures.py; `from pipeline.io import x` pipeline/io.py
+            # `from pipeline.evaluation import figures` imports pipeline/evaluation/figures.py; `from pipeline.io import x` pipeline/io.py
             names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
         elif isinstance(node, ast.ImportFrom) and node.level:
             raise AssertionError(f"{path.relative_to(root)}:{node.lineno}: relative import; use the absolute form")
@@ -191,8 +191,9 @@ def in_params_yaml(key: str) -> bool:
 def sweep_reads() -> list[str]:
     """What the sweep's trials read, from ``base_params`` and ``axes`` run on params.yaml, in dvc.yaml's form:
     the section name where every key of it (in params.yaml) is read, else the keys, in params.yaml's order."""
-    from pipeline.config import flatten, load_params
-    from pipeline.sweep import axes, base_params
+    from pipeline.config.base import flatten
+    from pipeline.config.params import load_params
+    from pipeline.runs.sweep import axes, base_params
 
     # every value base_params might overwrite set to something else than what it would write
     params = load_params(ROOT / "params.yaml", [
@@ -211,21 +212,21 @@ def sweep_reads() -> list[str]:
 
 
 def test_sweep_params_are_the_code_constant():
-    from pipeline.sweep import DVC_PARAMS
+    from pipeline.runs.sweep import DVC_PARAMS
 
     listed_params = STAGES["sweep"]["params"]
     assert listed_params == list(DVC_PARAMS), (
-        "dvc.yaml's sweep params differ from pipeline.sweep.DVC_PARAMS: "
+        "dvc.yaml's sweep params differ from pipeline.runs.sweep.DVC_PARAMS: "
         f"only in dvc.yaml {sorted(set(listed_params) - set(DVC_PARAMS))}, "
         f"only in the code {sorted(set(DVC_PARAMS) - set(listed_params))} (same order too)")
 
 
 def test_sweep_params_constant_is_what_the_trials_read():
-    from pipeline.sweep import DVC_PARAMS
+    from pipeline.runs.sweep import DVC_PARAMS
 
     expected = sweep_reads()
     assert list(DVC_PARAMS) == expected, (
-        "pipeline.sweep.DVC_PARAMS is not what base_params hands the trials: "
+        "pipeline.runs.sweep.DVC_PARAMS is not what base_params hands the trials: "
         f"read but not listed {[k for k in expected if k not in DVC_PARAMS]}, "
         f"listed but not read {[k for k in DVC_PARAMS if k not in expected]}")
 

@@ -144,7 +144,7 @@ RECORD_VEGA = "window.__vega = []; window.vegaEmbed = (el, spec) => { window.__v
 def test_dvc_plots_show_renders_every_declared_plot_once(tiny_repro, tmp_path):
     """`dvc plots show` loads every plot, and in Chromium the page shows each plot of dvc.yaml exactly once: the
     images loaded, the Vega-Lite plots with data in the field they plot. Nothing else is on the page."""
-    from tests.test_ui_browser import CHROMIUM, CHROMIUM_ARGS, sync_api  # skips without Chromium or Playwright
+    from tests.runs.test_ui_browser import CHROMIUM, CHROMIUM_ARGS, sync_api  # skips without Chromium or Playwright
 
     repo, _ = tiny_repro
     out = run(["dvc", "plots", "show", "-o", str(tmp_path / "dvc_plots")], repo)
@@ -188,7 +188,7 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
 
     import mlflow
 
-    from pipeline.tracking import data_digest
+    from pipeline.runs.tracking import data_digest
 
     repo, out = tiny_repro
     assert ran(out) == {"prepare", "pretrain", "evaluate", "report", "sweep", "theory"}

@@ -28,12 +28,12 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from pipeline.config import load_params
-from pipeline.datasets import save_prepared
+from pipeline.config.params import load_params
+from pipeline.data.sources import save_prepared
 from pipeline.io import save_torch, sha256_file, write_json
 from stages.cli import main
 from tests.conftest import ROOT
-from tests.test_datasets import _uint8_dataset, idx_bytes, write_cifar, write_fmnist, write_png_folder
+from tests.data.test_datasets import _uint8_dataset, idx_bytes, write_cifar, write_fmnist, write_png_folder
 
 Setup = Callable[[Path], None]
 PREPARED = Path("data/prepared")
@@ -183,7 +183,7 @@ def pretrained(input_shape: tuple[int, ...] = (3, 4, 4)) -> Setup:
     """A model as the pretrain stage writes it (untrained weights; the cases never get to use them)."""
 
     def run(p: Path) -> None:
-        from pipeline.model import build_model
+        from pipeline.core.model import build_model
 
         params = load_params(p / "params.yaml")
         save_torch(p / MODELS / "model.pt", build_model(params.model, input_shape).state_dict())

@@ -24,6 +24,12 @@ def dotted(node: ast.AST) -> str | None:
     return ".".join([node.id, *reversed(parts)])
 
 
+def is_module(name: str) -> bool:
+    """``pipeline.core.batchnorm`` -> True: a module or package of this repository."""
+    base = ROOT.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
 def private_uses(path: Path, root: Path = ROOT) -> list[str]:
     """``from pipeline.x import _y``, ``x._y`` and ``setattr(x, "_y", ...)`` where ``x`` is a project module."""
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -34,7 +40,7 @@ def private_uses(path: Path, root: Path = ROOT) -> list[str]:
             for alias in node.names:
                 if private(alias.name):
                     hits.append(f"{path.relative_to(root)}:{node.lineno} imports {node.module}.{alias.name}")
-                elif node.module in PACKAGES:
+                elif node.module in PACKAGES or is_module(f"{node.module}.{alias.name}"):
                     modules.add(alias.asname or alias.name)
         elif isinstance(node, ast.Import):
             modules.update(a.asname for a in node.names if a.asname and a.name.split(".")[0] in PACKAGES)
@@ -60,8 +66,8 @@ def test_no_module_uses_another_modules_private_names():
 
 def test_the_scan_sees_each_kind_of_private_use(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("from pipeline.sweep import _rows, run_sweep\nimport pipeline.step as s\nfrom pipeline import "
-                 "batchnorm as bn\ns._hidden = 1\nsetattr(bn, '_world', 2)\npipeline.cluster._x\nself._ok\n"
+    f.write_text("from pipeline.runs.sweep import _rows, run_sweep\nimport pipeline.training.step as s\nfrom pipeline.core "
+                 "import batchnorm as bn\ns._hidden = 1\nsetattr(bn, '_world', 2)\npipeline.cluster._x\nself._ok\n"
                  "from stages._common import params_options\n")
     assert sorted(h.split(" ", 1)[1] for h in private_uses(f, tmp_path)) == sorted([
-        "imports pipeline.sweep._rows", "uses s._hidden", "uses bn._world", "uses pipeline.cluster._x"])
+        "imports pipeline.runs.sweep._rows", "uses s._hidden", "uses bn._world", "uses pipeline.cluster._x"])

@@ -80,7 +80,7 @@ def _imported(node: ast.Import | ast.ImportFrom, modules: set[str]) -> set[str]:
             out |= {".".join(parts[:i]) for i in range(2, len(parts) + 1)}
     elif node.module and node.level == 0:
         out.add(node.module)
-        out |= {f"{node.module}.{alias.name}" for alias in node.names}  # from pipeline import figures
+        out |= {f"{node.module}.{alias.name}" for alias in node.names}  # from pipeline.evaluation import figures
     return out & modules
 
 

@@ -10,15 +10,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from pipeline.health import KEYS, block_health, dead_blocks, flat, head_health, unflat, verdict, warnings_for
+from pipeline.config.params import load_params
+from pipeline.evaluation.health import KEYS, block_health, dead_blocks, flat, head_health, unflat, verdict, warnings_for
 from stages._common import check_weights, params_options, runtime_errors
 from tests.conftest import invoke
-from tests.test_report import sample
+from tests.evaluation.test_report import sample
 
 
 # ------------------------------------------------------------------------------------------------- stages._common
 @click.command()
-@params_options
+@params_options(load_params)
 @runtime_errors(FileNotFoundError)
 def _cmd(params) -> None:
     if params.model.depth == 4:
@@ -39,14 +40,14 @@ RESNET = ["model.backbone=resnet18", "model.embed_dim=null"]
 
 
 def test_common_check_weights(project):
-    from pipeline.config import load_params
+    from pipeline.config.params import load_params
 
-    check_weights(load_params("params.yaml"))  # model.weights: null
+    check_weights(load_params("params.yaml").model.weights)  # model.weights: null
     with pytest.raises(click.ClickException, match="nope.pt does not exist"):
-        check_weights(load_params("params.yaml", RESNET + ["model.weights=nope.pt"]))
+        check_weights(load_params("params.yaml", RESNET + ["model.weights=nope.pt"]).model.weights)
     torch.save({"w": torch.zeros(2)}, project / "other.pt")
     with pytest.raises(click.ClickException, match="not a resnet18 state_dict"):
-        check_weights(load_params("params.yaml", RESNET + ["model.weights=other.pt"]))
+        check_weights(load_params("params.yaml", RESNET + ["model.weights=other.pt"]).model.weights)
 
 
 # ----------------------------------------------------------------------------------------------- stages.report
@@ -73,7 +74,7 @@ def test_tables_stage_refuses_bad_rows_and_missing_data_before_ray(project, ray_
     assert not ray_starts and not (project / "reports").exists()
 
 
-# ------------------------------------------------------------------------------------------------ pipeline.health
+# ------------------------------------------------------------------------------------------------ pipeline.evaluation.health
 def test_health_of_a_dead_and_a_live_block():
     n = 4
     dead = torch.zeros(n, n)

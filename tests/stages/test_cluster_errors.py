@@ -109,8 +109,8 @@ def test_the_resource_wait_goes_on_while_the_autoscaler_adds_nodes(ray_session):
     """A cold cluster: nodes are on their way for a while (instances boot, mount, install), so the wait goes on past
     ray.resources_timeout_s and says why; once nothing is pending it ends ray.resources_timeout_s later. A real
     placement group that cannot be placed; the autoscaler's answer is the stand-in (no autoscaler runs here)."""
-    from pipeline.cluster import ClusterError, pending_nodes, wait_for_workers
-    from pipeline.config import load_params
+    from pipeline.config.params import load_params
+    from pipeline.runs.cluster import ClusterError, pending_nodes, wait_for_workers
 
     assert pending_nodes() == 0  # a local Ray has no autoscaler: nothing on its way
     params = load_params(ROOT / "params.yaml", ["ray.num_workers=1", "ray.cpus_per_worker=64",

@@ -23,7 +23,7 @@ import psutil
 import pytest
 import torch
 
-from pipeline.train import SNAPSHOT_FILE, STATE_FILE, recover_run_snapshot
+from pipeline.runs.train import SNAPSHOT_FILE, STATE_FILE, recover_run_snapshot
 
 pytestmark = [pytest.mark.slow]
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from click.testing import CliRunner
 
-from pipeline.datasets import PREPARED_FILES, load_prepared
+from pipeline.data.sources import PREPARED_FILES, load_prepared
 from stages.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,8 +85,8 @@ MEASURE = r"""
 import json, re, sys
 from pathlib import Path
 import PIL.Image, sklearn.model_selection, torchvision.datasets, torchvision.transforms.v2
-from pipeline.config import load_params
-from pipeline.datasets import load_dataset, save_prepared
+from pipeline.config.params import load_params
+from pipeline.data.sources import load_dataset, save_prepared
 from stages.prepare import run
 
 def kib(field):

@@ -9,9 +9,9 @@ import mlflow
 import pytest
 import torch
 
-from pipeline.config import load_params
-from pipeline.datasets import load_prepared
-from pipeline.loop import PretrainLoop
+from pipeline.config.params import load_params
+from pipeline.data.sources import load_prepared
+from pipeline.training.loop import PretrainLoop
 from tests.conftest import invoke
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

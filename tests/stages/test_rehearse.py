@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, invoke
-from tests.test_rehearse import FILES
+from tests.runs.test_rehearse import FILES
 
 pytestmark = [pytest.mark.slow]
 
@@ -73,9 +73,9 @@ def run(args, env=None, **kw):
 @pytest.mark.timeout(900)
 def test_gpu_preset_on_declared_gpus_schedules_as_computed(tmp_path):
     """cluster-sweep.yaml on a Ray that declares 4 GPUs (none exist: ray.backend gloo): each worker its own GPU, the
-    sweep and the tables as many trials at once as pipeline.resources computes, probes on a worker's GPU bundle."""
-    from pipeline.resources import NodeType, TrialShape, trials_at_once
-    from pipeline.sweep import TRIAL_CPU
+    sweep and the tables as many trials at once as pipeline.runs.resources computes, probes on a worker's GPU bundle."""
+    from pipeline.runs.resources import NodeType, TrialShape, trials_at_once
+    from pipeline.runs.sweep import TRIAL_CPU
 
     work = tmp_path / "gpu"
     proc = run(["rehearse", "--params", str(ROOT / "presets/cluster-sweep.yaml"), "--gpus", "4", "--dir", str(work),

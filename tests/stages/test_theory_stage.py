@@ -10,7 +10,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from pipeline.config import Params, TheoryConfig
+from pipeline.config.params import Params
+from pipeline.config.theory import TheoryConfig
 from stages.theory import grids, run, theory_cmd
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,7 +20,7 @@ TINY = dict(formula_points=9, formula_log_points=3, formula_eps_min=1e-6, formul
             depth=[1], steps=5, lr=0.01, n_clusters=2, rank=1, dim=6, seeds=[0], learned_nmi=0.9)
 INTEGRATED = "theory" in Params.model_fields
 needs_integration = pytest.mark.skipif(
-    not INTEGRATED, reason="params.theory is not in pipeline/config.py yet (the lead integrates TheoryConfig)")
+    not INTEGRATED, reason="params.theory is not in pipeline/config/params.py yet (the lead integrates TheoryConfig)")
 
 
 def check_outputs(plots: Path, metrics: Path, runs: int, report: Path) -> dict:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.evaluation import Evaluation
-from pipeline.sweep import SweepResult
-from pipeline.train import PretrainResult
+from pipeline.evaluation.evaluate import Evaluation
+from pipeline.runs.sweep import SweepResult
+from pipeline.runs.train import PretrainResult
 from stages import evaluate, pretrain, sweep
 from stages._common import time_line
 

@@ -1,0 +1,27 @@
+"""The ``ray`` section: where the Ray cluster is, how many workers, their resources, storage and timeouts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from pipeline.config.base import Section
+
+
+class RayConfig(Section):
+    address: str | None = None
+    num_workers: int = Field(1, ge=1, le=100_000)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0.0, le=1024.0)
+    storage_path: str = "ray_results"  # every node must see it (NFS/EFS mount, or s3://...): checkpoints, staged data
+    max_failures: int = Field(0, ge=-1)
+    connect_timeout_s: float = Field(30.0, gt=0.0, le=86_400.0)  # wait for ray.address / RAY_ADDRESS to answer
+    resources_timeout_s: float = Field(300.0, gt=0.0, le=604_800.0)  # wait for the workers' resources to be free
+    # torch.distributed backend of Ray Train's workers: auto = Ray's choice (nccl on GPUs, gloo otherwise); gloo
+    # also lets a GPU-scheduled worker on a node that declares GPUs it does not have train on its CPU (rehearsals)
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+
+
+__all__ = ['RayConfig']

@@ -1,0 +1,74 @@
+"""The optional ``tables`` section: the paper's Tables 1-2 as an explicit list of rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.config.augment import AugmentConfig
+from pipeline.config.base import Section
+from pipeline.config.loss import LossConfig
+from pipeline.config.model import ModelConfig
+from pipeline.config.train import TrainConfig
+
+ROW_SECTIONS = ("model", "loss", "augment", "train")  # what a row of the tables job may override
+
+
+class TableRow(Section):
+    """One row of the paper's Tables 1-2: a named configuration, and the params it overrides on the file's base."""
+
+    name: str = Field(min_length=1, max_length=200)
+    table: Literal[1, 2]  # 1: self-supervised, 2: supervised
+    paper: str | None = None  # the paper's row it stands beside (default: the paper's row of the same name, if any)
+    params: dict[str, Any] = Field(default_factory=dict)  # dotted overrides, e.g. {"loss.name": infonce}
+
+
+def _paper_rows() -> list[TableRow]:
+    """The paper's rows: Table 1 (self-supervised, the paper's augmentation), Table 2 (supervised, none)."""
+    ssl, sup = {"train.mode": "self_supervised"}, {"train.mode": "supervised", "augment.strength": 0.0}
+    rows = [("InfoNCE", 1, ssl, "infonce", 0), ("DCL", 1, ssl, "dcl", 0), ("BarlowTwins", 1, ssl, "barlow_twins", 0),
+            ("TransFusion 1-Layer", 1, ssl, "jsd", 1), ("TransFusion 9-Layer", 1, ssl, "jsd", 9),
+            ("SupCon", 2, sup, "supcon", 0), ("TransFusion 1-Layer", 2, sup, "jsd", 1),
+            ("TransFusion 9-Layer", 2, sup, "jsd", 9)]
+    return [TableRow(name=n, table=t, params={**base, "loss.name": loss, "model.depth": depth})
+            for n, t, base, loss, depth in rows]
+
+
+class TablesConfig(Section):
+    """``transfusion tables``: the paper's Tables 1-2 as one Tune job, an explicit list of rows (not a grid).
+
+    Each row's params are applied to the file's ``model``/``loss``/``augment``/``train``; the rows share the data,
+    the cluster (``ray``) and the probes (``probe``). Whether a row's resolved params are valid (e.g. a loss that
+    needs self-supervised mode) is checked by ``pipeline.runs.tables.resolve_rows`` before any work.
+    """
+
+    rows: list[TableRow] = Field(default_factory=_paper_rows, min_length=1)
+    max_concurrent_trials: int | None = Field(None, ge=1)  # None: as many as the cluster holds
+
+    @model_validator(mode="after")
+    def _rows(self) -> TablesConfig:
+        sections = {"model": ModelConfig, "loss": LossConfig, "augment": AugmentConfig, "train": TrainConfig}
+        problems, seen = [], set()
+        for i, row in enumerate(self.rows):
+            where = f"tables.rows[{i}] ({row.name!r})"
+            if (row.table, row.name) in seen:
+                problems.append(f"{where}: a second row named {row.name!r} in table {row.table}; names are unique "
+                                "within a table")
+            seen.add((row.table, row.name))
+            for key in row.params:
+                section, _, field = key.partition(".")
+                if section not in sections:
+                    problems.append(f"{where}: params key {key!r}: a row overrides only "
+                                    f"{', '.join(s + '.*' for s in ROW_SECTIONS)} (the data, the cluster and the "
+                                    "probes are the job's)")
+                elif field not in sections[section].model_fields:
+                    problems.append(f"{where}: params key {key!r}: unknown key; allowed keys in {section}: "
+                                    f"{', '.join(sections[section].model_fields)}")
+        if problems:
+            raise ValueError("\n  ".join(problems))
+        return self
+
+
+__all__ = ['ROW_SECTIONS', 'TableRow', 'TablesConfig']

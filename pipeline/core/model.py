@@ -1,0 +1,240 @@
+"""TransFusion blocks, head and the full model (paper eq. 2-3 and Appendix E.1).
+
+Block ℓ, on a batch X ∈ R^{n×m} whose *samples* attend to each other:
+
+    X̂ = norm(X)                                  # LayerNorm (default), L2, or none (Appendix E)
+    Q = normalize(X̂ W_Q),  K = normalize(X̂ W_K),  V = X̂ W_V
+    A = act(Q Kᵀ)                                 # act = ReLU (eq. 3); softmax etc. as ablations
+    A ← A − diag(A);  A ← (A + 1e-10) / Σ_j (A + 1e-10)     # Appendix E's row normalisation
+    X' = A V + X̂                                  # eq. 3 residual on the normalised input
+
+Head of depth d: d such blocks. As in Appendix E, the training affinity is then the loss's parameter-free
+cosine affinity of the fused output (``HeadOutput.q == HeadOutput.k == embedding``). With
+``truncate_last=True`` the last block is cut after its affinity, as section 2.1 describes: blocks 1..d-1
+fuse, and block d only supplies its normalised queries and keys (``q``, ``k``), whose product ``A^d`` the
+loss compares with the target. Depth 0 is the backbone alone.
+
+Two choices that keep blocks alive (``pipeline.evaluation.health``), both off in the paper's literal setting:
+
+- ``fusion_scope``: ``joint`` (Appendix E: all 2B rows of a two-view batch attend to each other) or
+  ``per_view`` (the authors' later code: each view's B rows are fused separately). Jointly, a row can find
+  its own other view in the batch, a shortcut that a test batch, where every image appears once, never has.
+- ``qk_init`` (ours): ``default`` (PyTorch's ``nn.Linear`` initialisation, the paper's), ``tied`` (W_K starts
+  equal to W_Q, Theorem 1's construction: QKᵀ = X̂ W Wᵀ X̂ᵀ starts symmetric with a positive diagonal) or
+  ``identity`` (W_Q = W_K = I, zero bias: the first affinity is ReLU of the inputs' cosine, as live and as
+  class-aligned as the backbone's embedding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeline.config.model import ACTIVATIONS, AFFINITY_EPS, BLOCK_NORMS, FUSION_SCOPES, QK_INITS
+from pipeline.core.backbones import build_backbone
+
+if TYPE_CHECKING:
+    from pipeline.config.model import ModelConfig
+
+EPS = AFFINITY_EPS  # Appendix E's additive constant in the row normalisation
+
+
+def _activate(a: Tensor, activation: str) -> Tensor:
+    if activation == "relu":
+        return F.relu(a)
+    if activation == "softmax":
+        return torch.softmax(a, dim=-1)
+    if activation == "sigmoid":
+        return torch.sigmoid(a)
+    if activation == "identity":
+        return a
+    raise ValueError(f"unknown activation {activation!r}; allowed: {', '.join(ACTIVATIONS)}")
+
+
+def _affinity(q: Tensor, k: Tensor, activation: str) -> Tensor:
+    """``act(Q Kᵀ)`` with a zero diagonal, allocating one (n, n) matrix where autograd allows."""
+    a = q @ k.transpose(-2, -1)  # (n, n)
+    if activation == "relu":
+        raw = a.clamp_min(0.0)  # its backward needs a, not raw, so raw may be edited in place
+    else:
+        raw = _activate(a, activation).clone()
+    raw.diagonal(dim1=-2, dim2=-1).zero_()
+    return raw
+
+
+def fuse_weights(q: Tensor, k: Tensor, activation: str = "relu") -> tuple[Tensor, Tensor]:
+    """Attention weights of one block from unit queries and keys.
+
+    Returns ``(raw, weights)``: ``raw = act(Q Kᵀ)`` with its diagonal set to 0 (the affinity whose
+    sharpness the theory speaks of) and ``weights = (raw + 1e-10) / Σ_j (raw + 1e-10)`` (Appendix E).
+    q, k: (n, h) unit rows -> (n, n), (n, n).
+    """
+    raw = _affinity(q, k, activation)
+    weights = (raw + EPS) / (raw + EPS).sum(dim=-1, keepdim=True)
+    return raw, weights
+
+
+def fuse(q: Tensor, k: Tensor, v: Tensor, activation: str = "relu") -> tuple[Tensor, Tensor]:
+    """``weights @ V`` of :func:`fuse_weights` without materialising the normalised weights.
+
+    ``(raw + ε) V / (Σ_j raw_ij + nε) = (raw V + ε Σ_j v_j) / (Σ_j raw_ij + nε)`` row by row: the same
+    numbers, two fewer (n, n) passes forward and backward. q, k: (n, h), v: (n, m) -> (n, m), raw (n, n).
+    """
+    raw = _affinity(q, k, activation)  # (n, n)
+    n = raw.shape[-1]
+    denom = raw.sum(dim=-1, keepdim=True) + n * EPS  # (n, 1)
+    return (raw @ v + EPS * v.sum(dim=-2, keepdim=True)) / denom, raw
+
+
+class TransFusionBlock(nn.Module):
+    """One TransFusion block, eq. 2-3 with Appendix E.1 semantics. x: (n, m) -> (n, m)."""
+
+    def __init__(self, dim: int, activation: str = "relu", norm: str = "layernorm", qk_init: str = "default") -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; allowed: {', '.join(ACTIVATIONS)}")
+        if norm not in BLOCK_NORMS:
+            raise ValueError(f"unknown block norm {norm!r}; allowed: {', '.join(BLOCK_NORMS)}")
+        if qk_init not in QK_INITS:
+            raise ValueError(f"unknown qk_init {qk_init!r}; allowed: {', '.join(QK_INITS)}")
+        self.activation = activation
+        self.norm_kind = norm
+        self.norm = nn.LayerNorm(dim) if norm == "layernorm" else nn.Identity()
+        self.query = nn.Linear(dim, dim)
+        self.key = nn.Linear(dim, dim)
+        self.value = nn.Linear(dim, dim)
+        with torch.no_grad():
+            if qk_init == "tied":  # W_K = W_Q, b_K = b_Q at the start; trained apart afterwards
+                self.key.weight.copy_(self.query.weight)
+                self.key.bias.copy_(self.query.bias)
+            elif qk_init == "identity":  # Q = K = the normalised input: the first affinity is ReLU(cos)
+                for lin in (self.query, self.key):
+                    lin.weight.copy_(torch.eye(dim))
+                    lin.bias.zero_()
+
+    def normalize_input(self, x: Tensor) -> Tensor:
+        x = self.norm(x)
+        return F.normalize(x, dim=-1) if self.norm_kind == "l2" else x
+
+    def qk(self, x_hat: Tensor) -> tuple[Tensor, Tensor]:
+        """Unit queries and keys of the normalised input. (n, m) -> (n, m), (n, m)."""
+        return F.normalize(self.query(x_hat), dim=-1), F.normalize(self.key(x_hat), dim=-1)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Returns ``(x_next, raw_affinity)``: (..., n, m) and (..., n, n); leading dims are separate batches."""
+        x_hat = self.normalize_input(x)  # (n, m)
+        q, k = self.qk(x_hat)
+        fused, raw = fuse(q, k, self.value(x_hat), self.activation)  # (n, m), (n, n)
+        return fused + x_hat, raw
+
+
+@dataclass
+class HeadOutput:
+    """What a head returns for one batch of n samples.
+
+    q, k: (n, h) — what the loss turns into the training affinity (cosine of q and k).
+    embedding: (n, m) — the fused embedding for downstream use (output of the last full block).
+    hidden: depth_full + 1 tensors (n, m) — the head's input and every full block's output.
+    affinities: one (n, n) raw affinity act(QKᵀ) per block (zero diagonal), for sharpness.
+    """
+
+    q: Tensor
+    k: Tensor
+    embedding: Tensor
+    hidden: list[Tensor] = field(default_factory=list)
+    affinities: list[Tensor] = field(default_factory=list)
+
+
+class TransFusionHead(nn.Module):
+    """A stack of ``depth`` TransFusion blocks. x: (n, m) -> :class:`HeadOutput`.
+
+    ``fusion_scope="per_view"``: a batch of ``views`` equal parts (rows ``[view 1; view 2; ...]``) is fused
+    part by part; ``views=1`` (evaluation, one view) and ``joint`` fuse all n rows together.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        depth: int,
+        activation: str = "relu",
+        norm: str = "layernorm",
+        truncate_last: bool = False,
+        fusion_scope: str = "joint",
+        qk_init: str = "default",
+    ) -> None:
+        super().__init__()
+        if depth < 0:
+            raise ValueError(f"depth must be >= 0, got {depth}")
+        if truncate_last and depth == 0:
+            raise ValueError("truncate_last needs depth >= 1 (the last block supplies the affinity)")
+        if fusion_scope not in FUSION_SCOPES:
+            raise ValueError(f"unknown fusion_scope {fusion_scope!r}; allowed: {', '.join(FUSION_SCOPES)}")
+        self.depth = depth
+        self.truncate_last = truncate_last
+        self.fusion_scope = fusion_scope
+        self.blocks = nn.ModuleList(TransFusionBlock(dim, activation, norm, qk_init) for _ in range(depth))
+
+    def forward(self, x: Tensor, *, collect: bool = False, views: int = 1,
+                on_affinity: Callable[[int, Tensor], None] | None = None) -> HeadOutput:
+        """``collect`` keeps every block's output and raw affinity in the :class:`HeadOutput`; ``on_affinity(i, raw)``
+        instead hands block i's raw affinity (detached, (n, n) or (g, n/g, n/g)) to the caller as soon as it exists,
+        so that no more than one block's affinity need be alive at once (``pipeline.training.loop``'s health check)."""
+        n, m = x.shape
+        groups = views if self.fusion_scope == "per_view" else 1
+        if n % groups:
+            raise ValueError(f"{n} rows do not split into {views} views")
+        full = self.blocks[:-1] if self.truncate_last else self.blocks
+        hidden, affinities = [x], []
+        x = x.reshape(groups, n // groups, m)  # (g, n/g, m): each group is fused on its own
+        for i, block in enumerate(full):
+            x, raw = block(x)  # (g, n/g, m), (g, n/g, n/g)
+            if collect:
+                hidden.append(x.reshape(n, m))
+                affinities.append(raw.detach().squeeze(0))
+            if on_affinity is not None:
+                on_affinity(i, raw.detach().squeeze(0))
+            del raw
+        x = x.reshape(n, m)
+        if self.truncate_last:
+            last = self.blocks[-1]
+            q, k = last.qk(last.normalize_input(x))  # row-wise: the trained affinity spans all n rows
+            if collect or on_affinity is not None:
+                raw = _affinity(q, k, last.activation).detach()
+                if collect:
+                    affinities.append(raw)
+                if on_affinity is not None:
+                    on_affinity(len(full), raw)
+        else:
+            q = k = x
+        return HeadOutput(q=q, k=k, embedding=x, hidden=hidden if collect else [], affinities=affinities)
+
+
+class TransFusion(nn.Module):
+    """Backbone followed by a TransFusion head. images (n, ...) -> :class:`HeadOutput`."""
+
+    def __init__(self, backbone: nn.Module, embed_dim: int, head: TransFusionHead) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.embed_dim = embed_dim
+        self.head = head
+
+    def forward(self, x: Tensor, *, collect: bool = False, views: int = 1) -> HeadOutput:
+        return self.head(self.backbone(x), collect=collect, views=views)
+
+    @torch.no_grad()
+    def embed(self, x: Tensor) -> list[Tensor]:
+        """Frozen representations for probes: [backbone output, block 1 output, ...], each (n, m)."""
+        return [h.detach() for h in self.forward(x, collect=True).hidden]
+
+
+def build_model(m: ModelConfig, input_shape: tuple[int, ...]) -> TransFusion:
+    """Backbone + TransFusion head as ``model.*`` (a :class:`pipeline.config.model.ModelConfig`) describes."""
+    backbone, dim = build_backbone(m.backbone, tuple(input_shape), m.embed_dim, m.hidden_dim, m.weights)
+    head = TransFusionHead(dim, m.depth, m.activation, m.block_norm, truncate_last=m.head == "truncated",
+                           fusion_scope=m.fusion_scope, qk_init=m.qk_init)
+    return TransFusion(backbone, dim, head)

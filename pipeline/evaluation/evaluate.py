@@ -1,0 +1,163 @@
+"""The evaluate stage's work: frozen embeddings of every layer, probes, cluster quality, figures.
+
+Representations probed (paper section 5, and Fig. 4 for the layers):
+``input`` (raw pixels, the baseline that shows what pretraining bought), ``backbone`` (the encoder's
+output, what the paper's tables probe), ``block_1`` … ``block_D`` (each TransFusion block's fused output).
+
+TransFusion mixes the samples of a batch, so a block's output for a sample depends on its batch mates.
+Embeddings are therefore computed on batches of the trained size (``train.batch_size``), drawn by a
+fixed seeded permutation and split into nearly equal chunks (no runt last batch), then put back in order.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.config.model import ModelConfig
+from pipeline.config.params import Params
+from pipeline.core.clustering import cosine_affinity, spectral_scores, symmetric_affinity
+from pipeline.core.model import TransFusion, build_model
+from pipeline.data.sources import Dataset, load_prepared, stratified_subset, to_float
+from pipeline.evaluation.health import head_health
+from pipeline.evaluation.probes import run_probes
+from pipeline.io import load_torch
+from pipeline.theory.measures import affinity_contrast, quantile_sharpness, sharpness
+
+
+def load_pretrained(models_dir: Path) -> tuple[TransFusion, dict[str, Any]]:
+    """The model written by the pretrain stage, rebuilt from its resolved params; weights_only loading."""
+    config = json.loads((models_dir / "config.json").read_text())
+    model = build_model(ModelConfig.model_validate(config["params"]["model"], strict=False),
+                        tuple(config["input_shape"]))
+    model.load_state_dict(load_torch(models_dir / "model.pt"))
+    return model.eval(), config
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def layer_embeddings(model: TransFusion, x: torch.Tensor, batch_size: int, device: torch.device,
+                     seed: int = 0) -> list[np.ndarray]:
+    """[backbone, block_1, ..., block_D] embeddings of x, each (N, m), on batches of ~batch_size."""
+    n = x.shape[0]
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    chunks = torch.tensor_split(perm, max(1, round(n / batch_size)))
+    parts: list[list[torch.Tensor]] = []
+    for idx in chunks:
+        reps = model.embed(to_float(x[idx]).to(device))
+        parts.append([r.float().cpu() for r in reps])
+    out = []
+    inverse = torch.argsort(torch.cat(chunks))
+    for layer in range(len(parts[0])):
+        out.append(torch.cat([p[layer] for p in parts])[inverse].numpy())
+    return out
+
+
+@torch.no_grad()
+def layer_affinities(model: TransFusion, x: torch.Tensor, device: torch.device) -> list[tuple[str, np.ndarray]]:
+    """The affinities of one test batch: backbone cosine, each block's act(QKᵀ), and the trained one."""
+    out = model(to_float(x).to(device), collect=True)
+    named = [("backbone", cosine_affinity(out.hidden[0].float().cpu().numpy()))]
+    named += [(f"block_{i + 1}", a.float().cpu().numpy()) for i, a in enumerate(out.affinities)]
+    if not model.head.truncate_last and model.head.depth > 0:
+        named.append(("output", cosine_affinity(out.embedding.float().cpu().numpy())))
+    return named
+
+
+@torch.no_grad()
+def test_health(model: TransFusion, x: torch.Tensor, y: torch.Tensor, batch_size: int, device: torch.device,
+                seed: int = 0) -> dict[str, dict[str, float | None]]:
+    """Per-block health (``pipeline.evaluation.health``) on one stratified test batch of the trained size, one view per
+    image (as at test time: ``other_view`` is n/a). x (N, ...) uint8, y (N,) -> {"block_1": {...}, ...}."""
+    if model.head.depth == 0:
+        return {}
+    k = min(batch_size, len(y))
+    sub = stratified_subset(y, k, seed=seed) if k < len(y) else torch.arange(len(y))
+    out = model(to_float(x[sub]).to(device), collect=True)
+    return head_health([a.float().cpu() for a in out.affinities], y[sub])
+
+
+@dataclass
+class Evaluation:
+    metrics: dict[str, Any] = field(default_factory=dict)
+    probe_rows: list[dict[str, Any]] = field(default_factory=list)
+    sharpness_rows: list[dict[str, Any]] = field(default_factory=list)
+    tsne: tuple[list[np.ndarray], np.ndarray, list[str]] | None = None
+
+
+def evaluate(params: Params, data: Dataset, model: TransFusion, train_batch: int,
+             progress: Callable[[str], None] = print) -> Evaluation:
+    """Probe every representation at every label fraction; cluster and sharpness on the test affinity."""
+    p = params.probe
+    device = resolve_device(p.device)
+    model = model.to(device)
+    train_idx = np.arange(len(data.train.y))
+    if p.max_train is not None and len(train_idx) > p.max_train:
+        train_idx = stratified_subset(data.train.y, p.max_train, seed=p.seed)
+    x_tr, y_tr = data.train.x[train_idx], data.train.y[train_idx].numpy()
+    x_te, y_te = data.test.x, data.test.y.numpy()
+
+    t0 = time.perf_counter()
+    reps_tr = layer_embeddings(model, x_tr, train_batch, device, p.seed)
+    reps_te = layer_embeddings(model, x_te, train_batch, device, p.seed)
+    embed_seconds = time.perf_counter() - t0
+    names = ["input", "backbone"] + [f"block_{i}" for i in range(1, len(reps_tr))]
+    reps_tr = [to_float(x_tr).reshape(len(x_tr), -1).numpy()] + reps_tr
+    reps_te = [to_float(x_te).reshape(len(x_te), -1).numpy()] + reps_te
+
+    ev = Evaluation()
+    probes: dict[str, dict[str, dict[str, float]]] = {}
+    for name, ztr, zte in zip(names, reps_tr, reps_te, strict=True):
+        progress(f"[evaluate] probing {name} ({ztr.shape[1]}-d)")
+        results = run_probes(ztr, y_tr, zte, y_te, probes=p.probes, fractions=p.label_fractions, seed=p.seed,
+                             progress=lambda line, n=name: progress(f"[evaluate]   {n}: {line}"))
+        for r in results:
+            probes.setdefault(name, {}).setdefault(r.probe, {})[f"{r.fraction:g}"] = r.accuracy
+            ev.probe_rows.append({"representation": name, "probe": r.probe, "fraction": r.fraction,
+                                  "accuracy": r.accuracy, "seconds": r.seconds, "n_train": r.n_train})
+
+    # cluster quality and sharpness on one test batch
+    k = min(p.affinity_points, len(y_te))
+    sub = stratified_subset(data.test.y, k, seed=p.seed)  # (k,) numpy indices
+    named = layer_affinities(model, x_te[sub], device)
+    labels = y_te[sub]
+    for layer, a in named:
+        ev.sharpness_rows.append({"layer": layer, "sharpness": sharpness(a, labels),
+                                  "sharpness_q10": quantile_sharpness(a, labels, 0.1),
+                                  "contrast": affinity_contrast(a, labels)})
+    health = test_health(model, x_te, data.test.y, train_batch, device, p.seed)
+    final_name, final = named[-1]
+    clusters = spectral_scores(symmetric_affinity(final), labels, seed=p.seed)
+
+    ev.metrics = {
+        "probes": probes,
+        "spectral": {"affinity": final_name, **clusters},
+        "sharpness": {r["layer"]: r["sharpness"] for r in ev.sharpness_rows},
+        "sharpness_q10": {r["layer"]: r["sharpness_q10"] for r in ev.sharpness_rows},
+        "contrast": {r["layer"]: r["contrast"] for r in ev.sharpness_rows},
+        "health": health,
+        "embed_seconds": embed_seconds,
+        "n_probe_train": int(len(y_tr)),
+        "n_test": int(len(y_te)),
+    }
+    if p.tsne_points:
+        m = min(p.tsne_points, len(y_te))
+        pick = stratified_subset(data.test.y, m, seed=p.seed)
+        ev.tsne = ([r[pick] for r in reps_te], y_te[pick], names)
+    return ev
+
+
+def load_data(data_dir: Path) -> Dataset:
+    return load_prepared(data_dir, verify=True)

@@ -1,0 +1,144 @@
+"""Is the fused head alive? Per-block health of TransFusion attention.
+
+A ReLU block (eq. 3) whose affinity ``R = ReLU(Q Kᵀ)`` is 0 for every pair falls back, through Appendix E's
+``(R + ε) / Σ_j (R + ε)``, to uniform attention 1/n: it adds the batch mean of V to its input and fuses
+nothing. Its gradient through R is then 0 as well, so such a block rarely comes back. These numbers say how
+alive each block is. For one block, R (n, n) with a zero diagonal, attention weights
+``W = (R + ε) / Σ_j (R + ε)`` and, when known, labels y (n,) and the index of each row's other view π (n,):
+
+    positive     = #{(i, j), i ≠ j : R_ij > 0} / (n (n − 1))     pairs with a positive affinity
+    uniform_rows = #{i : R_ij = 0 for all j ≠ i} / n               rows attending uniformly (no positive pair)
+    entropy      = (1/n) Σ_i H(W_i) / log n                        1 = uniform attention, 0 = one partner
+    same_class   = (1/n) Σ_i Σ_{j ≠ i, y_j = y_i} W_ij            attention share to the same class
+    other_view   = (1/n) Σ_i W_{i π(i)}                            share to the sample's own other view
+
+``same_class_chance`` is what uniform attention gives, ``(1/n) Σ_i (n_{y_i} − 1) / n``; ``other_view``'s
+chance is ``1/n``. A block is *dead* below :data:`DEAD_POSITIVE` positive pairs and *mostly uniform* above
+:data:`MOSTLY_UNIFORM` uniform rows. Batched affinities (g, n, n), one per group of a per-view fused batch,
+give the mean over the groups. A number that cannot be computed (no labels, no other view in the batch) is
+``None``: reported as "n/a", never as a number.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipeline.config.model import AFFINITY_EPS as EPS
+
+DEAD_POSITIVE = 0.01  # a block with fewer positive pairs than this is dead
+MOSTLY_UNIFORM = 0.5  # a block with more uniform rows than this is mostly uniform
+KEYS = ("positive", "uniform_rows", "entropy", "same_class", "other_view")  # per-epoch metrics, per block
+
+
+def attention_weights(raw: Tensor) -> Tensor:
+    """Appendix E's row normalisation of a raw affinity with a zero diagonal. (..., n, n) -> (..., n, n)."""
+    raw = raw.double()
+    return (raw + EPS) / (raw + EPS).sum(dim=-1, keepdim=True)
+
+
+ROWS = 128  # rows per slice of the fp64 statistics: (ROWS, n) temporaries instead of (n, n)
+
+
+def block_health(raw: Tensor, labels: Tensor | None = None, other: Tensor | None = None,
+                 rows: int = ROWS) -> dict[str, float | None]:
+    """The health numbers of one block (module docstring).
+
+    raw: (n, n) or (g, n, n) raw affinity act(QKᵀ) with a zero diagonal; labels: (n,) or (g, n) class ids or
+    None; other: (n,) or (g, n) the index, within the same group, of each row's other view, or None.
+
+    Every number is a mean over rows, so they are computed ``rows`` rows at a time, in fp64: the temporaries are
+    (rows, n) whatever the batch, never an fp64 copy of the whole (n, n) affinity.
+    """
+    raw = raw.detach()
+    if raw.ndim == 2:
+        raw = raw[None]  # (g, n, n)
+        labels = None if labels is None else labels[None]
+        other = None if other is None else other[None]
+    g, n, _ = raw.shape
+    if n < 2:
+        raise ValueError(f"block_health needs at least 2 rows, got {n}")
+    y = None if labels is None else labels.to(raw.device).reshape(g, n)
+    pi = None if other is None else other.to(raw.device).reshape(g, n, 1).long()
+    positive = uniform = same_pairs = 0
+    entropy, same_class, other_view = (raw.new_zeros((), dtype=torch.float64) for _ in range(3))  # 3 tensors
+    for gi in range(g):
+        for start in range(0, n, rows):
+            stop = min(start + rows, n)
+            r = raw[gi, start:stop].double()  # (r, n)
+            local = torch.arange(stop - start, device=raw.device)
+            off = torch.ones_like(r, dtype=torch.bool)
+            off[local, start + local] = False  # (r, n): the diagonal of these rows
+            pos = (r > 0) & off
+            positive += int(pos.sum())
+            uniform += int((~pos.any(-1)).sum())
+            w = attention_weights(r)  # (r, n)
+            entropy += -(w * w.clamp_min(1e-300).log()).sum()
+            if y is not None:
+                same = (y[gi, start:stop, None] == y[gi, None, :]) & off  # (r, n)
+                same_class += (w * same).sum()
+                same_pairs += int(same.sum())
+            if pi is not None:
+                other_view += w.gather(-1, pi[gi, start:stop]).sum()
+    rows_total = g * n
+    return {
+        "positive": positive / (g * n * (n - 1)),
+        "uniform_rows": uniform / rows_total,
+        "entropy": float(entropy) / math.log(n) / rows_total,
+        "same_class": None if y is None else float(same_class) / rows_total,
+        "same_class_chance": None if y is None else same_pairs / rows_total / n,
+        "other_view": None if pi is None else float(other_view) / rows_total,
+    }
+
+
+def verdict(h: Mapping[str, Any]) -> str | None:
+    """"dead", "mostly uniform" or None (alive) for one block's health."""
+    if h["positive"] < DEAD_POSITIVE:
+        return "dead"
+    if h["uniform_rows"] > MOSTLY_UNIFORM:
+        return "mostly uniform"
+    return None
+
+
+def head_health(affinities: Sequence[Tensor], labels: Tensor | None = None,
+                other: Tensor | None = None) -> dict[str, dict[str, float | None]]:
+    """``{"block_1": block_health(...), ...}`` for the affinities a head collected (see ``HeadOutput``)."""
+    return {f"block_{i + 1}": block_health(a, labels, other) for i, a in enumerate(affinities)}
+
+
+def flat(health: Mapping[str, Mapping[str, float | None]], keys: Sequence[str] = KEYS) -> dict[str, float | None]:
+    """``{"block_1.positive": ..., ...}``: the per-epoch metric names."""
+    return {f"{block}.{k}": h.get(k) for block, h in health.items() for k in keys}
+
+
+def unflat(metrics: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Inverse of :func:`flat` for the ``block_*`` keys of a metrics dict (other keys are ignored)."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, v in metrics.items():
+        block, dot, k = key.partition(".")
+        if dot and block.startswith("block_") and k in KEYS:
+            out.setdefault(block, {})[k] = v
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0].split("_")[1])))
+
+
+def warnings_for(health: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """One plain-words line per dead or mostly uniform block; [] when every block is alive."""
+    lines = []
+    for block, h in health.items():
+        v = verdict(h)
+        name = block.replace("_", " ")
+        if v == "dead":
+            lines.append(f"{name} is dead: {h['positive']:.1%} of its pairs have a positive affinity, so its "
+                         "attention is uniform and it only adds the batch mean to its input (no fusion)")
+        elif v == "mostly uniform":
+            lines.append(f"{name} is mostly uniform: {h['uniform_rows']:.0%} of its rows have no positive pair "
+                         "and attend to the whole batch alike")
+    return lines
+
+
+def dead_blocks(health: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    return [b for b, h in health.items() if verdict(h) == "dead"]

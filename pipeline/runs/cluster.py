@@ -1,0 +1,429 @@
+"""The Ray cluster as the stages meet it: connect (bounded), what it has, and fail fast when it cannot serve a run.
+
+- :func:`init_ray` connects to ``ray.address`` / ``RAY_ADDRESS`` (or starts a local Ray). An address that does not
+  answer is retried for ``ray.connect_timeout_s`` and then ends in a one-paragraph :class:`ClusterError` (exit 1),
+  instead of Ray's own retries for minutes. Without an address, a local cluster that ``ray start`` recorded but that
+  no longer answers (killed without ``ray stop``) is named in one line and a fresh local Ray starts instead.
+- :func:`use_gpu` decides GPU training from the *cluster's* resources (workers may have GPUs the driver lacks).
+- :func:`check_request` refuses (exit 2, :class:`ParamsError`) a request the cluster can never satisfy, even at the
+  largest size its autoscaler can reach, naming what was asked and what exists (``pipeline.runs.resources``).
+- :func:`wait_for_workers` reserves the workers' resources (a placement group); while the autoscaler adds nodes it
+  keeps waiting, and ``ray.resources_timeout_s`` after the last node on its way a busy cluster ends in a
+  :class:`ClusterError` naming the wait, never a silent hang.
+
+Ray's console: the stages print their own progress lines and real errors; Ray's internal chatter stays in Ray's
+log files (``<Ray temp dir>/session_*/logs``, ``/tmp/ray`` unless ``RAY_TMPDIR``; Ray Train's own under ``logs/train``),
+through Ray's own settings only (:data:`RAY_CONSOLE_ENV`, :func:`train_logging`, ``RAY_AUTH_MODE`` set as Ray would).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from pipeline.config.base import ParamsError
+from pipeline.config.params import Params
+
+if TYPE_CHECKING:
+    import ray.train
+
+    from pipeline.runs.resources import NodeType
+
+# Ray settings for a quiet console, defaults only (a user's own value wins). Set when this module is imported, because
+# Ray reads some when `ray` is first imported (every stage imports this module before Ray).
+RAY_CONSOLE_ENV = {
+    # Lines of Ray's C++ core (``[date time E pid tid] core_worker.cc:N: ...``, levels D/I/W/E; F = fatal still
+    # shows) that Ray forwards from its worker processes to the driver, e.g. Ray Train's controller warning that its
+    # PreemptionWatcher actor "has constructor arguments in the object store". They stay in the process's
+    # ``worker-*.err`` and ``python-core-worker-*.log``; errors reach the user as Python exceptions anyway.
+    # Also Ray Train's placement-group cleaner, which removes the workers' bundles of a run whose trial ended (ASHA
+    # stopped it, or a Ctrl-C): "Detected that the Ray Train controller actor (...) is dead. Cleaning up placement
+    # group ...", and "Failed to query Ray Train Controller actor state ..." while Ray shuts down.
+    "RAY_DEDUP_LOGS_SKIP_REGEX": r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d+ [DIWE] \d+ \d+\] \S+\.(cc|h):\d+: "
+                                 r"|^Detected that the Ray Train controller actor \(\w+\) is dead\. Cleaning up "
+                                 r"|^Failed to query Ray Train Controller actor state\. "
+                                 # the raylet, when trials start their worker processes at once (several per CPU):
+                                 # Ray's hint about its start-up concurrency, not a fault of the run
+                                 r"|^WARNING: \d+ PYTHON worker processes have been started on node",
+    # Ray Tune's output engine: the default one prints an experiment box, the results path and a TensorBoard hint even
+    # at ``verbose=0``; the legacy one is silent at ``verbose=0`` (the sweep prints its own lines per trial event).
+    "RAY_AIR_NEW_OUTPUT": "0",
+}
+
+
+def _token_available() -> bool:
+    """A Ray auth token is at hand where Ray looks for one: ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``,
+    ``~/.ray/auth_token``."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    return os.path.isfile(path)
+
+
+def _auth_mode_default() -> str | None:
+    """``RAY_AUTH_MODE`` for a local Ray, chosen as Ray would, so that Ray does not announce it.
+
+    With ``RAY_AUTH_MODE`` unset, Ray (2.59+) turns token auth on for a local Ray it starts (creating
+    ``~/.ray/auth_token`` if needed) and for a local cluster it finds while a token exists, and prints "Token
+    authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out ..." on every run: nothing to
+    act on for a local run. An explicit ``RAY_ADDRESS`` is left as Ray leaves it (Ray sends no token to a named cluster
+    unless ``RAY_AUTH_MODE=token`` asks for it); when authentication matters, the connect error says what to do.
+    """
+    if "RAY_AUTH_MODE" in os.environ:
+        return None
+    address = os.environ.get("RAY_ADDRESS") or None
+    if address is None or address == "local" or (address == "auto" and _token_available()):
+        return "token"
+    return None
+
+
+for _key, _value in RAY_CONSOLE_ENV.items():
+    os.environ.setdefault(_key, _value)
+if not sys.stdout.isatty():  # a log file or a pipe: the "(RayTrainWorker pid=...)" prefix without colour codes
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+if "ray._raylet" not in sys.modules:  # Ray reads the mode at import; set later, the driver and Ray's processes disagree
+    _mode = _auth_mode_default()
+    if _mode:
+        os.environ["RAY_AUTH_MODE"] = _mode
+
+#: Ray Train's own log level for its ``ray.train`` logs on the console and in ``logs/train/ray-train-app-*.log``; every
+#: level still goes to ``logs/train/ray-train-sys-*.log`` in Ray's session dir. INFO is the controller's chatter
+#: ("Requesting resources", "Started training worker group", ...); its WARNINGs are about Ray Train's own internals
+#: (e.g. "Failed to send resource request ... safe to ignore", with a traceback, whenever the 2-core machine is busy
+#: for 5 s; "... is being ignored to preserve the original error"). ERROR stays: a worker's "Error in training
+#: function" traceback, and failures reach the driver as exceptions anyway.
+TRAIN_CONSOLE_LEVEL = "ERROR"
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster cannot be reached, or cannot give the resources in time; the message says what to do."""
+
+
+def address_of(params: Params) -> str | None:
+    return params.ray.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def host_port(address: str) -> tuple[str, int] | None:
+    """``host:port`` of an explicit address (``ray://h:p``, ``h:p``); None for ``auto``/``local``."""
+    if address in ("auto", "local"):
+        return None
+    parts = urlsplit(address if "://" in address else f"gcs://{address}")
+    if parts.hostname is None or parts.port is None:
+        return None
+    return parts.hostname, parts.port
+
+
+def _probe(host: str, port: int, timeout: float) -> None:
+    """Wait until ``host:port`` accepts a TCP connection, for at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, max(0.1, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise ClusterError(
+                    f"cannot reach the Ray cluster at {host}:{port} ({exc.strerror or exc}) after {timeout:g} s "
+                    "(ray.connect_timeout_s); start the cluster (`ray start --head`), fix ray.address / RAY_ADDRESS, "
+                    "or unset them to run on a local Ray") from None
+            time.sleep(0.5)
+
+
+def train_logging() -> ray.train.LoggingConfig:
+    """Ray Train's logging for every Train run of the stages (``RunConfig(logging_config=...)``): errors on the
+    console, everything in Ray's session logs (:data:`TRAIN_CONSOLE_LEVEL`)."""
+    import ray.train
+
+    return ray.train.LoggingConfig(log_level=TRAIN_CONSOLE_LEVEL)
+
+
+def _auth_refused(exc: BaseException) -> bool:
+    """Ray's connect failed because the cluster wants a token this client did not send (or a different one)."""
+    from ray.exceptions import AuthenticationError
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, AuthenticationError) or "InvalidAuthToken" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _auth_error(address: str | None) -> ClusterError:
+    """The one line a user needs when token authentication stops the connect (Ray's own text is a page long)."""
+    where = f"the Ray cluster at {address!r}" if address else "the local Ray cluster"
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode == "token":
+        return ClusterError(
+            f"{where} did not accept this machine's auth token (none found, or not the cluster's; "
+            "RAY_AUTH_MODE=token); give this machine the cluster's token (`ray get-auth-token` on the head node "
+            "prints it) in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN, or set RAY_AUTH_MODE=disabled "
+            "for a cluster started without authentication")
+    return ClusterError(
+        f"{where} uses token authentication and this client sends no token (RAY_AUTH_MODE is "
+        f"{mode or 'unset'}); set RAY_AUTH_MODE=token and give this machine the cluster's token (`ray get-auth-token` "
+        "on the head node prints it) in ~/.ray/auth_token or RAY_AUTH_TOKEN")
+
+
+def ray_record_file() -> str:
+    """Where ``ray start`` records the last local cluster it started (``<Ray temp dir>/ray_current_cluster``; the
+    temp dir is ``$RAY_TMPDIR/ray``, ``/tmp/ray`` by default). ``ray.init()`` without an address joins that cluster."""
+    return os.path.join(os.environ.get("RAY_TMPDIR") or "/tmp", "ray", "ray_current_cluster")
+
+
+def stale_local_record(timeout: float = 2.0) -> str | None:
+    """The address of the local cluster Ray recorded (:func:`ray_record_file`) when nothing answers there within
+    ``timeout`` seconds: a Ray killed without ``ray stop`` (a crash, the OOM killer) leaves it behind, and
+    ``ray.init()`` then retries it for minutes. None when there is no record, or it answers."""
+    try:
+        with open(ray_record_file()) as f:
+            recorded = f.read().strip()
+    except OSError:
+        return None
+    target = host_port(recorded) if recorded else None
+    if target is None:
+        return None
+    try:
+        with socket.create_connection(target, timeout=timeout):
+            return None
+    except OSError:
+        return recorded
+
+
+def init_ray(params: Params) -> None:
+    """Connect to the configured cluster, or start a local Ray; bounded by ``ray.connect_timeout_s``.
+
+    Worker output (our progress lines) is forwarded to this console (``log_to_driver``); Ray's own chatter is not
+    (module docstring).
+    """
+    import ray
+    from ray.exceptions import AuthenticationError
+
+    if ray.is_initialized():
+        return
+    address = address_of(params)
+    if address:
+        target = host_port(address)
+        if target:
+            _probe(*target, params.ray.connect_timeout_s)
+    else:  # a local Ray: ray.init() would join the last `ray start` cluster Ray recorded, also a dead one
+        stale = stale_local_record(min(5.0, params.ray.connect_timeout_s))
+        if stale:
+            sys.stdout.write(f"[ray] the local Ray cluster recorded at {stale} ({ray_record_file()}) does not answer "
+                             "(a Ray stopped without `ray stop`); starting a fresh local Ray for this run\n")
+            address = "local"
+    try:
+        with _local_gcs_port(address) as extra:
+            ray.init(address=address, log_to_driver=True, configure_logging=False, **extra)
+    except AuthenticationError:  # token mode without a token (Ray's own check, before connecting)
+        raise _auth_error(address) from None
+    except ConnectionError as exc:  # e.g. "auto" with no cluster running, or a token the cluster refused
+        if _auth_refused(exc):
+            raise _auth_error(address) from None
+        raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {str(exc).splitlines()[0]}; start "
+                           "it, or unset ray.address / RAY_ADDRESS to run on a local Ray") from None
+
+
+@contextlib.contextmanager
+def _local_gcs_port(address: str | None) -> Iterator[dict[str, Any]]:
+    """For a local Ray this process starts: its GCS port, chosen here, and that address in the job's processes.
+
+    Ray's own processes look their cluster up when they call Ray's state API without an address (Ray Train's
+    placement-group cleaner does, every second): with ``RAY_ADDRESS`` unset they search the machine, and with a
+    second local Ray running (another stage, a test session, a ``ray start``) that search fails, the cleaner's
+    thread dies with "Found multiple active Ray instances" and its traceback reaches the console. Ray starts its GCS
+    on ``RAY_GCS_SERVER_PORT`` when that is set (read while ``ray.init`` starts it, unset again after); the job's
+    ``runtime_env`` hands every process of this run the address. Nothing changes for a cluster (an address) or
+    when the user set the port. Yields the extra ``ray.init`` arguments."""
+    if address not in (None, "local") or "RAY_GCS_SERVER_PORT" in os.environ:
+        yield {}
+        return
+    with socket.socket() as s:  # a free port now; Ray binds it a moment later
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    os.environ["RAY_GCS_SERVER_PORT"] = str(port)
+    try:
+        yield {"runtime_env": {"env_vars": {"RAY_ADDRESS": f"127.0.0.1:{port}"}}}
+    finally:
+        os.environ.pop("RAY_GCS_SERVER_PORT", None)
+
+
+def local_nodes() -> list[NodeType]:
+    """The one node a local Ray would start on (no ``ray.address`` / ``RAY_ADDRESS``): this machine's usable CPUs
+    and CUDA GPUs, known before Ray starts (Ray may count fewer CPUs under a cgroup quota; the check after start
+    uses Ray's own count)."""
+    import torch
+
+    from pipeline.host import usable_cpus
+    from pipeline.runs.resources import NodeType
+
+    return [NodeType("local", {"CPU": float(usable_cpus()), "GPU": float(torch.cuda.device_count())}, 1)]
+
+
+def cluster_gpus(nodes: list[NodeType] | None = None) -> float:
+    """GPUs the cluster (default: the connected Ray cluster) has now or can reach (autoscaler); 0 on a CPU-only
+    cluster."""
+    from pipeline.runs.resources import cluster_from_ray
+
+    return sum(n.get("GPU") * n.max_count for n in (cluster_from_ray() if nodes is None else nodes))
+
+
+def use_gpu(params: Params, gpus: float) -> bool:
+    """Train on GPUs when asked (``ray.use_gpu``, ``train.device: cuda``), or when the cluster has GPUs and
+    ``train.device: auto``. Decided from the cluster, not from the driver's node."""
+    if params.train.device == "cpu":
+        return False
+    return params.ray.use_gpu or params.train.device == "cuda" or gpus > 0
+
+
+def check_request(params: Params, *, gpu: bool, cpus_per_worker: float | None = None, trial_cpu: float = 0.0,
+                  what: str = "pretraining", nodes: list[NodeType] | None = None) -> None:
+    """Raise :class:`ParamsError` if ``ray.num_workers`` workers (plus a trial's own bundle) can never fit on
+    ``nodes`` (default: the connected cluster at the largest size it can reach)."""
+    from pipeline.runs.resources import cluster_from_ray, infeasible
+
+    reason = infeasible(cluster_from_ray() if nodes is None else nodes, num_workers=params.ray.num_workers,
+                        cpus_per_worker=cpus_per_worker or params.ray.cpus_per_worker, gpu=gpu,
+                        trial_cpu=trial_cpu, what=what)
+    if reason:
+        raise ParamsError(reason)
+
+
+AUTOSCALER_REPORT_STALE_S = 60.0  # an autoscaler report older than this is a monitor that stopped, not news
+
+
+def pending_in_report(status: dict[str, Any], now: float) -> int:
+    """The nodes an autoscaler (v1, the cluster launcher's default) is launching or booting, from the status it
+    writes to Ray's internal KV (``__autoscaling_status``, what ``ray status`` prints); 0 without a report or with
+    one older than :data:`AUTOSCALER_REPORT_STALE_S`."""
+    report = status.get("autoscaler_report")
+    if not report or now - float(status.get("time", 0.0)) > AUTOSCALER_REPORT_STALE_S:
+        return 0
+    return len(report.get("pending_nodes") or []) + sum((report.get("pending_launches") or {}).values())
+
+
+def pending_nodes() -> int:
+    """How many nodes the cluster's autoscaler is adding right now (launch requested, or booting and not yet in the
+    cluster): autoscaler v2's cluster status, else v1's report (:func:`pending_in_report`). 0 for a cluster without
+    an autoscaler (a local Ray, ``ray start`` by hand) or when the autoscaler cannot be asked."""
+    import json
+
+    import ray
+
+    try:
+        from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+        if is_autoscaler_v2():
+            from ray.autoscaler.v2.sdk import get_cluster_status
+
+            status = get_cluster_status(ray.get_runtime_context().gcs_address)
+            return sum(r.count for r in status.pending_launches) + len(status.pending_nodes)
+        from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        raw = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+        return pending_in_report(json.loads(raw), time.time()) if raw else 0
+    except Exception:  # noqa: BLE001 -- an autoscaler we cannot read is one that adds nothing we can wait for
+        return 0
+
+
+def wait_for_workers(params: Params, *, gpu: bool, pending=pending_nodes, poll_s: float = 10.0,
+                     say=sys.stdout.write) -> None:
+    """Reserve the workers' bundles, then release them for Ray Train; give up ``ray.resources_timeout_s`` after the
+    autoscaler last had a node on its way (:func:`pending_nodes`).
+
+    Ray Train V2 waits for a worker group's resources and retries the wait forever; this puts a bound on it that
+    knows about autoscaling: while nodes are launching or booting (a cold cluster: instances boot, mount the shared
+    storage, install the project) the wait goes on, with a progress line a minute; with nothing on its way, it
+    ends after ``ray.resources_timeout_s`` in a :class:`ClusterError` naming the wait, never a silent hang.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle: dict[str, Any] = {"CPU": params.ray.cpus_per_worker, **({"GPU": 1} if gpu else {})}
+    group = placement_group([bundle] * params.ray.num_workers, strategy="PACK")
+    timeout = params.ray.resources_timeout_s
+    start = last_pending = time.monotonic()
+    told = -float("inf")  # the first line at once, then one a minute
+    try:
+        while not group.wait(timeout_seconds=max(0.1, min(poll_s, last_pending + timeout - time.monotonic()))):
+            now = time.monotonic()
+            coming = pending()
+            if coming:
+                last_pending = now
+                if now - told >= 60.0:
+                    told = now
+                    say(f"[ray] waiting for {params.ray.num_workers} worker(s) of {bundle}: the autoscaler is adding "
+                        f"{coming} node(s) ({now - start:.0f} s so far)\n")
+            elif now >= last_pending + timeout:
+                free = ray.available_resources()
+                have = ", ".join(f"{free.get(k, 0):g} {k}" for k in ("CPU", "GPU"))
+                raise ClusterError(
+                    f"waited {now - start:.0f} s for {params.ray.num_workers} worker(s) of {bundle} (ray.num_workers, "
+                    f"ray.cpus_per_worker, ray.use_gpu), {timeout:g} s (ray.resources_timeout_s) of them with no node "
+                    f"on its way, and the cluster never had them free (free now: {have}); wait for other jobs to "
+                    "finish, raise ray.resources_timeout_s, or ask for fewer resources")
+    finally:
+        remove_placement_group(group)
+
+
+def _ray_up() -> bool:
+    """This process is connected to a Ray already (e.g. ``transfusion rehearse``'s, which may declare GPUs)."""
+    if "ray" not in sys.modules:
+        return False
+    import ray
+
+    return ray.is_initialized()
+
+
+def connect(params: Params, root: Any = None, *, tracking: bool = True, cpus_per_worker: float | None = None,
+            trial_cpu: float = 0.0, what: str = "pretraining") -> tuple[bool, list[NodeType]]:
+    """What every Ray stage does first, cheapest check first; returns whether the workers train on GPUs, and the
+    cluster's node types as checked (read once: callers size their concurrency from them).
+
+    1. the tracking store (``root``'s, or ``MLFLOW_TRACKING_URI``) answers and is sound, before Ray starts;
+    2. for a local Ray, the request fits this machine (exit 2 before Ray starts);
+    3. connect (bounded by ``ray.connect_timeout_s``);
+    4. the request fits the cluster at the largest size it can reach (exit 2).
+    """
+    if tracking:
+        from pipeline.runs.tracking import check_reachable, tracking_uri
+
+        check_reachable(tracking_uri(root))
+    request = {"cpus_per_worker": cpus_per_worker, "trial_cpu": trial_cpu, "what": what}
+    if address_of(params) is None and not _ray_up():  # a Ray this process already runs is checked below, as it is
+        local = local_nodes()
+        check_request(params, gpu=use_gpu(params, cluster_gpus(local)), nodes=local, **request)
+    init_ray(params)
+    from pipeline.runs.resources import cluster_from_ray
+
+    nodes = cluster_from_ray()
+    gpu = use_gpu(params, cluster_gpus(nodes))
+    check_request(params, gpu=gpu, nodes=nodes, **request)
+    return gpu, nodes
+
+
+def start_local_ray(num_gpus: int = 0, **init: Any) -> None:
+    """Start this process's local Ray on this machine's CPUs, declaring ``num_gpus`` GPUs it may not have (as
+    ``ray start --num-gpus N`` does): Ray schedules workers on them exactly as on real GPUs (``CUDA_VISIBLE_DEVICES``,
+    ``ray.get_gpu_ids()``), and ``ray.backend: gloo`` trains them on the CPU. The stages then use this Ray.
+
+    Its GCS port and the address every process of the job gets are :func:`init_ray`'s for a local Ray: Ray Train's
+    placement-group cleaner, which removes the workers' bundles of a run whose trial ended (ASHA, Ctrl-C), finds
+    this Ray also while other local Rays run (without, it cannot, and the bundles stay taken). ``init``: more
+    ``ray.init`` arguments (``num_cpus``, ``object_store_memory``)."""
+    import ray
+
+    from pipeline.host import usable_cpus
+
+    if ray.is_initialized():
+        return
+    with _local_gcs_port(None) as extra:
+        ray.init(**{"num_cpus": usable_cpus(), "num_gpus": num_gpus, "log_to_driver": True,
+                    "configure_logging": False, **init, **extra})

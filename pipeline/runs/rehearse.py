@@ -1,0 +1,198 @@
+"""Rehearse a shipped params file on one machine before renting a cluster: its jobs end to end, shrunk only in size.
+
+What fails on a cluster is a *control* setting (a kNN check every 10 epochs, ASHA and its grace period, checkpoints
+every 5 epochs, retries, several workers per trial, the loss, the mode, the head); what a laptop cannot hold is a
+*size* (CIFAR-10, ResNet-18, 200 epochs, a 240-point grid, 3 CPUs and a GPU per worker). A rehearsal keeps every
+control key as the file ships it and changes only the keys of :data:`SIZE_KEYS`, each within its rule:
+
+- data, backbone and width: anything (digits and ``cnn_small`` by default);
+- epochs: at least 2 (an epoch inside the run, and the last); with ASHA, ``sweep.epochs`` beyond
+  ``sweep.grace_period`` (else ASHA would never stop a trial, and the rehearsal would not rehearse it);
+- grid lengths (``sweep.depth``/``batch_size``/``strength``/``lr``, ``tables.rows``): a non-empty subset of the
+  shipped values, in their order (never a value the file does not have);
+- ``ray.num_workers``: at most the shipped count and at least ``min(shipped, 2)`` (several workers stay several);
+- CPUs per worker: anything (fractional, so that the workers fit this machine);
+- the storage path; GPUs: ``ray.use_gpu: false`` when the rehearsal declares none, ``ray.backend: gloo`` when it
+  declares some (a node that declares GPUs it does not have trains on its CPU, scheduled as on GPUs).
+
+:func:`plan` turns a params file and overrides into the shrunk params (defaults from :func:`default_sizes`), or a
+:class:`RehearsalError` naming the key and its rule (exit 2). ``transfusion rehearse`` (``stages/rehearse.py``) runs
+the file's jobs on them: ``prepare``, ``pretrain``, ``evaluate``, ``report`` and ``sweep``, and ``tables`` when the
+file has a ``tables`` section. Pure: no Ray, no MLflow.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config.base import ParamsError, parse_override, read_params_file
+from pipeline.config.params import validate_params
+from pipeline.config.tables import TablesConfig
+
+TRIAL_CPU = 0.25  # a sweep trial's own CPUs (pipeline.runs.sweep.TRIAL_CPU; tests/runs/test_rehearse.py checks they agree)
+GRID_KEYS = ("sweep.depth", "sweep.batch_size", "sweep.strength", "sweep.lr", "tables.rows")
+
+#: The keys a rehearsal may change, and the rule each follows (see the module docstring). Everything else is control.
+SIZE_KEYS: dict[str, str] = {
+    "data.dataset": "data", "data.root": "data", "data.limit_train": "data", "data.limit_test": "data",
+    "data.image_size": "data", "data.synthetic.n_samples": "data", "data.synthetic.dim": "data",
+    "probe.max_train": "data", "probe.tsne_points": "data", "probe.affinity_points": "data",
+    "model.backbone": "backbone", "model.weights": "backbone", "model.embed_dim": "width", "model.hidden_dim": "width",
+    "train.epochs": "epochs", "sweep.epochs": "epochs",
+    **{k: "grid" for k in GRID_KEYS},
+    "ray.num_workers": "workers",
+    "ray.cpus_per_worker": "cpus", "sweep.cpus_per_worker": "cpus",
+    "ray.storage_path": "storage",
+    "ray.use_gpu": "gpus", "ray.backend": "gpus",
+}
+JOBS = ("prepare", "pretrain", "evaluate", "report", "sweep", "tables")  # what a params file runs (tables: its rows,
+# or the paper's rows every file has by default)
+
+
+class RehearsalError(ParamsError):
+    """A rehearsal asked to change a control key, or a size beyond its rule; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    raw: dict[str, Any]  # the shrunk params file (what the jobs read)
+    changed: dict[str, Any]  # every key the rehearsal changed, with its new value
+    jobs: tuple[str, ...]
+
+
+def get(raw: dict[str, Any], dotted: str) -> Any:
+    node: Any = raw
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    *path, last = dotted.split(".")
+    node = raw
+    for part in path:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def _quarter_floor(x: float) -> float:
+    return max(0.25, math.floor(x * 4 + 1e-9) / 4)
+
+
+def with_default_rows(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with ``tables.rows`` as the jobs see them: the file's, else the paper's rows (the default)."""
+    if get(raw, "tables.rows"):
+        return raw
+    out = copy.deepcopy(raw)
+    out.setdefault("tables", {})["rows"] = [r.model_dump(exclude_none=True) for r in TablesConfig().rows]
+    return out
+
+
+def default_sizes(shipped: dict[str, Any], cpus: int, gpus: int = 0) -> dict[str, Any]:
+    """The sizes a rehearsal uses unless told otherwise, from the shipped file and this machine's ``cpus`` (and the
+    ``gpus`` it declares): digits (512 train images), ``cnn_small`` of width 16, the fewest epochs that still pass
+    through every control (a periodic checkpoint, an epoch without kNN, ASHA's first rung), the first two values of
+    each grid axis (one strength: the file's strongest, one lr), every row of the file's own tables (of the paper's
+    default rows, the 1-layer TransFusion of each table), workers cut to at most 2 (never below the shipped count's
+    min with 2) of CPUs that let two trials run at once."""
+    sizes: dict[str, Any] = {
+        "data.dataset": "digits", "data.root": "data/raw", "data.limit_train": 512, "data.limit_test": 200,
+        "data.image_size": None, "model.backbone": "cnn_small", "model.weights": None, "model.embed_dim": 16,
+        "probe.max_train": 500, "probe.tsne_points": 200, "probe.affinity_points": 200,
+        "ray.storage_path": "ray_results",
+    }
+    train = shipped.get("train", {})
+    sizes["train.epochs"] = min(int(train.get("epochs", 2)), max(2, int(train.get("checkpoint_every", 1) or 1) + 1))
+    sweep = shipped.get("sweep", {})
+    if sweep.get("asha"):
+        sizes["sweep.epochs"] = min(int(sweep.get("epochs", 2)), int(sweep.get("grace_period", 1)) + 2)
+    else:
+        sizes["sweep.epochs"] = min(int(sweep.get("epochs", 2)), 2)
+    limit = sizes["data.limit_train"]
+    for key, take in (("sweep.depth", 2), ("sweep.batch_size", 2), ("sweep.lr", 1)):
+        values = list(get(shipped, key) or [])
+        if key == "sweep.batch_size":
+            values = [b for b in values if b <= limit] or values[:1]
+        if values:
+            sizes[key] = values[:take]
+    if get(shipped, "sweep.strength"):
+        sizes["sweep.strength"] = [max(get(shipped, "sweep.strength"))]
+    if not get(shipped, "tables.rows"):
+        sizes["tables.rows"] = [r for r in with_default_rows(shipped)["tables"]["rows"]
+                                if r["name"] == "TransFusion 1-Layer"]
+    workers = int(get(shipped, "ray.num_workers") or 1)
+    workers = min(workers, 2)
+    sizes["ray.num_workers"] = workers
+    each = _quarter_floor((cpus / 2 - TRIAL_CPU) / workers)  # two trials (their functions and workers) at once
+    for key in ("ray.cpus_per_worker", "sweep.cpus_per_worker"):
+        shipped_cpus = get(shipped, key)
+        sizes[key] = min(float(shipped_cpus), each) if shipped_cpus is not None else each
+    if gpus > 0:
+        sizes["ray.backend"] = "gloo"
+    else:
+        sizes["ray.use_gpu"] = False
+    return sizes
+
+
+def violation(shipped: dict[str, Any], key: str, value: Any, gpus: int = 0) -> str | None:
+    """Why ``key=value`` is not a size a rehearsal may set (one sentence naming the key), or None."""
+    kind = SIZE_KEYS.get(key)
+    if kind is None:
+        return (f"{key} is a control key: a rehearsal keeps it as the file ships it ({get(shipped, key)!r}); it may "
+                f"change only the size keys {', '.join(SIZE_KEYS)}")
+    old = get(shipped, key)
+    if kind == "epochs" and not (isinstance(value, int) and value >= 2):
+        return f"{key}: {value!r}; a rehearsal trains at least 2 epochs (an epoch inside the run, and the last)"
+    if kind == "grid":
+        old = list(old or [])
+        new = value if isinstance(value, list) else None
+        if not new or any(v not in old for v in new) or sorted(new, key=old.index) != new:
+            return (f"{key}: {value!r}; a rehearsal shortens a grid to a non-empty subset of the shipped values "
+                    f"{old!r}, in their order")
+    if kind == "workers":
+        old = int(old or 1)
+        if not (isinstance(value, int) and min(old, 2) <= value <= old):
+            return (f"{key}: {value!r}; a rehearsal keeps between {min(old, 2)} and {old} workers (the file ships "
+                    f"{old}: several workers stay several)")
+    if key == "ray.use_gpu" and gpus == 0 and value:
+        return "ray.use_gpu: true needs GPUs: declare them (--gpus N) or keep ray.use_gpu: false"
+    if key == "ray.backend" and value not in ("gloo", old):
+        return f"ray.backend: {value!r}; a rehearsal keeps {old!r} or trains on gloo (GPUs it only declares)"
+    return None
+
+
+def plan(path: str | Path, overrides: Iterable[str] = (), *, cpus: int = 2, gpus: int = 0) -> Plan:
+    """The rehearsal of ``path``: the shipped file with :func:`default_sizes` and then ``overrides`` (``key=value``
+    as ``-S``) applied, validated as params. Raises :class:`RehearsalError` naming every key that is not a size or
+    breaks its rule, and :class:`ParamsError` for params that are invalid anyway."""
+    shipped = with_default_rows(read_params_file(path))
+    changed = default_sizes(read_params_file(path), cpus, gpus)
+    problems = []
+    for text in overrides:
+        parts, value = parse_override(text)
+        key = ".".join(parts)
+        reason = violation(shipped, key, value, gpus)
+        if reason:
+            problems.append(reason)
+        else:
+            changed[key] = value
+    raw = copy.deepcopy(shipped)
+    for key, value in changed.items():
+        if key not in ("sweep.lr",) or get(shipped, key):
+            _set(raw, key, value)
+    sweep = raw.get("sweep", {})
+    if sweep.get("asha") and int(sweep.get("epochs", 0)) <= int(sweep.get("grace_period", 0)):
+        problems.append(f"sweep.epochs: {sweep['epochs']} with sweep.asha and sweep.grace_period "
+                        f"{sweep['grace_period']}; a rehearsal runs more epochs than the grace period, or ASHA would "
+                        "never stop a trial")
+    if problems:
+        raise RehearsalError(f"cannot rehearse {path}:\n  " + "\n  ".join(problems))
+    validate_params(raw, source=f"{path} as rehearsed")
+    return Plan(raw=raw, changed={k: get(raw, k) for k in changed}, jobs=JOBS)

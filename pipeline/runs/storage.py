@@ -1,0 +1,214 @@
+"""What every node of a Ray cluster shares: the run storage (``ray.storage_path``), and what we keep there.
+
+Ray Train already requires ``ray.storage_path`` to be storage every node sees (an NFS/EFS mount at the same path
+on every node, or a URI such as ``s3://bucket/prefix``): checkpoints go there. The driver therefore *stages* the
+prepared data there too, content-addressed by the manifest's file digests::
+
+    <storage>/prepared-data/<digest>/{manifest.json, train_x.npy, train_y.npy, test_x.npy, test_y.npy}
+
+and every worker loads it from there, after checking that the copy it sees is the one the driver saw (the file
+digests of its manifest, then each file's sha256). A worker on a node that does not see the storage fails with a
+message naming its node and the path, instead of training on a stale local copy or dying in a traceback. On one
+machine with local storage the staged copy is a hard link when the file system allows (no second copy). A worker
+whose training set exceeds its data budget maps the files (``fetch_prepared(..., mmap=True)``) instead of reading
+them: on shared storage every worker of a node then shares the same pages, and reads only the rows it trains on.
+
+Also here: the run status a worker leaves for the driver (``transfusion_status.json`` in the Ray run directory),
+readable wherever the run directory lives.
+
+Pure orchestration: pyarrow's file systems (a Ray dependency) for URIs, no Ray, no MLflow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pipeline.data.sources import MANIFEST, PREPARED_FILES, Dataset, DatasetError, load_prepared
+
+STAGED = "prepared-data"
+STATUS_FILE = "transfusion_status.json"
+CACHE_ENV = "TRANSFUSION_DATA_CACHE"  # where workers keep downloads of remote staged data (default: the temp dir)
+
+
+class StorageError(RuntimeError):
+    """``ray.storage_path`` cannot hold the run storage (a path under a regular file, no permission, ...)."""
+
+
+def check_storage(storage: str) -> None:
+    """Fail fast, before Ray starts, when a local ``ray.storage_path`` cannot be a directory: one paragraph naming the
+    key, the path and the reason, instead of an ``OSError`` traceback from the first write. Creates nothing: the
+    nearest existing directory on the path must be writable, and nothing on the way a file. (A URI's bucket is
+    checked by its first write.)"""
+    if is_uri(storage):
+        return
+    path = Path(storage).absolute()
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir():
+        why = f"{existing} is a file, not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"no permission to write in {existing}" if existing != path else "no permission to write there"
+    else:
+        return
+    raise StorageError(f"ray.storage_path: {storage} cannot hold the run storage ({why}); point ray.storage_path "
+                       "at a directory this machine can write and, on a cluster, every node sees (an NFS/EFS "
+                       "mount or s3://bucket/prefix)")
+
+
+def is_uri(path: str) -> bool:
+    return "://" in path
+
+
+def join(base: str, *parts: str) -> str:
+    """Join path parts onto a local path or a URI (``s3://b/p`` + ``x`` -> ``s3://b/p/x``)."""
+    return "/".join([base.rstrip("/"), *parts]) if is_uri(base) else os.path.join(base, *parts)
+
+
+def _fs(path: str) -> tuple[Any, str]:
+    from pyarrow import fs as pafs
+
+    if is_uri(path):
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), path
+
+
+def data_digest(manifest: dict[str, Any]) -> str:
+    """A name for one version of the prepared data: the sha256 of its files' digests."""
+    files = {name: f["sha256"] for name, f in sorted(manifest["files"].items())}
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or links not allowed
+        shutil.copyfile(src, dst)
+
+
+def stage_prepared(data_dir: Path, storage: str) -> str:
+    """Put the prepared data in ``data_dir`` on the run storage (once per data version); returns its location.
+
+    The manifest is written last, so a torn staging is seen as missing (and staged again), never as complete.
+    """
+    manifest = json.loads((data_dir / MANIFEST).read_text())
+    dest = join(storage, STAGED, data_digest(manifest))
+    if staged_manifest(dest) == manifest:
+        return dest
+    names = (*PREPARED_FILES, MANIFEST)
+    if not is_uri(dest):
+        Path(dest).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".staging-", dir=Path(dest).parent))
+        for name in names:
+            _link_or_copy(data_dir / name, tmp / name)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)
+        return dest
+    filesystem, path = _fs(dest)
+    filesystem.create_dir(path, recursive=True)
+    for name in names:  # manifest last
+        _copy(lambda n=name: open(data_dir / n, "rb"), lambda n=name: filesystem.open_output_stream(f"{path}/{n}"))
+    return dest
+
+
+def _copy(open_src: Any, open_dst: Any) -> None:
+    with open_src() as src, open_dst() as out:
+        shutil.copyfileobj(src, out, 1 << 20)
+
+
+def staged_manifest(location: str) -> dict[str, Any] | None:
+    """The manifest of a staged copy, or None if there is none (or it is unreadable)."""
+    return _read_json(location, MANIFEST)
+
+
+def _read_json(location: str, name: str) -> dict[str, Any] | None:
+    """``<location>/<name>`` (a local path or a URI) parsed as JSON, or None if missing or unreadable."""
+    try:
+        filesystem, path = _fs(location)
+        with filesystem.open_input_stream(f"{path}/{name}") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _node() -> str:
+    """``node 1a2b3c4d5e6f (host)`` where this runs (Ray's node id when inside Ray)."""
+    host = socket.gethostname()
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return f"node {ray.get_runtime_context().get_node_id()[:12]} ({host})"
+    except Exception:  # not in Ray, or no runtime context
+        pass
+    return f"host {host}"
+
+
+def fetch_prepared(location: str, expected: dict[str, Any], mmap: bool = False) -> Dataset:
+    """Load the staged prepared data on a worker, checking it is the copy the driver saw.
+
+    ``expected``: the driver's manifest; ``mmap``: map the inputs instead of reading them
+    (:func:`pipeline.data.sources.load_prepared`; a remote copy is downloaded to this node's disk first).
+    Raises :class:`DatasetError` naming this node and the path when the copy is missing, is another version, or a
+    file's sha256 disagrees (a torn or modified copy).
+    """
+    fix = ("ray.storage_path must be storage that every node sees at the same path (an NFS/EFS mount) or a URI "
+           "such as s3://bucket/prefix; the driver stages the prepared data there")
+    seen = staged_manifest(location)
+    if seen is None:
+        raise DatasetError(f"{_node()} cannot see the prepared data at {location} (no {MANIFEST} there); {fix}")
+    if seen.get("files") != expected.get("files"):
+        raise DatasetError(f"{_node()} sees another version of the prepared data at {location} (its file digests "
+                           f"differ from those the driver staged); rerun the stage, and check that {fix}")
+    local = Path(location)
+    if is_uri(location):
+        local = _download(location, data_digest(expected))
+    try:
+        return load_prepared(local, verify=True, mmap=mmap)
+    except DatasetError as exc:
+        raise DatasetError(f"{_node()}: {exc}") from exc
+
+
+def _download(location: str, digest: str) -> Path:
+    cache = Path(os.environ.get(CACHE_ENV) or tempfile.gettempdir(), "transfusion-data", digest)
+    if (cache / MANIFEST).is_file():
+        return cache  # load_prepared(verify=True) still checks every file
+    filesystem, path = _fs(location)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.parent / f".{digest}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    for name in (*PREPARED_FILES, MANIFEST):
+        _copy(lambda n=name: filesystem.open_input_stream(f"{path}/{n}"), lambda n=name: open(tmp / n, "wb"))
+    try:
+        os.replace(tmp, cache)
+    except OSError:  # another worker on this node won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cache
+
+
+# ------------------------------------------------------------------------------------------------- run status
+def write_status(run_dir: str, status: dict[str, Any]) -> None:
+    """Leave a status (e.g. ``{"error": "non_finite", "message": ..., "epoch": 3}``) in a Ray run directory."""
+    filesystem, path = _fs(run_dir)
+    filesystem.create_dir(path, recursive=True)
+    with filesystem.open_output_stream(f"{path}/{STATUS_FILE}") as f:
+        f.write(json.dumps(status).encode())
+
+
+def read_status(run_dir: str) -> dict[str, Any] | None:
+    """The status a worker left in ``run_dir`` (a local path or a URI), or None."""
+    return _read_json(run_dir, STATUS_FILE)
+
+
+def clear_status(run_dir: str) -> None:
+    try:
+        filesystem, path = _fs(run_dir)
+        filesystem.delete_file(f"{path}/{STATUS_FILE}")
+    except (OSError, ValueError):
+        pass

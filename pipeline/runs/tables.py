@@ -1,0 +1,398 @@
+"""The paper's Tables 1-2 as one Ray Tune job: an explicit list of rows, each a Ray Train pretraining run whose
+frozen backbone is then probed as the paper does.
+
+- Rows (``tables.rows``, :class:`pipeline.config.tables.TableRow`): a name, a table (1: self-supervised, 2: supervised) and
+  params overrides on the file's ``model``/``loss``/``augment``/``train``. :func:`resolve_rows` turns each into full,
+  validated params before any work (a row's mode must be its table's; a loss must suit the mode; ...).
+- One Tune job (``grid_search`` over the rows), each trial :func:`pipeline.runs.sweep.fit_trial` (the sweep's Train
+  trial), then, in the trial, the paper's probes on the frozen backbone (3-layer FFN 256/128/64, SVM, kNN k=50 and
+  k=200, 100 % of the labels: :func:`probe_backbone`), reported to Tune as the trial's last result.
+- Cost per row: the Train run's wall time × its GPUs (GPU-hours), or × its workers on a CPU-only cluster
+  (worker-hours); the table labels the column accordingly.
+- MLflow, from the driver (:class:`TablesTracker`, the sweep's tracker): one parent run, one child per row with its
+  per-epoch metrics, its probe accuracies and its hours; FAILED with the reason for a row that failed.
+- :func:`render` lays the two tables out as the paper does, our row under the paper's row it reproduces.
+
+Probes run after training where the row's resources are (:func:`probe_where_trained`: in the trial of a one-worker
+row, as a Ray task of one worker's CPUs and GPU for a row of several workers); ``probe.max_train`` caps their
+training set (null: the paper's 100 % of the labels).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ray import tune
+
+from pipeline.config.base import ParamsError, flatten
+from pipeline.config.params import Params
+from pipeline.evaluation.report import HEADER, NA, PAPER_TABLES, RULE, fmt_cell, fmt_minutes, table_row
+from pipeline.runs import tracking as trk
+from pipeline.runs.sweep import (
+    COUNT_ENV,
+    TRIAL_CPU,
+    SweepResult,
+    SweepTracker,
+    at_once,
+    checkpoint_history,
+    error_reason,
+    fit_trial,
+    inline,
+    log_trial_start,
+    max_concurrent,
+    parent_run,
+    say,
+    stable_name,
+    trial_fault,
+    trial_params,
+    trial_placement,
+    tune_job,
+)
+
+PROBES = ("ffn", "svm", "knn50", "knn200")  # the paper's columns, in the order of report.COLUMNS
+STAGE = "tables"
+COLUMNS = ("table", "name", "paper", "trial_id", "train.mode", "loss.name", "model.depth", "model.backbone",
+           "train.batch_size", "epochs", *PROBES, "train_minutes", "fit_seconds", "eval_seconds", "workers", "gpus",
+           "hours", "hours_unit", "probe_cpus", "probe_gpus", "status", "error")
+
+
+# ---------------------------------------------------------------------------------------------------- rows
+@dataclass(frozen=True)
+class Row:
+    index: int
+    name: str
+    table: int
+    paper: str | None  # the paper's row it stands beside (None: ours only)
+    overrides: dict[str, Any]
+    params: Params  # the file's base with the overrides, validated
+
+    def config(self) -> dict[str, Any]:
+        """What the Tune trial gets (plain values)."""
+        return {"index": self.index, "name": self.name, "table": self.table, "paper": self.paper,
+                "params": self.overrides}
+
+
+def base_params(params: Params) -> dict[str, Any]:
+    """What every row starts from: the file's params (its ``tables`` section left out)."""
+    return params.model_dump()
+
+
+def resolve_rows(params: Params, n_train: int | None = None) -> list[Row]:
+    """Every row's full params; raises :class:`ParamsError` naming each bad row and key, before any work."""
+    base = base_params(params)
+    modes = {1: "self_supervised", 2: "supervised"}
+    rows, problems = [], []
+    for i, r in enumerate(params.tables.rows):
+        where = f"tables.rows[{i}] ({r.name!r}, table {r.table})"
+        try:
+            p = trial_params(base, r.params, source=where)
+        except ParamsError as exc:
+            problems.append(str(exc))
+            continue
+        if p.train.mode != modes[r.table]:
+            problems.append(f"{where}: train.mode is {p.train.mode}, but table {r.table} is {modes[r.table]}; set "
+                            f"train.mode: {modes[r.table]} in the row's params (or move the row)")
+        if n_train is not None and p.train.batch_size > n_train:
+            problems.append(f"{where}: train.batch_size {p.train.batch_size} exceeds the training set ({n_train} "
+                            "samples)")
+        names = [n for n, *_ in PAPER_TABLES[r.table][1]]
+        if r.paper is not None and r.paper not in names:
+            problems.append(f"{where}: paper: {r.paper!r} is not a row of the paper's table {r.table} "
+                            f"({', '.join(names)}); use one of those or null")
+        paper = r.paper if r.paper is not None else (r.name if r.name in names else None)
+        rows.append(Row(i, r.name, r.table, paper, dict(r.params), p))
+    if problems:
+        raise ParamsError("invalid tables rows:\n  " + "\n  ".join(problems))
+    return rows
+
+
+def job_name(params: Params, manifest: dict[str, Any]) -> str:
+    """Stable name from everything that determines the job's result: the rows and their base, probes, data."""
+    keyed = {s: getattr(params, s).model_dump() for s in ("model", "loss", "augment", "train", "probe", "tables")}
+    keyed["ray"] = {"num_workers": params.ray.num_workers}
+    return stable_name(STAGE, keyed, manifest)
+
+
+def hours_unit(gpu: bool) -> str:
+    return "GPU-hours" if gpu else "worker-hours"
+
+
+# -------------------------------------------------------------------------------------------------- probes
+def probe_backbone(params: Params, data, model) -> tuple[dict[str, float], int]:
+    """The paper's probes on the frozen backbone embeddings, 100 % of the (``probe.max_train``-capped) train labels;
+    returns ({probe: test accuracy}, number of probe training samples)."""
+    import numpy as np
+
+    from pipeline.data.sources import stratified_subset
+    from pipeline.evaluation.evaluate import layer_embeddings, resolve_device
+    from pipeline.evaluation.probes import run_probes
+
+    p = params.probe
+    device = resolve_device(p.device)
+    model = model.to(device).eval()
+    idx = np.arange(len(data.train.y))
+    if p.max_train is not None and len(idx) > p.max_train:
+        idx = stratified_subset(data.train.y, p.max_train, seed=p.seed)
+    batch = params.train.batch_size
+    z_tr = layer_embeddings(model, data.train.x[idx], batch, device, p.seed)[0]  # [0]: the backbone
+    z_te = layer_embeddings(model, data.test.x, batch, device, p.seed)[0]
+    results = run_probes(z_tr, data.train.y[idx].numpy(), z_te, data.test.y.numpy(), probes=PROBES, fractions=(1.0,),
+                         seed=p.seed)
+    return {r.probe: r.accuracy for r in results}, len(idx)
+
+
+# --------------------------------------------------------------------------------------------------- trial
+def row_labels(row: dict[str, Any]) -> dict[str, Any]:
+    """A row's identity (MLflow params of its child run, fault matching in tests)."""
+    return {"table": row["table"], "row": row["name"], **row["params"]}
+
+
+def probe_row(params: dict[str, Any], data_dir: str, manifest: dict[str, Any],
+              model_state: dict[str, Any]) -> tuple[dict[str, float], int, dict[str, float]]:
+    """A row's probes on its trained model (:func:`probe_backbone`), wherever this runs; also returns the Ray
+    resources it ran with (``{"CPU": 3.0, "GPU": 1.0}``)."""
+    import ray
+
+    from pipeline.core.model import build_model
+    from pipeline.runs.storage import fetch_prepared
+
+    p = Params.model_validate(params, strict=False)
+    data = fetch_prepared(data_dir, manifest)
+    model = build_model(p.model, data.input_shape)
+    model.load_state_dict(model_state)
+    accuracies, n_probe = probe_backbone(p, data, model)
+    held = ray.get_runtime_context().get_assigned_resources() if ray.is_initialized() else {}
+    return accuracies, n_probe, {k: float(v) for k, v in held.items() if k in ("CPU", "GPU")}
+
+
+def probe_where_trained(params: Params, fixed: dict[str, Any], model_state: dict[str, Any]):
+    """Run :func:`probe_row` where the row's resources are: a one-worker row in its trial, which holds the worker's
+    bundle (its CPUs and GPU); a row of several workers, whose trial function holds only ``TRIAL_CPU`` on the head,
+    as a Ray task with one worker's resources, scheduled like the row's workers (on a GPU node when they train on
+    GPUs) once its Ray Train run has released them."""
+    args = (params.model_dump(), fixed["data"], fixed["manifest"], model_state)
+    if inline(params):
+        return probe_row(*args)
+    import ray
+
+    # "DEFAULT": outside the trial's placement group (Tune's capture of child tasks would put it there, where only
+    # the trial's own TRIAL_CPU is)
+    task = ray.remote(probe_row).options(num_cpus=params.ray.cpus_per_worker, num_gpus=1 if fixed["use_gpu"] else 0,
+                                         max_retries=0, scheduling_strategy="DEFAULT")
+    return ray.get(task.remote(*args))
+
+
+def _row_trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
+    """One row: the sweep's Train trial on the row's params, then the probes; reported to Tune as the last result."""
+    row = config["row"]
+    trial_id = tune.get_context().get_trial_id()
+    labels = row_labels(row)
+    log_trial_start(fixed, trial_id, labels)
+    params = trial_params(fixed["base"], row["params"], source=f"tables row {row['name']!r}")
+    run = fit_trial(params, fixed, trial_id, trial_fault(fixed.get("fault"), labels))
+    state = run.state
+    start = time.time()
+    accuracies, n_probe, held = probe_where_trained(params, fixed, state["model"])
+    history = state["history"]
+    knn = [h["knn_acc"] for h in history if h.get("knn_acc") is not None]
+    workers = params.ray.num_workers
+    tune.report({
+        "evaluated": 1, "epoch": int(state["epoch"]), "knn_acc": knn[-1] if knn else math.nan,
+        **{f"probe.{k}": v for k, v in accuracies.items()}, "n_probe_train": n_probe,
+        "train_seconds": float(sum(h["seconds"] for h in history)), "fit_seconds": run.seconds,
+        "eval_seconds": time.time() - start, "workers": workers, "gpus": workers if fixed["use_gpu"] else 0,
+        "hours": run.seconds * workers / 3600, "checkpoint_path": run.checkpoint_path,
+        "probe_cpus": held.get("CPU", 0.0), "probe_gpus": held.get("GPU", 0.0),
+    })
+
+
+class TablesTracker(SweepTracker):
+    """The sweep's driver-side tracker, for rows: a child run per row, and the row's probes and hours at its end."""
+
+    PREFIX = "[tables]"
+    STAGE = "tables-row"
+
+    def __init__(self, *args: Any, unit: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.unit = unit
+
+    def labels(self, config: dict[str, Any]) -> dict[str, Any]:
+        return row_labels(config["row"])
+
+    def child_name(self, config: dict[str, Any]) -> str:
+        """A row's MLflow run name: ``TransFusion 9-Layer (table 1)``."""
+        return trk.row_label(config["row"]["name"], config["row"]["table"])
+
+    def epochs_of(self, trial) -> int:
+        return int(trial.config["row"]["params"].get("train.epochs", self.epochs))
+
+    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        row = trial.config["row"]
+        params = ", ".join(f"{k} {v}" for k, v in row["params"].items())
+        say(f"{self.PREFIX} {self._done(trials)} done; trial {trial.trial_id} started: table {row['table']} "
+            f"{row['name']!r} ({params})")
+        self._child(trial)
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        if not result.get("evaluated"):
+            return super().on_trial_result(iteration, trials, trial, result, **info)
+        row = trial.config["row"]
+        probes = {k: result[f"probe.{k}"] for k in PROBES}
+        accs = ", ".join(f"{k} {fmt_cell(NA if v is None else v)}" for k, v in probes.items())
+        say(f"{self.PREFIX} table {row['table']} {row['name']!r}: {accs}; trained "
+            f"{fmt_minutes(result['train_seconds'] / 60)} min, {result['hours']:.2g} {self.unit}")
+        child = self._child(trial)
+        if child:
+            keys = [f"probe.{k}" for k in PROBES] + ["train_seconds", "fit_seconds", "eval_seconds", "hours"]
+            trk.log_epoch(self.uri, child, {k: result[k] for k in keys}, step=int(result["epoch"]))
+            trk.set_tags(child, {"hours_unit": self.unit}, uri=self.uri)
+
+
+# -------------------------------------------------------------------------------------------------- driver
+def collect(grid, rows: list[Row], unit: str) -> list[dict[str, Any]]:
+    """One record per row (in the order of ``tables.rows``): its params, accuracies (None: not computed), cost."""
+    by_index = {r.index: r for r in rows}
+    out = []
+    for result in grid:
+        row = by_index[result.config["row"]["index"]]
+        # the row's evaluation, also if Tune received the last epoch's metrics after it (they travel separately)
+        reported = [] if result.metrics_dataframe is None else result.metrics_dataframe.to_dict("records")
+        evaluated = [h for h in reported if h.get("evaluated") == 1]
+        m = evaluated[-1] if evaluated else (result.metrics or {})
+        p = row.params
+        done = result.error is None and bool(m.get("evaluated"))
+        history = checkpoint_history(m.get("checkpoint_path")) or []
+        out.append({
+            "index": row.index, "table": row.table, "name": row.name, "paper": row.paper,
+            "trial_id": Path(result.path).name.removeprefix("trial-"),
+            "train.mode": p.train.mode, "loss.name": p.loss.name, "model.depth": p.model.depth,
+            "model.backbone": p.model.backbone, "train.batch_size": p.train.batch_size,
+            "epochs": int(m["epoch"]) if done else max((int(h["epoch"]) for h in history), default=0),
+            **{k: (m.get(f"probe.{k}") if done else None) for k in PROBES},
+            "train_minutes": m["train_seconds"] / 60 if done else None,
+            "fit_seconds": m.get("fit_seconds"), "eval_seconds": m.get("eval_seconds"),
+            "workers": p.ray.num_workers, "gpus": int(m["gpus"]) if done else None,
+            "hours": m.get("hours") if done else None, "hours_unit": unit,
+            "probe_cpus": m.get("probe_cpus") if done else None, "probe_gpus": m.get("probe_gpus") if done else None,
+            "status": "TERMINATED" if done else "ERROR",
+            "error": error_reason(result.error) if result.error else ("" if done else "no evaluation reported"),
+        })
+    return sorted(out, key=lambda r: r["index"])
+
+
+def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = True) -> tuple[SweepResult, str]:
+    """Run (or resume) the tables job; returns its result (``rows`` from :func:`collect`) and the hours' unit.
+
+    Raises :class:`ParamsError` for bad rows (before Ray and tracking) and :class:`pipeline.runs.sweep.SweepError` if the
+    job was interrupted or every row failed.
+    """
+    from pipeline.runs.cluster import connect
+    from pipeline.runs.storage import check_storage, stage_prepared
+    from pipeline.runs.train import FAULT_ENV, storage_location
+
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    rows = resolve_rows(params, manifest.get("n_train"))
+    name = job_name(params, manifest)
+    storage = storage_location(params, root)
+    check_storage(storage)
+    gpu, nodes = connect(params, root, tracking=tracking, trial_cpu=TRIAL_CPU, what="a tables row")
+    uri = exp = parent = None
+    if tracking:  # the parent run only once the cluster can serve the job
+        logged = {**{k: v for k, v in flatten(params).items() if k.split(".")[0] in ("model", "loss", "augment",
+                                                                                        "train", "probe")},
+                  **{f"tables.{r.table}.{r.name}": json.dumps(r.overrides, sort_keys=True) for r in rows}}
+        uri, exp, parent = parent_run(params, root, name, stage=STAGE, logged=logged, manifest=manifest,
+                                      data_dir=data_dir, title=trk.tables_label([r.table for r in rows]))
+    unit = hours_unit(gpu)
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    fixed = {"base": base_params(params), "data": stage_prepared(data_dir, storage), "manifest": manifest,
+             "storage": storage, "use_gpu": gpu, "count_file": os.environ.get(COUNT_ENV),
+             "fault": os.environ.get(FAULT_ENV)}
+    space = {"row": tune.grid_search([r.config() for r in rows])}
+    base = fixed["base"]
+    trainable = tune.with_resources(  # a row's workers may differ from the base's: its own placement
+        tune.with_parameters(_row_trial, fixed=fixed),
+        lambda config: trial_placement(trial_params(base, config["row"]["params"]), gpu))
+    tracker = TablesTracker(params.train.epochs, uri, exp, parent, unit=unit)
+    concurrent = max_concurrent(as_sweep(params), nodes, gpu, len(rows))
+    announce = (f"[tables] {name}: {len(rows)} rows (table 1: {sum(r.table == 1 for r in rows)}, table 2: "
+                f"{sum(r.table == 2 for r in rows)}), up to {concurrent} at a time, {'GPU' if gpu else 'CPU'} workers")
+    # no scheduler: results need not carry knn_acc (train.knn_every), and one-worker rows may reuse a process
+    grid, resumed, seconds = tune_job(trainable, space, name=name, storage=storage, tracker=tracker,
+                                      concurrent=concurrent, announce=announce, what="tables job", metric=None,
+                                      reuse_actors=all(inline(r.params) for r in rows))
+    records = collect(grid, rows, unit)
+    say(f"[tables] {len(records)} rows in {seconds:.0f} s, {at_once(tracker, concurrent)}")
+    return SweepResult(rows=records, name=name, mlflow_run_id=parent, seconds=seconds, resumed=resumed,
+                       concurrent=concurrent, peak=tracker.peak_at_once()), unit
+
+
+def as_sweep(params: Params) -> Params:
+    """The params as the sweep's concurrency rule reads them: a row's workers take ``ray.cpus_per_worker``, and
+    ``tables.max_concurrent_trials`` caps the rows at once."""
+    sweep = params.sweep.model_copy(update={"cpus_per_worker": params.ray.cpus_per_worker,
+                                            "max_concurrent_trials": params.tables.max_concurrent_trials})
+    return params.model_copy(update={"sweep": sweep})
+
+
+# ------------------------------------------------------------------------------------------------- outputs
+def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: str) -> str:
+    """``reports/TABLES.md``: Tables 1-2 in the paper's layout, each of our rows under the paper's row it reproduces
+    (ours in bold; "n/a": not computed), with the cost of each row in ``unit``."""
+    m, t = params.model, params.train
+    lines = [
+        "# The paper's Tables 1-2, reproduced",
+        "",
+        f"Ours: dataset **{dataset}**, backbone `{m.backbone}`, {t.epochs} epochs (unless a row says otherwise), "
+        f"augmentation `{params.augment.preset}`, {params.ray.num_workers} worker(s) per row. Probes on the frozen "
+        "backbone embeddings of the test split (3-layer FFN 256/128/64, SVM, K-NN k=50 and k=200), fitted on 100 % "
+        "of the train labels" + (f" (at most {params.probe.max_train} samples)" if params.probe.max_train else "")
+        + ". Time: our training minutes. The paper's rows are CIFAR-10 with ResNet-18 for 200 epochs: compare "
+        "values only if ours is that recipe.",
+        "",
+    ]
+    failed = []
+    for table, (caption, paper_rows) in PAPER_TABLES.items():
+        ours = [r for r in records if r["table"] == table]
+        if not ours:
+            continue
+        lines += [f"## {caption}", "", HEADER + f" {unit} |", RULE + "---|"]
+        placed = set()
+        for name, batch, accs, minutes in paper_rows:
+            lines.append(table_row(f"paper: {name}", batch, accs, minutes, "-"))
+            for r in ours:
+                if r["paper"] == name and r["index"] not in placed and (
+                        r["train.batch_size"] == batch or not any(n == name and b == r["train.batch_size"]
+                                                                  for n, b, *_ in paper_rows)):
+                    lines.append(_our_row(r))
+                    placed.add(r["index"])
+        lines += [_our_row(r) for r in ours if r["index"] not in placed]
+        failed += [r for r in ours if r["status"] != "TERMINATED"]
+        lines.append("")
+    if failed:
+        lines += ["Rows that failed (their numbers are n/a):", ""]
+        lines += [f"- table {r['table']} **{r['name']}**: {r['error']}" for r in failed]
+        lines.append("")
+    lines += ["Rows and their params:", "", "| table | row | params |", "|---|---|---|"]
+    lines += [f"| {r.table} | {r.name} | `{json.dumps(r.params, sort_keys=True)}` |" for r in params.tables.rows]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _our_row(r: dict[str, Any]) -> str:
+    accs = tuple(NA if r[k] is None else r[k] for k in PROBES)
+    minutes = NA if r["train_minutes"] is None else float(r["train_minutes"])
+    hours = NA if r["hours"] is None else fmt_cell(float(r["hours"]))
+    return table_row(f"**ours: {r['name']}**", r["train.batch_size"], accs, minutes, hours)
+
+
+def csv_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``tables/results.csv`` rows: a number we could not compute is "n/a"."""
+    return [{k: NA if r.get(k) is None or (isinstance(r.get(k), float) and not math.isfinite(r[k])) else r[k]
+             for k in COLUMNS} for r in records]

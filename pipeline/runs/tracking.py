@@ -1,0 +1,495 @@
+"""MLflow tracking: where the store is, fail-fast reachability, one run per stage.
+
+Default store: ``sqlite:///<project root>/mlflow.db`` with artifacts in ``<project root>/mlartifacts``,
+both absolute, so Ray workers (whose cwd is under /tmp/ray) and ``dvc exp run --temp`` copies (under
+``.dvc/tmp/exps``) all write to the project's one store. ``MLFLOW_TRACKING_URI`` overrides it (e.g. a
+shared ``mlflow server``). Only the driver's node ever writes: the driver, and Ray Train's controller, which Ray
+places there (:func:`epoch_logger`).
+
+This is the one module that imports MLflow (tests/runs/test_tracking.py checks it): the stages and the sweep/tables
+jobs create, continue, log to and end their runs through the functions below.
+
+Runs are named by what they are (:func:`pretrain_label`, :func:`sweep_label`, :func:`point_label`,
+:func:`row_label`); the stable identity a job resumes by (``pretrain-<digest>``) is the tag :data:`IDENTITY_TAG`.
+The prepared data is each run's MLflow dataset input (:func:`dataset_input`; a child inherits its parent's). Under
+``dvc exp run`` every new run carries the DVC experiment's name and baseline commit (:func:`dvc_experiment_tags`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+EXPERIMENT = "transfusion"
+IDENTITY_TAG = "identity"  # the stable name a job resumes by (Ray's run name, ``pretrain-<digest>``)
+# the variables DVC sets for the stage commands of an experiment (dvc/env.py, dvc/repo/experiments/queue/base.py)
+DVC_EXP_NAME, DVC_EXP_BASELINE_REV = "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"
+DVC_EXP_TAGS = {DVC_EXP_NAME: "dvc.exp_name", DVC_EXP_BASELINE_REV: "dvc.exp_baseline"}
+SEP = " · "
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be used; the message names the URI."""
+
+
+def project_root(start: str | os.PathLike | None = None) -> Path:
+    """The real project root, also from inside a ``dvc exp run --temp`` copy under ``.dvc/tmp/exps``."""
+    path = Path(start or os.getcwd()).resolve()
+    parts = path.parts
+    for i in range(len(parts) - 3):
+        if parts[i : i + 3] == (".dvc", "tmp", "exps"):
+            return Path(*parts[:i])
+    return path
+
+
+def tracking_uri(root: Path | None = None) -> str:
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{(root or project_root()) / 'mlflow.db'}"
+
+
+def check_reachable(uri: str, timeout: float = 5.0) -> None:
+    """Fail fast, before any training, if the tracking store cannot be reached."""
+    if uri.startswith(("http://", "https://")):
+        url = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - user-given tracking URI
+                if resp.status != 200:
+                    raise TrackingError(f"MLflow tracking server {uri} answered {resp.status} on /health")
+        except (urllib.error.URLError, OSError) as exc:
+            raise TrackingError(
+                f"MLflow tracking server {uri} is unreachable ({exc}); start it or unset MLFLOW_TRACKING_URI "
+                "to use the project's sqlite store"
+            ) from exc
+    elif uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///"))
+        if not path.parent.is_dir():
+            raise TrackingError(f"MLflow tracking store {uri}: directory {path.parent} does not exist")
+        _check_sqlite(path, uri)
+
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def _check_sqlite(path: Path, uri: str) -> None:
+    """A store file that is not an SQLite database (or a damaged one) fails here in one paragraph, not deep in
+    SQLAlchemy. A missing or empty file is fine: MLflow creates its tables."""
+    if not path.exists() or (path.is_file() and path.stat().st_size == 0):
+        return
+    fix = (f"move {path} aside (MLflow starts a new store) or point MLFLOW_TRACKING_URI at a working store; "
+           "runs logged in it are lost unless you restore a backup")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except OSError as exc:
+        raise TrackingError(f"MLflow tracking store {uri} cannot be read ({exc.strerror or exc}); {fix}") from None
+    if head != SQLITE_MAGIC:
+        raise TrackingError(f"MLflow tracking store {uri} is not an SQLite database (it starts with {head[:8]!r}); "
+                            f"{fix}")
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+        try:
+            result = con.execute("PRAGMA quick_check").fetchone()
+        finally:
+            con.close()
+    except sqlite3.Error as exc:
+        raise TrackingError(f"MLflow tracking store {uri} is a damaged SQLite database ({exc}); {fix}") from None
+    if result is None or result[0] != "ok":
+        raise TrackingError(f"MLflow tracking store {uri} is a damaged SQLite database (quick_check: "
+                            f"{result[0] if result else 'no answer'}); {fix}")
+
+
+def _client(uri: str):
+    """An ``MlflowClient`` of ``uri``. Opening a new sqlite store creates its tables, which MLflow and alembic announce
+    line by line at INFO: here that is one line of ours instead."""
+    from mlflow import MlflowClient
+
+    path = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+    new = path is not None and (not path.exists() or path.stat().st_size == 0)
+    with _quiet("mlflow.store.db.utils", logging.WARNING), _quiet("alembic", logging.WARNING):
+        client = MlflowClient(uri)
+    if new:
+        print(f"[mlflow] new tracking store {path} (browse it with `transfusion ui`)")
+    return client
+
+
+def experiment_id(uri: str, root: Path | None = None, name: str = EXPERIMENT) -> str:
+    """Get or create the project's experiment; local stores get an absolute artifact location.
+
+    The first call that touches the store: an MLflow or database error becomes a one-paragraph TrackingError."""
+    try:
+        client = _client(uri)
+        exp = client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        location = None
+        if uri.startswith("sqlite:///"):
+            location = ((root or project_root()) / "mlartifacts").as_uri()
+        return client.create_experiment(name, artifact_location=location)
+    except Exception as exc:  # MlflowException, SQLAlchemy's errors, ...: the store is unusable
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise TrackingError(f"MLflow tracking store {uri} cannot be used ({type(exc).__name__}: {first[:400]}); "
+                            "fix or move the store, or point MLFLOW_TRACKING_URI at a working one") from None
+
+
+def create_run(uri: str, root: Path, name: str, tags: Mapping[str, str], params: Mapping[str, Any],
+               inputs: Sequence[Any] = ()) -> str:
+    """A new run in the project's experiment named ``name``, tagged ``tags`` (and :func:`dvc_experiment_tags`), with
+    its params and dataset ``inputs`` (:func:`dataset_input`); returns its id."""
+    from mlflow.entities import Param
+
+    client = _client(uri)
+    run = client.create_run(experiment_id(uri, root), run_name=name, tags={**dvc_experiment_tags(), **tags})
+    client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in flat_params(params).items()])
+    if inputs:
+        client.log_inputs(run.info.run_id, datasets=list(inputs))
+    return run.info.run_id
+
+
+def resume_run(uri: str, run_id: str) -> None:
+    """Mark a run that is being continued (a resumed stage) RUNNING again."""
+    _client(uri).update_run(run_id, status="RUNNING")
+
+
+def child_run(uri: str, experiment_id: str, parent_id: str, name: str, match: Mapping[str, str],
+              tags: Mapping[str, str], params: Mapping[str, Any]) -> str:
+    """The child of ``parent_id`` tagged ``match`` (e.g. a trial id), found again and set RUNNING, or else created:
+    named ``name``, tagged ``mlflow.parentRunId``, ``match``, ``tags`` (and :func:`dvc_experiment_tags`), with
+    ``params`` and the parent's dataset inputs. Returns its id."""
+    from mlflow.entities import Param
+
+    client = _client(uri)
+    wanted = {"mlflow.parentRunId": parent_id, **match}
+    found = client.search_runs([experiment_id], filter_string=" and ".join(f"tags.{k} = '{v}'"
+                                                                           for k, v in wanted.items()))
+    if found:
+        client.update_run(found[0].info.run_id, status="RUNNING")
+        return found[0].info.run_id
+    run = client.create_run(experiment_id, run_name=name, tags={**dvc_experiment_tags(), **wanted, **tags})
+    client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in flat_params(params).items()])
+    inherited = client.get_run(parent_id).inputs
+    if inherited and inherited.dataset_inputs:
+        client.log_inputs(run.info.run_id, datasets=list(inherited.dataset_inputs))
+    return run.info.run_id
+
+
+def end_run(uri: str | None, run_id: str | None, status: str, tags: Mapping[str, Any] | None = None) -> None:
+    """Set ``tags`` on the run, then end it with ``status`` (FINISHED, FAILED, KILLED); nothing without a run."""
+    if not (uri and run_id):
+        return
+    if tags:
+        set_tags(run_id, tags, uri=uri)
+    _client(uri).set_terminated(run_id, status)
+
+
+VIEW_KEY = "transfusion"  # the saved view of the runs table: `?viewStateShareKey=transfusion` opens it
+VIEW_METRICS = ("knn_acc", "loss")
+VIEW_PARAMS = ("model.depth", "loss.name", "train.batch_size", "augment.strength", "train.seed")
+
+
+def save_view(uri: str, exp_id: str) -> str:
+    """Save the runs table's view :data:`VIEW_KEY` on the experiment; returns its URL query (``viewStateShareKey=…``).
+
+    The MLflow UI opens a view shared as the experiment tag ``mlflow.sharedViewState.<key>`` (JSON of the table's
+    state); this one shows the Dataset column, the metrics :data:`VIEW_METRICS` and the params :data:`VIEW_PARAMS`
+    beside each run's name, so runs compare without opening them. Saved again on every call (it is ours)."""
+    columns = ["attributes.`Dataset`", *(f"metrics.`{k}`" for k in VIEW_METRICS),
+               *(f"params.`{k}`" for k in VIEW_PARAMS)]
+    _client(uri).set_experiment_tag(exp_id, f"mlflow.sharedViewState.{VIEW_KEY}",
+                                    json.dumps({"selectedColumns": columns}))
+    return f"viewStateShareKey={VIEW_KEY}"
+
+
+def epoch_logger(uri: str, run_id: str):
+    """A Ray Train callback that logs rank 0's per-epoch metrics to ``run_id``.
+
+    It runs in Ray Train's controller, which Ray places on the driver's node: the tracking store only has to be
+    reachable from where the stage was started (a sqlite file on the head's disk is), never from the workers.
+    The controller registers checkpoints in the same loop that calls ``after_report``, so the call must be quick:
+    MLflow is imported and its store opened when the callback arrives in the controller (``__setstate__``, before
+    any worker starts), leaving one small write per epoch. What a killed controller never logged, the driver logs
+    from the checkpoint's history (:func:`log_missing_epochs`).
+    """
+    import ray.train
+
+    class EpochLogger(ray.train.UserCallback):
+        def __init__(self) -> None:
+            self.client = None
+            self.warned = False
+
+        def __getstate__(self) -> dict:
+            return {"warned": self.warned}
+
+        def __setstate__(self, state: dict) -> None:
+            self.__dict__.update(state)
+            self.client = None
+            try:  # warm up: the first MLflow import and store initialisation take seconds
+                self.client = _client(uri)
+                self.client.get_run(run_id)
+            except Exception as exc:
+                self._warn(exc)
+
+        def _warn(self, exc: Exception) -> None:
+            if not self.warned:  # tracking must never stop training; say it once
+                self.warned = True
+                print(f"[pretrain] warning: MLflow logging to {uri} failed ({exc}); the driver logs the epochs "
+                      "from the checkpoints when training ends")
+
+        def after_report(self, run_context, metrics, checkpoint) -> None:
+            m = metrics[0] if metrics else {}
+            if "epoch" not in m or self.warned:
+                return
+            try:
+                log_epoch(uri, run_id, {k: v for k, v in m.items() if k not in ("epoch", "ended_at")},
+                          step=int(m["epoch"]), client=self.client)
+            except Exception as exc:
+                self._warn(exc)
+
+    return EpochLogger()
+
+
+def git_commit(root: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def stage_tags(stage: str, root: Path) -> dict[str, str]:
+    tags = {"stage": stage, "dvc.stage": stage}
+    commit = git_commit(root)
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    return tags
+
+
+def dvc_experiment_tags(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Under ``dvc exp run``: ``dvc.exp_name`` and ``dvc.exp_baseline`` (the experiment's name and its baseline
+    commit), read from the variables DVC sets for an experiment's stage commands (``DVC_EXP_NAME``,
+    ``DVC_EXP_BASELINE_REV``); ``{}`` outside an experiment."""
+    env = os.environ if env is None else env
+    return {tag: env[var] for var, tag in DVC_EXP_TAGS.items() if env.get(var)}
+
+
+# ------------------------------------------------------------------------------------- run names, dataset
+def _short(key: str, value: Any) -> str:
+    """One part of a run name: ``b128`` (batch size), ``s0`` (seed), else ``<last part of the key> <value>``."""
+    if key.endswith("batch_size"):
+        return f"b{value}"
+    if key.endswith(".seed"):
+        return f"s{value}"
+    return f"{key.rsplit('.', 1)[-1]} {value}"
+
+
+def axis_label(key: str) -> str:
+    """``model.depth`` -> ``depth``, ``train.batch_size`` -> ``batch``."""
+    last = key.rsplit(".", 1)[-1]
+    return "batch" if last == "batch_size" else last
+
+
+def pretrain_label(flat: Mapping[str, Any], stage: str = "pretrain") -> str:
+    """``pretrain · cnn_small · depth 1 · jsd · b128 · s0``: a pretraining run's name from its flat params."""
+    return SEP.join([stage, str(flat["model.backbone"]), f"depth {flat['model.depth']}", str(flat["loss.name"]),
+                     _short("train.batch_size", flat["train.batch_size"]), _short("train.seed", flat["train.seed"])])
+
+
+def point_label(point: Mapping[str, Any]) -> str:
+    """``depth 1 · b16 · strength 1.0``: a sweep trial's name from its point (``{"model.depth": 1, ...}``)."""
+    return SEP.join(_short(k, v) for k, v in point.items()) or "trial"
+
+
+def sweep_label(trials: int, axes: Mapping[str, list[Any]]) -> str:
+    """``sweep · 8 trials · depth×batch×strength``: the axes with more than one value."""
+    varied = "×".join(axis_label(k) for k, values in axes.items() if len(values) > 1)
+    return SEP.join(["sweep", f"{trials} trial{'s' if trials != 1 else ''}", *([varied] if varied else [])])
+
+
+def row_label(name: str, table: int) -> str:
+    """``TransFusion 9-Layer (table 1)``: a tables row's name."""
+    return f"{name} (table {table})"
+
+
+def evaluate_label(probes: Sequence[str], fractions: Sequence[float]) -> str:
+    """``evaluate · 5 probes · labels 10%, 100%``: an evaluation's name from its probes and label fractions."""
+    labels = ", ".join(f"{100 * f:g}%" for f in fractions)
+    return SEP.join(["evaluate", f"{len(probes)} probe{'s' if len(probes) != 1 else ''}", f"labels {labels}"])
+
+
+def tables_label(tables: Sequence[int]) -> str:
+    """``tables · 8 rows · table 1: 5, table 2: 3``: a tables job's name from its rows' tables."""
+    counts = ", ".join(f"table {t}: {tables.count(t)}" for t in sorted(set(tables)))
+    return SEP.join(["tables", f"{len(tables)} row{'s' if len(tables) != 1 else ''}", counts])
+
+
+def data_digest(manifest: Mapping[str, Any]) -> str:
+    """The prepared data's digest: 8 hex digits of a sha256 over its files' sha256 (the manifest's ``files``)."""
+    files = {name: f["sha256"] for name, f in sorted(manifest["files"].items())}
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def dataset_input(manifest: Mapping[str, Any], source: str | os.PathLike, context: str = "training"):
+    """The prepared data as an MLflow dataset input: named by the manifest's ``dataset``, its digest
+    :func:`data_digest`, its source the prepared directory (a local source), its profile the sizes, classes, input
+    shape and the ``data`` params it was prepared with; tagged with ``context`` (training, evaluation)."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    profile = {"train": manifest.get("n_train"), "test": manifest.get("n_test"),
+               "classes": len(manifest.get("classes", [])), "input_shape": manifest.get("input_shape"),
+               "dtype": manifest.get("dtype"), "prepared_with": manifest.get("params", {}).get("data")}
+    dataset = Dataset(name=str(manifest["dataset"]), digest=data_digest(manifest), source_type="local",
+                      source=json.dumps({"uri": str(source)}), profile=json.dumps(profile))
+    return DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])
+
+
+def log_epoch(uri: str, run_id: str, metrics: Mapping[str, float], step: int, client: Any = None) -> None:
+    """Log one epoch's metrics to ``run_id`` (through ``client`` when given)."""
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
+    (client or _client(uri)).log_batch(run_id, metrics=batch, synchronous=True)
+
+
+def log_missing_epochs(uri: str, run_id: str, history: list[Mapping[str, Any]], keys: tuple[str, ...]) -> int:
+    """Log the epochs of ``history`` (per-epoch metric dicts with ``epoch``) that ``run_id`` lacks, e.g. those an
+    interrupted run checkpointed but never got to log; finite numbers of ``keys`` only. Returns how many epochs."""
+    client = _client(uri)
+    logged = {m.step for m in client.get_metric_history(run_id, "loss")}
+    missing = [h for h in history if int(h["epoch"]) not in logged]
+    log_metrics_batch(uri, run_id, missing, keys, client=client)
+    return len(missing)
+
+
+def log_metrics_batch(uri: str, run_id: str, rows: list[Mapping[str, Any]], keys: tuple[str, ...],
+                      client: Any = None) -> None:
+    """Log the finite numbers of ``keys`` of every row (a per-epoch metric dict) with step = the row's ``epoch``, in
+    one batch (through ``client`` when given)."""
+    import math
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    batch = [Metric(k, float(h[k]), now, int(h["epoch"])) for h in rows for k in keys
+             if isinstance(h.get(k), int | float) and not isinstance(h.get(k), bool) and math.isfinite(h[k])]
+    if batch:
+        (client or _client(uri)).log_batch(run_id, metrics=batch, synchronous=True)
+
+
+def log_metrics(uri: str, run_id: str, metrics: Mapping[str, float]) -> None:
+    """Log single values (step 0, e.g. a finished job's summary) to ``run_id``."""
+    client = _client(uri)
+    for k, v in metrics.items():
+        client.log_metric(run_id, k, v)
+
+
+def log_artifacts(uri: str, run_id: str, files: list[Path]) -> None:
+    """Upload the files of ``files`` that exist to the root of ``run_id``'s artifacts."""
+    client = _client(uri)
+    for f in files:
+        if f.is_file():
+            client.log_artifact(run_id, str(f))
+
+
+def set_tags(run_id: str, tags: Mapping[str, Any], root: Path | None = None, *, uri: str | None = None) -> None:
+    """Set ``tags`` (values as strings of at most 5000 characters) on ``run_id`` in ``uri`` (default: the store of
+    ``root``)."""
+    client = _client(uri or tracking_uri(root))
+    for k, v in tags.items():
+        client.set_tag(run_id, k, str(v)[:5000])
+
+
+def log_stage_run(stage: str, root: Path, *, params: Mapping[str, Any], metrics: Mapping[str, float],
+                  files: list[Path], parent: str | None = None, artifact_path: str | None = None,
+                  name: str | None = None, inputs: Sequence[Any] = ()) -> str:
+    """One finished run named ``name`` (default ``stage``; tags :func:`stage_tags` and :func:`dvc_experiment_tags`,
+    a child of ``parent`` when given) with ``params``, ``metrics``, dataset ``inputs`` and the existing ``files``
+    under ``artifact_path``; returns its id."""
+    import mlflow
+
+    uri = tracking_uri(root)
+    mlflow.set_tracking_uri(uri)
+    tags = {**dvc_experiment_tags(), **stage_tags(stage, root)}
+    if parent:
+        tags["mlflow.parentRunId"] = parent
+    with mlflow.start_run(experiment_id=experiment_id(uri, root), run_name=name or stage, tags=tags) as run:
+        mlflow.log_params(flat_params(params))
+        mlflow.log_metrics(dict(metrics))
+        if inputs:
+            _client(uri).log_inputs(run.info.run_id, datasets=list(inputs))
+        for f in files:
+            if f.is_file():
+                mlflow.log_artifact(str(f), artifact_path=artifact_path)
+        return run.info.run_id
+
+
+def log_pytorch_model(uri: str, run_id: str, model: Any, files: list[Path]) -> None:
+    """Continue ``run_id`` to upload ``files`` and the model (``model``, pickled, pinned to this torch), then end it
+    FINISHED."""
+    os.environ.setdefault("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
+    import mlflow
+    import mlflow.pytorch
+    import torch
+
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run(run_id=run_id), _quiet("mlflow.pytorch"):  # pickle is our choice: no caution notice
+        for f in files:
+            mlflow.log_artifact(str(f))
+        mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
+                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+
+
+@contextlib.contextmanager
+def _quiet(logger: str, level: int = logging.ERROR):
+    """Raise one MLflow logger's level for the block: its INFO/WARNING lines are about what we chose on purpose."""
+    log = logging.getLogger(logger)
+    before = log.level
+    log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.setLevel(before)
+
+
+class SystemMetrics:
+    """MLflow system metrics (CPU, memory, GPU) of this node logged to ``run_id`` until :meth:`stop`."""
+
+    def __init__(self, uri: str, run_id: str) -> None:
+        self.monitor = None
+        # its start/stop/"skip GPU metrics" INFO lines would sit between the epochs' progress lines
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self.monitor = SystemMetricsMonitor(run_id, sampling_interval=5, samples_before_logging=1,
+                                                tracking_uri=uri)
+            self.monitor.start()
+        except Exception:  # system metrics are a nicety; never fail training over them
+            self.monitor = None
+
+    def stop(self) -> None:
+        if self.monitor is not None:
+            try:
+                self.monitor.finish()
+            except Exception:
+                pass
+
+
+def flat_params(flat: Mapping[str, Any]) -> dict[str, str]:
+    """MLflow params are strings of at most 6000 characters."""
+    return {k: str(v)[:6000] for k, v in flat.items()}

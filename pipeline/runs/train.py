@@ -1,0 +1,471 @@
+"""Distributed pretraining on Ray Train (V2 ``TorchTrainer``): orchestration only.
+
+The driver (:func:`pretrain`) validates and fails fast (data, tracking store), names the Ray run after
+everything that determines its result (so an interrupted run resumes, and a changed one starts afresh),
+launches ``ray.num_workers`` workers running :class:`pipeline.training.loop.PretrainLoop` on the global batch,
+and turns the final checkpoint into the stage's outputs. Rank 0 writes checkpoints (``train.checkpoint_every``)
+through Ray's checkpoint API and reports per-epoch metrics, which Ray Train's controller (on the driver's node)
+logs to MLflow (``pipeline.runs.tracking.epoch_logger``); ``ray.max_failures``
+restarts a failed worker group from the last one. After a successful run the Ray run directory is
+removed, so a later forced rerun trains again instead of returning the old result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.config.base import ParamsError, flatten
+from pipeline.config.params import Params
+from pipeline.data.sources import load_prepared, prepared_nbytes
+from pipeline.evaluation.health import unflat
+from pipeline.io import load_torch
+from pipeline.runs.cluster import connect, train_logging, wait_for_workers
+from pipeline.runs.storage import (
+    check_storage,
+    clear_status,
+    fetch_prepared,
+    is_uri,
+    join,
+    read_status,
+    stage_prepared,
+    write_status,
+)
+from pipeline.training.loop import EpochMetrics, PretrainLoop, data_budget
+from pipeline.training.step import NonFiniteLossError
+
+EPOCH_METRICS = ("loss", "lr", "samples_per_s", "view_noise", "knn_acc", "seconds")  # per-epoch, in MLflow
+FAULT_ENV = "TRANSFUSION_FAULT"  # fault injection for tests: "crash@E" (rank 0 dies after epoch E), "nan@E"
+STATE_FILE = "state.pt"
+HISTORY_FILE = "history.json"  # per-epoch metrics up to the checkpoint, beside STATE_FILE
+WORKERS_FILE = "workers.json"  # where each rank ran (node, host, device, Ray's GPU ids), beside STATE_FILE
+
+
+def epoch_metric_names(history: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The per-epoch metrics MLflow gets: :data:`EPOCH_METRICS` and the blocks' health (``block_1.positive``, ...)."""
+    return EPOCH_METRICS + tuple(k for k in (history[-1] if history else {}) if k.startswith("block_"))
+
+
+def health_line(health: dict[str, Any]) -> str:
+    """The console's health of the blocks: " | positive pairs: b1 12.7% b2 0.0%" ("" at depth 0)."""
+    blocks = unflat(health)
+    if not blocks:
+        return ""
+    return " | positive pairs: " + " ".join(f"b{b.split('_')[1]} {h['positive']:.1%}" for b, h in blocks.items())
+
+
+class PretrainError(RuntimeError):
+    """Training stopped (non-finite loss, failed workers); the last good checkpoint is kept."""
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs; plain values so Ray can ship it."""
+
+    params: dict[str, Any]
+    data_dir: str  # the prepared data as staged on the run storage (pipeline.runs.storage.stage_prepared)
+    manifest: dict[str, Any]  # the manifest the driver saw: each worker checks its copy against it
+    run_dir: str  # the Ray run directory on the run storage (a path or a URI): the worker's status goes there
+    use_gpu: bool
+    fault: str | None = None
+    quiet: bool = False  # no per-epoch progress lines (sweep trials: the driver prints them)
+    resume_dir: str | None = None  # a checkpoint to start from when Ray knows none (see recover_run_snapshot)
+
+
+def data_line(loop: PretrainLoop) -> str:
+    """Where a worker's training set lives: ``"training set 0.4 MiB on cpu (data budget 3,968 MiB)"``, or
+    ``"... streamed from memory-mapped files, each step reading its rows (data budget 0 MiB)"``."""
+    x = loop.data.train.x
+    where = ("streamed from memory-mapped files, each step reading its rows" if loop.streaming
+             else f"on {loop.device}")
+    return (f"training set {x.numel() * x.element_size() / 2**20:,.1f} MiB {where} "
+            f"(data budget {loop.data_budget / 2**20:,.0f} MiB)")
+
+
+def _progress(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _placement(rank: int, world: int, device: torch.device) -> list[dict[str, Any]]:
+    """Where every rank runs (Ray node id, host, pid, device), gathered on all ranks: provenance for the outputs."""
+    import socket
+
+    import ray
+
+    me = {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(),
+          "pid": os.getpid(), "device": str(device), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+    if world == 1 or not torch.distributed.is_initialized():
+        return [me]
+    everyone: list[Any] = [None] * world
+    torch.distributed.all_gather_object(everyone, me)
+    return everyone
+
+
+def worker_device(use_gpu: bool, backend: str, *, ray_train: bool = True) -> torch.device:
+    """The device a worker trains on: its GPU when it was scheduled on one and CUDA sees it; the CPU when it was not.
+
+    A worker scheduled on a GPU (``use_gpu``) that CUDA cannot see (a node that declares GPUs it does not have, as
+    the rehearsals of GPU presets do: ``ray start --num-gpus N``) trains on the CPU only when ``ray.backend`` is
+    ``gloo``, which asks for exactly that; otherwise that is an error, not a silent fall-back to the CPU.
+    ``ray_train``: inside a Ray Train worker (its device from Ray Train), else a one-worker trial (the first GPU).
+    """
+    if not use_gpu:
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        if ray_train:
+            import ray.train.torch
+
+            return ray.train.torch.get_device()
+        return torch.device("cuda")
+    if backend == "gloo":
+        return torch.device("cpu")
+    import ray
+
+    raise RuntimeError(f"this worker was scheduled on GPU {', '.join(map(str, ray.get_gpu_ids())) or '?'} but CUDA "
+                       "sees no GPU here; fix the node's CUDA setup, or set ray.backend: gloo to train on its CPU "
+                       "(a rehearsal on a node that only declares GPUs)")
+
+
+def torch_config(backend: str) -> Any:
+    """Ray Train's ``TorchConfig`` for ``ray.backend`` (None: Ray's default, nccl on GPUs and gloo otherwise)."""
+    if backend == "auto":
+        return None
+    from ray.train.torch import TorchConfig
+
+    return TorchConfig(backend=backend)
+
+
+class Session:
+    """Where a worker's checkpoint comes from and where its per-epoch reports go.
+
+    Two implementations: :class:`TrainSession` (a Ray Train worker, :func:`train_loop_per_worker`) and
+    ``pipeline.runs.sweep.TuneSession`` (a one-worker sweep trial that trains inside the Tune trial itself).
+    """
+
+    def get_checkpoint(self) -> Any:  # a ``ray.train.Checkpoint`` (or Tune's, the same class) or None
+        raise NotImplementedError
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, sync: bool) -> None:
+        """Report one epoch; ``checkpoint_dir`` (a temp directory, the session deletes it after the upload) holds
+        its checkpoint, if any. ``sync``: the upload must finish before this returns (an injected crash follows)."""
+        raise NotImplementedError
+
+
+class TrainSession(Session):
+    """Ray Train's: rank 0's checkpoint is uploaded in the background while training goes on."""
+
+    def get_checkpoint(self) -> Any:
+        import ray.train
+
+        return ray.train.get_checkpoint()
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, sync: bool) -> None:
+        import ray.train
+
+        if checkpoint_dir is None:
+            ray.train.report(metrics)
+            return
+        mode = ray.train.CheckpointUploadMode
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir),
+                         checkpoint_upload_mode=mode.SYNC if sync else mode.ASYNC,
+                         delete_local_checkpoint_after_upload=True)
+
+
+def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1,
+               device: torch.device | None = None) -> PretrainLoop | None:
+    """One worker's pretraining: resume from the session's checkpoint (or ``spec.resume_dir``), train the remaining
+    epochs, report each through ``session`` with a checkpoint every ``train.checkpoint_every`` epochs (rank 0).
+
+    Returns the loop, or None when the loss became non-finite: then rank 0 has written the error status
+    (``pipeline.runs.storage.write_status`` on ``spec.run_dir``) and the last good checkpoint is kept.
+    """
+    import ray.train
+
+    params = Params.model_validate(spec.params, strict=False)
+    torch.set_num_threads(max(1, int(params.ray.cpus_per_worker)))
+    device = device or torch.device("cpu")
+    # the copy the driver staged, or a clear error; mapped, not read, when the loop will stream it (beyond the data
+    # budget) or put it on a GPU (no host copy of what the device holds)
+    budget = data_budget(params.train.data_budget_mb, device)
+    data = fetch_prepared(spec.data_dir, spec.manifest,
+                          mmap=device.type == "cuda" or prepared_nbytes(spec.manifest) > budget)
+    loop = PretrainLoop(params, data, device, rank=rank, world_size=world, budget=budget)
+    if rank == 0 and not spec.quiet:
+        _progress(f"[pretrain] {data_line(loop)}")
+    workers = _placement(rank, world, device)
+
+    checkpoint = session.get_checkpoint()
+    if checkpoint is None and spec.resume_dir:  # Ray's own record of the run was lost: ours is the checkpoint
+        checkpoint = ray.train.Checkpoint.from_directory(spec.resume_dir)
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            loop.load_state_dict(torch.load(Path(d) / STATE_FILE, map_location=device, weights_only=True))
+        if rank == 0 and not spec.quiet:
+            _progress(f"[pretrain] resumed from the checkpoint after epoch {loop.epoch}")
+
+    kind, _, at = (spec.fault or "").partition("@")
+    crash_at = int(at) if kind == "crash" and rank == 0 else None
+    if kind == "nan":
+        loop.poison_epoch = int(at)
+
+    def report(m: EpochMetrics, checkpoint_now: bool) -> None:
+        metrics = {k: v for k, v in m.as_dict().items() if v is not None}
+        if rank == 0 and not spec.quiet:
+            knn = f" knn {m.knn_acc:.4f}" if m.knn_acc is not None else ""
+            _progress(f"[pretrain] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
+                      f"eps {m.view_noise:.4f} {m.samples_per_s:,.0f} samples/s{health_line(m.health)}")
+        if checkpoint_now and rank == 0:
+            d = tempfile.mkdtemp(prefix="transfusion-ckpt-")
+            torch.save({**loop.state_dict(), "workers": workers}, Path(d) / STATE_FILE)
+            Path(d, HISTORY_FILE).write_text(json.dumps(loop.history))  # readable without loading the model
+            Path(d, WORKERS_FILE).write_text(json.dumps(workers))
+            session.report(metrics, d, sync=m.epoch == crash_at)
+        else:
+            session.report(metrics, None, sync=False)
+
+    try:
+        loop.fit(report, crash_at_epoch=crash_at)
+    except NonFiniteLossError as exc:  # every rank sees the same all-reduced loss and stops alike
+        if rank == 0:
+            write_status(spec.run_dir, {"error": "non_finite", "message": str(exc), "epoch": loop.epoch})
+        return None
+    return loop
+
+
+def status_reason(status: dict[str, Any]) -> str:
+    """One line from a worker's error status: ``"<kind>: <message> (last good epoch N)"``."""
+    reason = " ".join(str(status.get("message") or status).split())
+    if status.get("error"):
+        reason = f"{status['error']}: {reason}"
+    if status.get("epoch") is not None:
+        reason += f" (last good epoch {status['epoch']})"
+    return reason
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train worker entry point."""
+    import ray.train
+    import ray.train.torch
+
+    # Ray Train V2 logs every report at INFO and tees print() twice; keep the console to our progress lines
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    try:  # the per-report line comes from a logger named after its file
+        from ray.train.v2._internal.execution import context as _ctx
+
+        _ctx.logger.setLevel(logging.WARNING)
+    except (ImportError, AttributeError):
+        pass
+    spec = WorkerSpec(**config)
+    ctx = ray.train.get_context()
+    device = worker_device(spec.use_gpu, spec.params["ray"]["backend"])
+    try:
+        run_worker(spec, TrainSession(), ctx.get_world_rank(), ctx.get_world_size(), device)
+    except ray.exceptions.ActorDiedError as exc:
+        if not run_torn_down(exc):
+            raise
+        # the run is being torn down (ASHA stopped its trial, Ctrl-C): its controller ends it; no traceback here
+
+
+def run_torn_down(exc: BaseException) -> bool:
+    """``exc`` says that the run's own synchronization actor died because the run's placement group was removed:
+    the controller tore the run down (a trial stopped by ASHA, an interrupted job), not a failure of this worker."""
+    text = str(exc)
+    return "SynchronizationActor" in text and "placement group was removed" in text
+
+
+# ---------------------------------------------------------------------------------------------- driver
+SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train V2's record of a run's checkpoints
+
+
+def recover_run_snapshot(run_dir: str | None) -> str | None:
+    """Make an interrupted run resumable even if Ray's run snapshot was torn by the interruption.
+
+    Ray Train writes ``checkpoint_manager_snapshot.json`` in place; a driver killed during that write leaves it
+    empty or truncated, and the next ``fit`` of the same run then dies in the controller's start-up. If the file
+    is unreadable, it is moved aside (``.corrupt``) and the newest ``checkpoint_*`` directory whose state loads
+    is returned, for the worker to start from. Returns None when nothing needs recovering (or for remote storage).
+    """
+    if not run_dir:
+        return None
+    snapshot = Path(run_dir, SNAPSHOT_FILE)
+    if not snapshot.exists():
+        return None
+    try:
+        json.loads(snapshot.read_text())
+        return None
+    except (ValueError, OSError, UnicodeDecodeError):
+        snapshot.replace(snapshot.with_name(SNAPSHOT_FILE + ".corrupt"))
+    for ckpt in sorted(Path(run_dir).glob("checkpoint_*"), reverse=True):  # names sort by time
+        try:
+            torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+        except Exception:  # a torn checkpoint: try the one before
+            continue
+        _progress(f"[pretrain] Ray's run record {snapshot} was unreadable (torn by an interruption); "
+                  f"resuming from {ckpt.name}")
+        return str(ckpt)
+    _progress(f"[pretrain] Ray's run record {snapshot} was unreadable and no checkpoint loads; starting afresh")
+    return None
+
+
+def run_name(params: Params, manifest: dict[str, Any]) -> str:
+    """A stable name from everything that determines the result: the params pretraining reads, the data."""
+    keyed = {s: getattr(params, s).model_dump() for s in ("model", "loss", "augment", "train")}
+    keyed["ray"] = {"num_workers": params.ray.num_workers}
+    keyed["data"] = {name: f["sha256"] for name, f in sorted(manifest["files"].items())}
+    digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+    return f"pretrain-{digest}"
+
+
+def storage_location(params: Params, root: Path) -> str:
+    """``ray.storage_path`` as Ray wants it: a URI as is, a path made absolute against the project root."""
+    path = params.ray.storage_path
+    return path if is_uri(path) else str((root / path).resolve())
+
+
+@dataclass
+class PretrainResult:
+    state: dict[str, Any]  # model state_dict, history, epoch, ...
+    run_name: str
+    mlflow_run_id: str | None
+    input_shape: tuple[int, ...]
+    n_classes: int
+    fit_started: float = 0.0  # when Ray Train's run started (time.time())
+    fit_seconds: float = 0.0  # its wall time: Ray Train's start and stop, the epochs and their reports
+
+
+def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = True) -> PretrainResult:
+    """Run (or resume) distributed pretraining; returns the final state.
+
+    Raises :class:`ParamsError` (a request the cluster can never satisfy), :class:`ClusterError` (unreachable
+    cluster, resources never free), :class:`PretrainError` (training failed or diverged).
+    """
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from pipeline.runs import tracking as trk
+
+    data = load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here, before Ray starts
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    if params.train.batch_size > len(data.train.y):
+        raise ParamsError(f"train.batch_size ({params.train.batch_size}) exceeds the training set "
+                          f"({len(data.train.y)} samples in {data_dir}); lower it or prepare more data")
+    name = run_name(params, manifest)
+    storage = storage_location(params, root)
+    check_storage(storage)
+    run_dir = join(storage, name)
+    state_dir = root / ".transfusion" / name  # the driver's own state (the MLflow run id)
+    clear_status(run_dir)
+    gpu, _ = connect(params, root, tracking=tracking)
+    wait_for_workers(params, gpu=gpu)
+    uri = trk.tracking_uri(root) if tracking else None
+    run_id = _mlflow_run(params, root, name, uri, state_dir, manifest, data_dir) if uri else None
+    spec = WorkerSpec(params=params.model_dump(), data_dir=stage_prepared(data_dir, storage), manifest=manifest,
+                      run_dir=run_dir, use_gpu=gpu, fault=os.environ.get(FAULT_ENV),
+                      resume_dir=recover_run_snapshot(None if is_uri(run_dir) else run_dir))
+    # the controller collects each report when it polls (default every 2 s) and a worker's next report
+    # waits for that: with short epochs that idles the workers, so poll faster (propagated by Ray Train)
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=asdict(spec),
+        torch_config=torch_config(params.ray.backend),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=params.ray.num_workers, use_gpu=gpu,
+            resources_per_worker={"CPU": params.ray.cpus_per_worker},
+        ),
+        run_config=ray.train.RunConfig(
+            name=name, storage_path=storage,
+            failure_config=ray.train.FailureConfig(max_failures=params.ray.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            callbacks=[trk.epoch_logger(uri, run_id)] if run_id else [],
+            logging_config=train_logging(),
+        ),
+    )
+    system = trk.SystemMetrics(uri, run_id) if run_id else None  # the driver's node while Ray trains
+    fit_started, fit_start = time.time(), time.perf_counter()
+    try:
+        result = trainer.fit()
+    except Exception as exc:
+        trk.end_run(uri, run_id, "FAILED")
+        message = failure_message(exc)
+        if "prepared data" not in message:  # a worker that cannot read the data has nothing to resume
+            message += f"; rerun the stage to resume from the last checkpoint in {run_dir}"
+        raise PretrainError(f"pretraining failed: {message}") from exc
+    finally:
+        if system:
+            system.stop()
+    fit_seconds = time.perf_counter() - fit_start
+    status = read_status(run_dir)
+    if status:
+        trk.end_run(uri, run_id, "FAILED")
+        raise PretrainError(f"pretraining stopped: {status['message']}; the last good checkpoint is kept in "
+                            f"{run_dir} (lower train.lr, or check the data for NaN)")
+    if result.checkpoint is None:
+        raise PretrainError("pretraining finished without a checkpoint")
+    with result.checkpoint.as_directory() as d:
+        state = load_torch(Path(d) / STATE_FILE)
+    if run_id:  # epochs checkpointed before an interruption but never logged: the run shows every epoch once
+        trk.log_missing_epochs(uri, run_id, state["history"], epoch_metric_names(state["history"]))
+    return PretrainResult(state=state, run_name=name, mlflow_run_id=run_id, input_shape=data.input_shape,
+                          n_classes=len(data.classes), fit_started=fit_started, fit_seconds=fit_seconds)
+
+
+def _mlflow_run(params: Params, root: Path, name: str, uri: str, state_dir: Path, manifest: dict[str, Any],
+                data_dir: Path) -> str:
+    """The pretraining run's MLflow run: created once, continued when the Ray run resumes. Named by what it trains
+    (``pretrain · cnn_small · depth 1 · jsd · b128 · s0``), tagged with ``name`` (the identity it resumes by), the
+    params pretraining reads, the prepared data as its dataset input."""
+    from pipeline.runs import tracking as trk
+
+    id_file = state_dir / "mlflow_run_id"
+    if id_file.exists():
+        return id_file.read_text().strip()
+    flat = {k: v for k, v in flatten(params).items()
+            if k.split(".")[0] in ("model", "loss", "augment", "train") or k in ("ray.num_workers", "ray.use_gpu")}
+    data = trk.dataset_input(manifest, data_dir if data_dir.is_absolute() else root / data_dir)
+    run_id = trk.create_run(uri, root, trk.pretrain_label(flat), {**trk.stage_tags("pretrain", root),
+                                                                  trk.IDENTITY_TAG: name}, flat, inputs=[data])
+    state_dir.mkdir(parents=True, exist_ok=True)
+    id_file.write_text(run_id)
+    return run_id
+
+
+def failure_message(exc: BaseException) -> str:
+    """One paragraph from Ray Train's failure: each failed rank's own error, not Ray's wrapping and traceback."""
+    failures = getattr(exc, "worker_failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {rank}: {_root_message(e)}" for rank, e in sorted(failures.items()))
+    cause = getattr(exc, "controller_failure", None)
+    return _root_message(cause if cause is not None else exc)
+
+
+def _root_message(exc: BaseException) -> str:
+    """The innermost error's message, on one line, without Ray's traceback text."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    inner = getattr(exc, "cause", None)  # RayTaskError keeps the user's exception here
+    if isinstance(inner, BaseException):
+        exc = inner
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    text = lines[-1] if lines else type(exc).__name__
+    return text if len(text) < 2000 else text[:2000] + "..."
+
+
+def cleanup_run(params: Params, root: Path, name: str) -> None:
+    """Forget a finished run so a forced rerun trains afresh (Ray would return the old result)."""
+    storage = storage_location(params, root)
+    if not is_uri(storage):
+        shutil.rmtree(os.path.join(storage, name), ignore_errors=True)
+    shutil.rmtree(root / ".transfusion" / name, ignore_errors=True)

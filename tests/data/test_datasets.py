@@ -1,0 +1,738 @@
+"""Tests for pipeline/data/sources.py: every loader on data fabricated in its real on-disk format, no network."""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import math
+import pickle
+import struct
+from pathlib import Path
+from urllib.error import URLError
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.data import sources as D
+from pipeline.data.sources import (
+    DATASET_NAMES,
+    PREPARED_FILES,
+    Dataset,
+    DatasetError,
+    Split,
+    SyntheticSpec,
+    gather_rows,
+    load_dataset,
+    load_prepared,
+    prepare_dataset,
+    prepared_nbytes,
+    save_prepared,
+    stratified_subset,
+    to_float,
+    write_npy,
+)
+from pipeline.io import sha256_file
+
+FILES = sorted(["manifest.json", *PREPARED_FILES])  # what a prepared directory holds
+
+CIFAR_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fabricated data in the real formats
+
+
+def write_cifar(root: Path, per_batch: int = 20, seed: int = 0) -> dict[str, tuple[np.ndarray, list[int]]]:
+    """Write ``root/cifar-10-batches-py`` like the official archive: python pickles of dicts."""
+    rng = np.random.default_rng(seed)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    written = {}
+    for k, name in enumerate([f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]):
+        data = rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8)
+        labels = [int((i + k) % 10) for i in range(per_batch)]
+        entry = {
+            "batch_label": f"fabricated batch {k}",
+            "labels": labels,
+            "data": data,
+            "filenames": [f"img_{k}_{i}.png" for i in range(per_batch)],
+        }
+        with open(folder / name, "wb") as f:
+            pickle.dump(entry, f, protocol=2)
+        written[name] = (data, labels)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": CIFAR_NAMES, "num_cases_per_batch": per_batch, "num_vis": 3072}, f, protocol=2)
+    return written
+
+
+def idx_bytes(arr: np.ndarray, magic: int) -> bytes:
+    """The idx format: big-endian uint32 magic, one big-endian uint32 per dim, then the uint8 payload."""
+    return struct.pack(f">I{arr.ndim}I", magic, *arr.shape) + np.ascontiguousarray(arr, dtype=np.uint8).tobytes()
+
+
+def write_fmnist(root: Path, n_train: int = 30, n_test: int = 12, gz: bool = False, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    out = {}
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+        labels = (np.arange(n) % 10).astype(np.uint8)
+        for stem, arr, magic in (
+            (f"{prefix}-images-idx3-ubyte", images, 2051),
+            (f"{prefix}-labels-idx1-ubyte", labels, 2049),
+        ):
+            blob = idx_bytes(arr, magic)
+            if gz:
+                (raw / f"{stem}.gz").write_bytes(gzip.compress(blob))
+            else:
+                (raw / stem).write_bytes(blob)
+        out[prefix] = (images, labels)
+    return out
+
+
+def write_png_folder(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Three classes of solid-colour PNGs of varying size and mode; returns the colour of each class."""
+    from PIL import Image
+
+    colours = {"blue": (5, 20, 240), "green": (10, 200, 40), "red": (220, 15, 30)}
+    for name, rgb in colours.items():
+        (root / name).mkdir(parents=True)
+        for i in range(5):
+            size = (10 + 3 * i, 7 + 2 * i)
+            Image.new("RGB", size, rgb).save(root / name / f"{i}.png")
+    # a grey-scale image in its own class: the loader converts it to RGB
+    (root / "zgrey").mkdir()
+    for i in range(5):
+        Image.new("L", (9, 9), 128).save(root / "zgrey" / f"{i}.png")
+    colours["zgrey"] = (128, 128, 128)
+    return colours
+
+
+@pytest.fixture(scope="module")
+def digits() -> Dataset:
+    return load_dataset("digits", root=Path("unused"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def test_to_float_matches_loop():
+    x = torch.randint(0, 256, (2, 3, 4, 5), dtype=torch.uint8)
+    got = to_float(x)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    flat, ref = got.flatten().tolist(), x.flatten().tolist()
+    for i in range(len(ref)):
+        assert abs(flat[i] - ref[i] / 255.0) < 1e-7
+    f64 = torch.rand(3, 4, dtype=torch.float64)
+    assert to_float(f64).dtype == torch.float32
+    assert torch.allclose(to_float(f64).double(), f64, atol=1e-7)
+    with pytest.raises(TypeError, match="uint8 or floating"):
+        to_float(torch.zeros(3, dtype=torch.int32))
+
+
+def _reference_quota(labels: list[int], n: int) -> dict[int, int]:
+    """Largest-remainder allocation with explicit loops in float64."""
+    counts: dict[int, int] = {}
+    for lab in labels:
+        counts[lab] = counts.get(lab, 0) + 1
+    total = len(labels)
+    quota, frac = {}, {}
+    for k in sorted(counts):
+        exact = counts[k] * n / total
+        quota[k] = math.floor(exact)
+        frac[k] = exact - quota[k]
+    left = n - sum(quota.values())
+    for k in sorted(counts, key=lambda k: (-frac[k], k))[:left]:
+        quota[k] += 1
+    return quota
+
+
+@pytest.mark.parametrize("total,n,n_classes", [(10, 3, 2), (50, 7, 4), (101, 40, 5), (30, 30, 3), (12, 1, 4)])
+def test_stratified_subset_against_reference(total, n, n_classes):
+    gen = torch.Generator().manual_seed(total)
+    y = torch.randint(0, n_classes, (total,), generator=gen)
+    idx = stratified_subset(y, n, seed=3)
+    assert idx.dtype == np.int64 and idx.shape == (min(n, total),)
+    assert idx.tolist() == sorted(set(idx.tolist())), "indices must be unique and sorted"
+    assert 0 <= int(idx.min()) and int(idx.max()) < total
+    got: dict[int, int] = {}
+    for i in idx.tolist():
+        got[int(y[i])] = got.get(int(y[i]), 0) + 1
+    ref = _reference_quota(y.tolist(), n)
+    assert {k: v for k, v in ref.items() if v} == got
+    assert np.array_equal(idx, stratified_subset(y, n, seed=3))
+
+
+def test_stratified_subset_depends_on_seed():
+    y = torch.arange(200) % 4
+    a, b = stratified_subset(y, 40, seed=0), stratified_subset(y, 40, seed=1)
+    assert not np.array_equal(a, b)
+    assert torch.equal(torch.bincount(y[a]), torch.bincount(y[b]))
+
+
+def test_stratified_subset_minimum_per_class_and_arguments():
+    y = torch.tensor([0] * 50 + [1] * 2 + [2])
+    assert np.bincount(y[stratified_subset(y, 6)].numpy()).tolist() == [6]  # largest remainders: class 0 only
+    assert np.bincount(y[stratified_subset(y, 6, min_per_class=1)].numpy()).tolist() == [4, 1, 1]
+    assert np.bincount(y[stratified_subset(y, 6, min_per_class=2)].numpy()).tolist() == [3, 2, 1]
+    assert np.bincount(y[stratified_subset(y, fraction=0.1, min_per_class=2)].numpy()).tolist() == [5, 2, 1]
+    with pytest.raises(ValueError, match="cannot hold"):
+        stratified_subset(y, 2, min_per_class=1)
+    with pytest.raises(ValueError, match="exactly one"):
+        stratified_subset(y, 5, fraction=0.5)
+
+
+def test_split_rejects_bad_labels():
+    with pytest.raises(ValueError, match="differ in length"):
+        Split(torch.zeros(3, 2), torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="int64"):
+        Split(torch.zeros(3, 2), torch.zeros(3, dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# digits
+
+
+def test_digits_shapes_range_classes(digits):
+    from sklearn.datasets import load_digits
+
+    assert digits.name == "digits" and digits.classes == tuple(str(i) for i in range(10))
+    assert digits.input_shape == (1, 8, 8)
+    for split in (digits.train, digits.test):
+        assert split.x.dtype == torch.float32 and split.x.shape[1:] == (1, 8, 8)
+        assert split.y.dtype == torch.int64
+        assert float(split.x.min()) >= 0.0 and float(split.x.max()) <= 1.0
+    ref = load_digits()
+    n = len(ref.target)
+    assert len(digits.test) == math.ceil(0.2 * n) and len(digits.train) + len(digits.test) == n
+    # every (image, label) of sklearn appears exactly once across the two splits, scaled by 1/16
+    want = collections.Counter(
+        (tuple((ref.images[i] / 16.0).astype(np.float32).ravel().tolist()), int(ref.target[i])) for i in range(n)
+    )
+    have = collections.Counter()
+    for split in (digits.train, digits.test):
+        for i in range(len(split)):
+            have[(tuple(split.x[i].ravel().tolist()), int(split.y[i]))] += 1
+    assert have == want
+    # stratified: each class's test share is within one sample of test_fraction
+    for k in range(10):
+        n_k = int((torch.from_numpy(ref.target) == k).sum())
+        t_k = int((digits.test.y == k).sum())
+        assert abs(t_k - 0.2 * n_k) <= 1.0
+
+
+def test_digits_deterministic_per_seed(digits):
+    again = load_dataset("digits", root=Path("unused"), seed=0)
+    assert torch.equal(again.train.x, digits.train.x) and torch.equal(again.test.y, digits.test.y)
+    other = load_dataset("digits", root=Path("unused"), seed=1)
+    assert not torch.equal(other.test.y, digits.test.y) or not torch.equal(other.test.x, digits.test.x)
+
+
+def test_digits_limits_are_stratified_subsets(digits):
+    small = load_dataset("digits", root=Path("unused"), limit_train=50, limit_test=20)
+    assert len(small.train) == 50 and len(small.test) == 20
+    assert torch.bincount(small.train.y, minlength=10).tolist() == [5] * 10
+    full_rows = {tuple(r.tolist()) for r in digits.train.x.flatten(1)}
+    assert all(tuple(r.tolist()) in full_rows for r in small.train.x.flatten(1))
+
+
+def test_digits_image_size_resizes():
+    ds = load_dataset("digits", root=Path("unused"), image_size=16, limit_train=30, limit_test=10)
+    assert ds.input_shape == (1, 16, 16) and ds.train.x.shape == (30, 1, 16, 16)
+    assert float(ds.train.x.min()) >= 0.0 and float(ds.train.x.max()) <= 1.0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError) as e:
+        load_dataset("imagenet", root=Path("."))
+    for name in DATASET_NAMES:
+        assert name in str(e.value)
+    with pytest.raises(ValueError, match="test_fraction"):
+        load_dataset("digits", root=Path("."), test_fraction=1.0)
+    with pytest.raises(ValueError, match="limit_train"):
+        load_dataset("digits", root=Path("."), limit_train=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CIFAR-10
+
+
+def test_cifar10_round_trips_pixels(tmp_path):
+    written = write_cifar(tmp_path)
+    ds = load_dataset("cifar10", root=tmp_path)
+    assert ds.classes == tuple(CIFAR_NAMES) and ds.input_shape == (3, 32, 32)
+    assert ds.train.x.dtype == torch.uint8 and ds.train.x.shape == (100, 3, 32, 32)
+    assert ds.test.x.shape == (20, 3, 32, 32)
+    train_data = np.concatenate([written[f"data_batch_{i}"][0] for i in range(1, 6)])
+    train_labels = sum((written[f"data_batch_{i}"][1] for i in range(1, 6)), [])
+    assert ds.train.y.tolist() == train_labels and ds.test.y.tolist() == written["test_batch"][1]
+    # explicit loops: row = R plane, G plane, B plane, each 32x32 in row-major order
+    x = ds.train.x.numpy()
+    for k in (0, 19, 20, 57, 99):
+        for c in range(3):
+            for h in range(32):
+                for w in range(32):
+                    assert x[k, c, h, w] == train_data[k, c * 1024 + h * 32 + w]
+    xt, test_data = ds.test.x.numpy(), written["test_batch"][0]
+    for c in range(3):
+        assert np.array_equal(xt[:, c], test_data[:, c * 1024 : (c + 1) * 1024].reshape(-1, 32, 32))
+
+
+def test_cifar10_present_files_never_download(tmp_path, monkeypatch):
+    import torchvision.datasets.cifar as tv_cifar
+
+    def no_network(*a, **k):
+        raise AssertionError("download attempted although the files are present")
+
+    monkeypatch.setattr(tv_cifar, "download_and_extract_archive", no_network)
+    write_cifar(tmp_path)
+    ds = load_dataset("cifar10", root=tmp_path, download=True, limit_train=30, limit_test=10)
+    assert len(ds.train) == 30 and len(ds.test) == 10
+    assert torch.bincount(ds.train.y, minlength=10).tolist() == [3] * 10
+
+
+def test_cifar10_download_failure_is_explained(tmp_path, monkeypatch):
+    import torchvision.datasets.cifar as tv_cifar
+
+    calls = []
+
+    def offline(*a, **k):
+        calls.append(a)
+        raise URLError("offline")
+
+    monkeypatch.setattr(tv_cifar, "download_and_extract_archive", offline)
+    write_cifar(tmp_path)
+    (tmp_path / "cifar-10-batches-py" / "data_batch_4").write_bytes(b"\x80\x02}q")  # corrupt: re-download
+    with pytest.raises(DatasetError, match="network") as e:
+        load_dataset("cifar10", root=tmp_path, download=True)
+    assert calls and isinstance(e.value.__cause__, URLError)
+
+
+def test_cifar10_missing_root(tmp_path):
+    root = tmp_path / "nowhere"
+    with pytest.raises(DatasetError) as e:
+        load_dataset("cifar10", root=root)
+    msg = str(e.value)
+    assert str(root) in msg and "data.download: true" in msg and "cifar-10-batches-py" in msg
+
+
+def test_cifar10_missing_batch_file(tmp_path):
+    write_cifar(tmp_path)
+    (tmp_path / "cifar-10-batches-py" / "data_batch_3").unlink()
+    with pytest.raises(DatasetError) as e:
+        load_dataset("cifar10", root=tmp_path)
+    msg = str(e.value)
+    assert "data_batch_3" in msg and "data.download: true" in msg and "data_batch_2" not in msg
+
+
+def test_cifar10_truncated_pickle(tmp_path):
+    write_cifar(tmp_path)
+    path = tmp_path / "cifar-10-batches-py" / "data_batch_2"
+    path.write_bytes(path.read_bytes()[:5000])
+    with pytest.raises(DatasetError, match="data_batch_2.*truncated or corrupt") as e:
+        load_dataset("cifar10", root=tmp_path)
+    assert e.value.__cause__ is not None
+
+
+@pytest.mark.parametrize(
+    "entry,needle",
+    [
+        ({"images": np.zeros((4, 3072), np.uint8), "labels": [0] * 4}, "no key 'data'"),
+        ({"data": np.zeros((4, 3072), np.uint8)}, "no key 'labels'"),
+        ({"data": np.zeros((4, 3000), np.uint8), "labels": [0] * 4}, "expected uint8"),
+        ({"data": np.zeros((4, 3072), np.uint8), "labels": [0] * 3}, "'labels'"),
+        ({"data": np.zeros((4, 3072), np.uint8), "labels": [0, 1, 2, 10]}, "labels outside"),
+    ],
+)
+def test_cifar10_malformed_test_batch(tmp_path, entry, needle):
+    write_cifar(tmp_path)
+    path = tmp_path / "cifar-10-batches-py" / "test_batch"
+    with open(path, "wb") as f:
+        pickle.dump(entry, f, protocol=2)
+    with pytest.raises(DatasetError, match=needle) as e:
+        load_dataset("cifar10", root=tmp_path)
+    assert "test_batch" in str(e.value)
+
+
+def test_cifar10_bad_meta(tmp_path):
+    write_cifar(tmp_path)
+    with open(tmp_path / "cifar-10-batches-py" / "batches.meta", "wb") as f:
+        pickle.dump({"names": CIFAR_NAMES}, f)
+    with pytest.raises(DatasetError, match="batches.meta.*label_names"):
+        load_dataset("cifar10", root=tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fashion-MNIST
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_fashion_mnist_values(tmp_path, gz):
+    from torchvision.datasets import FashionMNIST
+
+    written = write_fmnist(tmp_path, gz=gz)
+    ds = load_dataset("fashion_mnist", root=tmp_path)
+    assert ds.classes == tuple(FashionMNIST.classes) and ds.input_shape == (1, 28, 28)
+    assert ds.train.x.dtype == torch.uint8 and ds.train.x.shape == (30, 1, 28, 28)
+    assert ds.test.x.shape == (12, 1, 28, 28)
+    for split, (images, labels) in ((ds.train, written["train"]), (ds.test, written["t10k"])):
+        x, y = split.x.numpy(), split.y.tolist()
+        for k in range(len(labels)):
+            assert y[k] == int(labels[k])
+            for h in range(0, 28, 3):
+                for w in range(28):
+                    assert x[k, 0, h, w] == images[k, h, w]
+        assert np.array_equal(x[:, 0], images)
+    if gz:  # read without writing anything into the user's data folder
+        assert sorted(p.name for p in (tmp_path / "FashionMNIST" / "raw").iterdir()) == sorted(
+            f"{s}.gz"
+            for s in (
+                "train-images-idx3-ubyte",
+                "train-labels-idx1-ubyte",
+                "t10k-images-idx3-ubyte",
+                "t10k-labels-idx1-ubyte",
+            )
+        )
+
+
+def test_fashion_mnist_present_files_never_download(tmp_path, monkeypatch):
+    import torchvision.datasets.mnist as tv_mnist
+
+    def no_network(*a, **k):
+        raise AssertionError("download attempted although the files are present")
+
+    monkeypatch.setattr(tv_mnist, "download_and_extract_archive", no_network)
+    write_fmnist(tmp_path)
+    assert len(load_dataset("fashion_mnist", root=tmp_path, download=True).train) == 30
+
+
+def test_fashion_mnist_download_failure_is_explained(tmp_path, monkeypatch):
+    import torchvision.datasets.mnist as tv_mnist
+
+    def offline(*a, **k):
+        raise URLError("offline")
+
+    monkeypatch.setattr(tv_mnist, "download_and_extract_archive", offline)
+    with pytest.raises(DatasetError, match="network"):
+        load_dataset("fashion_mnist", root=tmp_path, download=True)
+
+
+def test_fashion_mnist_missing_file(tmp_path):
+    write_fmnist(tmp_path)
+    (tmp_path / "FashionMNIST" / "raw" / "t10k-labels-idx1-ubyte").unlink()
+    with pytest.raises(DatasetError) as e:
+        load_dataset("fashion_mnist", root=tmp_path)
+    msg = str(e.value)
+    assert "t10k-labels-idx1-ubyte" in msg and "data.download: true" in msg and "train-images" not in msg
+
+
+def test_fashion_mnist_missing_root(tmp_path):
+    with pytest.raises(DatasetError, match="does not exist.*data.download: true"):
+        load_dataset("fashion_mnist", root=tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize(
+    "mutate,needle",
+    [
+        (lambda b: bytes(range(256)) * 3, "not an idx file"),  # garbage
+        (lambda b: struct.pack(">I", 2049) + b[4:], "not an idx file"),  # label magic on an image file
+        (lambda b: b[: len(b) - 100], "truncated or corrupt"),  # cut short
+        (lambda b: b + b"\x00", "truncated or corrupt"),  # trailing bytes
+        (lambda b: b[:10], "truncated inside its header"),
+    ],
+)
+def test_fashion_mnist_corrupt_idx(tmp_path, mutate, needle):
+    write_fmnist(tmp_path)
+    path = tmp_path / "FashionMNIST" / "raw" / "train-images-idx3-ubyte"
+    path.write_bytes(mutate(path.read_bytes()))
+    with pytest.raises(DatasetError, match=needle) as e:
+        load_dataset("fashion_mnist", root=tmp_path)
+    assert "train-images-idx3-ubyte" in str(e.value)
+
+
+def test_fashion_mnist_bad_gzip_and_count_mismatch(tmp_path):
+    write_fmnist(tmp_path, gz=True)
+    raw = tmp_path / "FashionMNIST" / "raw"
+    (raw / "t10k-images-idx3-ubyte.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(DatasetError, match=r"t10k-images-idx3-ubyte\.gz.*gzip"):
+        load_dataset("fashion_mnist", root=tmp_path)
+    (raw / "t10k-images-idx3-ubyte.gz").write_bytes(gzip.compress(idx_bytes(np.zeros((5, 28, 28), np.uint8), 2051)))
+    with pytest.raises(DatasetError, match="5 images but .*12 labels"):
+        load_dataset("fashion_mnist", root=tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# image folder
+
+
+def test_image_folder_shapes_labels_colours(tmp_path):
+    colours = write_png_folder(tmp_path)
+    ds = load_dataset("image_folder", root=tmp_path, image_size=8, test_fraction=0.4, seed=1)
+    assert ds.classes == ("blue", "green", "red", "zgrey") and ds.input_shape == (3, 8, 8)
+    assert len(ds.train) == 12 and len(ds.test) == 8
+    assert torch.bincount(ds.test.y, minlength=4).tolist() == [2, 2, 2, 2]
+    for split in (ds.train, ds.test):
+        assert split.x.dtype == torch.uint8 and split.x.shape[1:] == (3, 8, 8)
+        for k in range(len(split)):
+            rgb = colours[ds.classes[int(split.y[k])]]
+            for c in range(3):  # a solid image stays solid under resizing, in RGB channel order
+                assert split.x[k, c].min() == rgb[c] and split.x[k, c].max() == rgb[c]
+
+
+def test_image_folder_requires_image_size(tmp_path):
+    write_png_folder(tmp_path)
+    with pytest.raises(ValueError, match="image_size"):
+        load_dataset("image_folder", root=tmp_path)
+
+
+def test_image_folder_errors(tmp_path):
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_dataset("image_folder", root=tmp_path / "nowhere", image_size=8)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match="one sub-folder per class"):
+        load_dataset("image_folder", root=tmp_path / "empty", image_size=8)
+    root = tmp_path / "imgs"
+    write_png_folder(root)
+    (root / "red" / "3.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    with pytest.raises(DatasetError, match=r"red/3\.png.*cannot be decoded"):
+        load_dataset("image_folder", root=root, image_size=8)
+
+
+def test_image_folder_too_few_per_class(tmp_path):
+    from PIL import Image
+
+    for name, n in (("a", 4), ("b", 1)):
+        (tmp_path / name).mkdir()
+        for i in range(n):
+            Image.new("RGB", (4, 4)).save(tmp_path / name / f"{i}.png")
+    with pytest.raises(DatasetError, match="at least 2 samples"):
+        load_dataset("image_folder", root=tmp_path, image_size=4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# synthetic
+
+
+def test_synthetic_shapes_and_determinism():
+    pytest.importorskip("pipeline.theory.measures", reason="pipeline/theory/measures.py (union_of_subspaces) not written yet")
+    spec = SyntheticSpec(n_samples=300, n_clusters=3, rank=2, dim=16, noise=0.05)
+    ds = load_dataset("synthetic", root=Path("unused"), synthetic=spec, seed=4)
+    assert ds.input_shape == (16,) and ds.classes == ("0", "1", "2")
+    assert len(ds.train) + len(ds.test) == 300 and len(ds.test) == 60
+    assert ds.train.x.dtype == torch.float32 and ds.train.y.dtype == torch.int64
+    assert torch.allclose(ds.train.x.norm(dim=1), torch.ones(len(ds.train)), atol=1e-4)
+    assert torch.bincount(ds.test.y, minlength=3).tolist() == [20, 20, 20]
+    again = load_dataset("synthetic", root=Path("unused"), synthetic=spec, seed=4)
+    assert torch.equal(again.train.x, ds.train.x) and torch.equal(again.test.y, ds.test.y)
+    other = load_dataset("synthetic", root=Path("unused"), synthetic=spec, seed=5)
+    assert not torch.equal(other.train.x, ds.train.x)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# prepared data
+
+
+def _uint8_dataset(n_train: int = 12, n_test: int = 6) -> Dataset:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (n_train + n_test, 3, 4, 4), dtype=torch.uint8, generator=gen)
+    y = torch.arange(n_train + n_test) % 3
+    return Dataset(
+        name="image_folder",
+        train=Split(x[:n_train], y[:n_train]),  # views into a bigger storage on purpose
+        test=Split(x[n_train:], y[n_train:]),
+        classes=("a", "b", "c"),
+        input_shape=(3, 4, 4),
+    )
+
+
+@pytest.mark.parametrize("which", ["digits", "uint8"])
+def test_prepared_round_trip(tmp_path, digits, which):
+    ds = digits if which == "digits" else _uint8_dataset()
+    out = tmp_path / "prepared"
+    manifest = save_prepared(ds, out, extra={"seed": 0, "source": which})
+    assert sorted(p.name for p in out.iterdir()) == FILES
+    on_disk = json.loads((out / "manifest.json").read_text())
+    assert on_disk == manifest
+    assert manifest["dataset"] == ds.name and manifest["classes"] == list(ds.classes)
+    assert manifest["input_shape"] == list(ds.input_shape)
+    assert manifest["n_train"] == len(ds.train) and manifest["n_test"] == len(ds.test)
+    assert manifest["dtype"] == str(ds.train.x.dtype).removeprefix("torch.")
+    assert manifest["seed"] == 0 and manifest["source"] == which
+    assert manifest["files"]["train_x.npy"]["shape"] == list(ds.train.x.shape)
+    assert manifest["files"]["test_y.npy"]["shape"] == [len(ds.test)]
+    assert all(len(manifest["files"][name]["sha256"]) == 64 for name in PREPARED_FILES)
+    for verify in (True, False):
+        for mmap in (False, True):
+            back = load_prepared(out, verify=verify, mmap=mmap)
+            assert back.name == ds.name and back.classes == ds.classes and back.input_shape == ds.input_shape
+            for a, b in ((back.train, ds.train), (back.test, ds.test)):
+                assert a.x.dtype == b.x.dtype and torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+    # plain numpy files: the views were written, not their base storage (12 images of the 18)
+    saved = np.load(out / "train_x.npy", allow_pickle=False)
+    assert saved.shape == tuple(ds.train.x.shape) and np.array_equal(saved, ds.train.x.numpy())
+    assert prepared_nbytes(manifest) == ds.train.x.numel() * ds.train.x.element_size()
+
+
+def test_prepared_extra_cannot_override_fields(tmp_path):
+    with pytest.raises(ValueError, match="n_train"):
+        save_prepared(_uint8_dataset(), tmp_path / "p", extra={"n_train": 5})
+    assert not (tmp_path / "p").exists()
+
+
+def test_load_prepared_without_manifest(tmp_path):
+    with pytest.raises(DatasetError, match="transfusion prepare.*dvc repro prepare"):
+        load_prepared(tmp_path / "prepared")
+
+
+@pytest.mark.parametrize("name", PREPARED_FILES)
+def test_load_prepared_detects_corruption(tmp_path, name):
+    out = tmp_path / "prepared"
+    save_prepared(_uint8_dataset(), out)
+    path = out / name
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    with pytest.raises(DatasetError, match=rf"{name}.*sha256"):
+        load_prepared(out, verify=True)
+
+
+def test_load_prepared_detects_missing_file(tmp_path):
+    out = tmp_path / "prepared"
+    save_prepared(_uint8_dataset(), out)
+    (out / "test_x.npy").unlink()
+    with pytest.raises(DatasetError, match=r"test_x\.npy is missing"):
+        load_prepared(out)
+
+
+def test_save_prepared_crash_leaves_nothing_half_written(tmp_path, monkeypatch):
+    out = tmp_path / "prepared"
+    calls = []
+    real_save = D.write_npy
+
+    def crash_on_second(path, *args):
+        calls.append(Path(path).name)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real_save(path, *args)
+
+    monkeypatch.setattr(D, "write_npy", crash_on_second)
+    with pytest.raises(OSError, match="disk full"):
+        save_prepared(_uint8_dataset(), out)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+    # with a previous good directory: it survives a crashed rewrite untouched
+    monkeypatch.setattr(D, "write_npy", real_save)
+    old = _uint8_dataset(n_train=9, n_test=3)
+    save_prepared(old, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    calls.clear()
+    monkeypatch.setattr(D, "write_npy", crash_on_second)
+    with pytest.raises(OSError, match="disk full"):
+        save_prepared(_uint8_dataset(), out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["prepared"]
+    assert len(load_prepared(out).train) == 9
+
+
+def test_save_prepared_refuses_nan(tmp_path):
+    x = torch.rand(6, 4)
+    x[2, 1] = float("nan")
+    y = torch.arange(6) % 2
+    ds = Dataset("synthetic", Split(x[:4], y[:4]), Split(x[4:], y[4:]), ("0", "1"), (4,))
+    with pytest.raises(DatasetError, match="NaN"):
+        save_prepared(ds, tmp_path / "p")
+    assert not (tmp_path / "p").exists()
+
+
+def test_load_prepared_rejects_wrong_shape(tmp_path):
+    out = tmp_path / "prepared"
+    save_prepared(_uint8_dataset(), out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["input_shape"] = [3, 8, 8]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DatasetError, match=r"train_x\.npy.*shape"):
+        load_prepared(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the prepared format at scale: block-wise writing, memory maps, row reads
+
+
+def mapped_file(t: torch.Tensor) -> str | None:
+    """The file whose memory map holds ``t``'s data (from /proc/self/maps), or None if it is ordinary memory."""
+    ptr = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(v, 16) for v in fields[0].split("-"))
+        if lo <= ptr < hi:
+            return fields[5] if len(fields) == 6 and fields[5].startswith("/") else None
+    return None
+
+
+def test_write_npy_is_numpys_format_hashed_as_written(tmp_path):
+    x = np.random.default_rng(0).integers(0, 256, size=(10, 3, 2, 2), dtype=np.uint8)
+    digest = write_npy(tmp_path / "x.npy", x.shape, np.uint8, [x[:3], x[3:4], x[4:]])
+    np.save(tmp_path / "ref.npy", x)
+    assert (tmp_path / "x.npy").read_bytes() == (tmp_path / "ref.npy").read_bytes()
+    assert digest == sha256_file(tmp_path / "x.npy")
+    with pytest.raises(ValueError, match="does not continue"):  # a block of another row shape
+        write_npy(tmp_path / "bad.npy", x.shape, np.uint8, [x[:3, :2]])
+    with pytest.raises(ValueError, match="does not continue"):  # another dtype: never converted silently
+        write_npy(tmp_path / "bad.npy", x.shape, np.uint8, [x.astype(np.int64)])
+    with pytest.raises(ValueError, match="9 rows written"):
+        write_npy(tmp_path / "bad.npy", x.shape, np.uint8, [x[:9]])
+
+
+@pytest.mark.parametrize("which", ["digits", "uint8"])
+def test_load_prepared_mmap_maps_the_files(tmp_path, digits, which):
+    ds = digits if which == "digits" else _uint8_dataset()
+    out = tmp_path / "prepared"
+    save_prepared(ds, out)
+    mapped, loaded = load_prepared(out, mmap=True), load_prepared(out)
+    for part in ("train", "test"):
+        x = getattr(mapped, part).x
+        assert mapped_file(x) == str((out / f"{part}_x.npy").resolve())  # zero copy: the file's pages
+        assert mapped_file(getattr(loaded, part).x) is None  # the default reads into memory
+        assert torch.equal(x, getattr(ds, part).x)
+    x = mapped.train.x
+    x[0] += 1  # copy-on-write: a change stays in this process, the file and its digest are untouched
+    assert load_prepared(out, verify=True).train.x[0].equal(ds.train.x[0])
+
+
+def test_load_prepared_never_unpickles(tmp_path):
+    out = tmp_path / "prepared"
+    save_prepared(_uint8_dataset(), out)
+    np.save(out / "train_y.npy", np.array([object()] * 12, dtype=object), allow_pickle=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["files"]["train_y.npy"]["sha256"] = sha256_file(out / "train_y.npy")
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    for mmap in (False, True):
+        with pytest.raises(DatasetError, match=r"train_y\.npy holds pickled Python objects, which are never loaded"):
+            load_prepared(out, mmap=mmap)
+
+
+def test_gather_rows_equals_indexing(tmp_path):
+    x = torch.arange(7 * 2 * 3, dtype=torch.float32).reshape(7, 2, 3)
+    for index in (torch.tensor([5, 0, 3]), torch.tensor([6, 6, 1, 0, 2]), torch.tensor([], dtype=torch.int64)):
+        got = gather_rows(x, index)
+        assert torch.equal(got, x[index]) and got.dtype == x.dtype
+
+
+def test_image_folder_is_prepared_in_bounded_memory_to_the_same_bytes(tmp_path):
+    """``prepare_dataset`` writes an image folder one image at a time: the same files as loading it, then saving."""
+    write_png_folder(tmp_path / "raw")
+    kwargs = dict(root=tmp_path / "raw", image_size=8, test_fraction=0.4, seed=1)
+    for limits in ({}, {"limit_train": 8, "limit_test": 4}):
+        streamed = prepare_dataset("image_folder", tmp_path / "streamed", **kwargs, **limits, extra={"k": 1})
+        loaded = save_prepared(load_dataset("image_folder", **kwargs, **limits), tmp_path / "loaded", extra={"k": 1})
+        assert streamed == loaded
+        assert (streamed["n_train"], streamed["n_test"]) == (limits.get("limit_train", 12), limits.get("limit_test", 8))
+        for name in PREPARED_FILES:
+            assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "loaded" / name).read_bytes()
+    with pytest.raises(ValueError, match="image_size"):
+        prepare_dataset("image_folder", tmp_path / "x", root=tmp_path / "raw")
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,230 @@
+"""Tests for pipeline.evaluation.knn: k-NN vote vs a python-loop reference, chunking, clusters, sklearn cross-check."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.neighbors import KNeighborsClassifier
+
+from pipeline.evaluation.knn import knn_accuracy, knn_predict
+
+
+def _knn_reference(
+    train_z: torch.Tensor,
+    train_y: torch.Tensor,
+    test_z: torch.Tensor,
+    k: int,
+    n_classes: int,
+    temperature: float | None,
+) -> list[int]:
+    """Slow k-NN: python float64 cosine similarities, sort per test point, explicit vote count."""
+    tr = train_z.double().tolist()
+    te = test_z.double().tolist()
+    ys = [int(y) for y in train_y.tolist()]
+
+    def cos(a: list[float], b: list[float]) -> float:
+        na = math.sqrt(sum(x * x for x in a))
+        nb = math.sqrt(sum(x * x for x in b))
+        return sum(x * y for x, y in zip(a, b, strict=True)) / (na * nb)
+
+    preds = []
+    for q in te:
+        sims = [(cos(q, x), j) for j, x in enumerate(tr)]
+        sims.sort(key=lambda t: -t[0])
+        votes = [0.0] * n_classes
+        for s, j in sims[: min(k, len(tr))]:
+            votes[ys[j]] += 1.0 if temperature is None else math.exp(s / temperature)
+        best = 0
+        for c in range(n_classes):
+            if votes[c] > votes[best]:  # strict: ties keep the smallest label
+                best = c
+        preds.append(best)
+    return preds
+
+
+def _data(n_train: int, n_test: int, d: int, n_classes: int, seed: int, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    train_z = torch.randn(n_train, d, generator=g, dtype=dtype)
+    test_z = torch.randn(n_test, d, generator=g, dtype=dtype)
+    train_y = torch.randint(0, n_classes, (n_train,), generator=g)
+    test_y = torch.randint(0, n_classes, (n_test,), generator=g)
+    return train_z, train_y, test_z, test_y
+
+
+SIZES = [(1, 1, 2, 1), (5, 3, 3, 2), (30, 17, 4, 3), (60, 25, 8, 5)]  # (n_train, n_test, d, n_classes)
+
+
+@pytest.mark.parametrize(("n_train", "n_test", "d", "n_classes"), SIZES)
+@pytest.mark.parametrize("k", [1, 2, 5, 20])
+@pytest.mark.parametrize("temperature", [None, 0.1, 0.5])
+def test_knn_matches_reference(n_train: int, n_test: int, d: int, n_classes: int, k: int, temperature) -> None:
+    train_z, train_y, test_z, _ = _data(n_train, n_test, d, n_classes, seed=n_train + k)
+    got = knn_predict(train_z, train_y, test_z, k=k, n_classes=n_classes, temperature=temperature, chunk=4)
+    expected = _knn_reference(train_z, train_y, test_z, k, n_classes, temperature)
+    assert got.dtype == torch.int64 and got.shape == (n_test,)
+    assert got.tolist() == expected
+
+
+@pytest.mark.parametrize("temperature", [None, 0.07])
+def test_knn_float32_matches_reference(temperature) -> None:
+    train_z, train_y, test_z, _ = _data(40, 20, 6, 4, seed=7, dtype=torch.float32)
+    got = knn_predict(train_z, train_y, test_z, k=7, temperature=temperature)
+    assert got.tolist() == _knn_reference(train_z, train_y, test_z, 7, 4, temperature)
+
+
+def test_knn_is_scale_invariant() -> None:
+    # cosine similarity: rescaling any embedding by a positive factor changes nothing
+    train_z, train_y, test_z, _ = _data(50, 20, 5, 4, seed=3)
+    g = torch.Generator().manual_seed(1)
+    scale_tr = torch.rand(50, 1, generator=g, dtype=torch.float64) * 10 + 0.1
+    scale_te = torch.rand(20, 1, generator=g, dtype=torch.float64) * 10 + 0.1
+    for t in (None, 0.2):
+        a = knn_predict(train_z, train_y, test_z, k=5, temperature=t)
+        b = knn_predict(train_z * scale_tr, train_y, test_z * scale_te, k=5, temperature=t)
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("temperature", [None, 0.1])
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+def test_knn_chunking_is_exact(temperature, chunk: int) -> None:
+    train_z, train_y, test_z, _ = _data(80, 29, 6, 5, seed=11)
+    full = knn_predict(train_z, train_y, test_z, k=9, temperature=temperature, chunk=29)
+    part = knn_predict(train_z, train_y, test_z, k=9, temperature=temperature, chunk=chunk)
+    assert torch.equal(full, part)
+
+
+def test_knn_majority_tie_goes_to_smallest_label() -> None:
+    # k = 2: one neighbour of label 3 (the nearest) and one of label 1 -> a 1-1 tie -> label 1
+    train_z = torch.tensor([[1.0, 0.0], [0.8, 0.6], [-1.0, 0.0]])
+    train_y = torch.tensor([3, 1, 0])
+    test_z = torch.tensor([[1.0, 0.1]])
+    assert knn_predict(train_z, train_y, test_z, k=2).tolist() == [1]
+    # with a weighted vote the nearer neighbour (label 3) wins instead
+    assert knn_predict(train_z, train_y, test_z, k=2, temperature=0.1).tolist() == [3]
+    # k = 1: just the nearest neighbour
+    assert knn_predict(train_z, train_y, test_z, k=1).tolist() == [3]
+
+
+def test_knn_weighted_vote_can_overrule_majority() -> None:
+    # two far neighbours of label 0 vs one very close neighbour of label 2
+    train_z = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0]], dtype=torch.float64)
+    train_y = torch.tensor([2, 0, 0])
+    test_z = torch.tensor([[1.0, 0.05]], dtype=torch.float64)
+    assert knn_predict(train_z, train_y, test_z, k=3).tolist() == [0]
+    # weights exp(~1/T) vs 2 exp(~0.05/T): label 2 wins for small T, label 0 for large T
+    assert knn_predict(train_z, train_y, test_z, k=3, temperature=0.1).tolist() == [2]
+    assert knn_predict(train_z, train_y, test_z, k=3, temperature=10.0).tolist() == [0]
+
+
+def test_knn_tiny_temperature_does_not_overflow() -> None:
+    train_z, train_y, test_z, _ = _data(30, 10, 4, 3, seed=5, dtype=torch.float32)
+    got = knn_predict(train_z, train_y, test_z, k=10, temperature=1e-4)
+    # with T -> 0 the nearest neighbour dominates the vote
+    nearest = knn_predict(train_z, train_y, test_z, k=1)
+    assert torch.equal(got, nearest)
+
+
+def test_knn_k_larger_than_train_uses_all() -> None:
+    train_z, train_y, test_z, _ = _data(6, 5, 3, 3, seed=2)
+    a = knn_predict(train_z, train_y, test_z, k=100)
+    b = knn_predict(train_z, train_y, test_z, k=6)
+    assert torch.equal(a, b)
+    # with every training point voting uniformly, every test point gets the training majority class
+    counts = torch.bincount(train_y, minlength=3)
+    assert a.tolist() == [int(counts.argmax())] * 5
+
+
+def test_knn_n_classes_and_labels() -> None:
+    train_z, train_y, test_z, _ = _data(20, 8, 3, 3, seed=4)
+    a = knn_predict(train_z, train_y, test_z, k=3)
+    b = knn_predict(train_z, train_y, test_z, k=3, n_classes=10)  # extra empty classes change nothing
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError):
+        knn_predict(train_z, train_y, test_z, k=3, n_classes=2)
+    with pytest.raises(ValueError):
+        knn_predict(train_z, train_y.double(), test_z, k=3)
+    with pytest.raises(ValueError):
+        knn_predict(train_z, train_y - 5, test_z, k=3)
+
+
+@pytest.mark.parametrize("kwargs", [{"k": 0}, {"chunk": 0}, {"temperature": 0.0}, {"temperature": -1.0}])
+def test_knn_rejects_bad_arguments(kwargs: dict) -> None:
+    train_z, train_y, test_z, _ = _data(10, 4, 3, 2, seed=0)
+    with pytest.raises(ValueError):
+        knn_predict(train_z, train_y, test_z, **kwargs)
+
+
+def test_knn_rejects_bad_shapes() -> None:
+    train_z, train_y, test_z, test_y = _data(10, 4, 3, 2, seed=0)
+    with pytest.raises(ValueError):
+        knn_predict(train_z, train_y, test_z[:, :2])
+    with pytest.raises(ValueError):
+        knn_predict(train_z, train_y[:5], test_z)
+    with pytest.raises(ValueError):
+        knn_predict(train_z[:0], train_y[:0], test_z)
+    with pytest.raises(ValueError):
+        knn_accuracy(train_z, train_y, test_z, test_y[:2])
+
+
+def test_knn_empty_test_set() -> None:
+    train_z, train_y, test_z, _ = _data(10, 4, 3, 2, seed=0)
+    out = knn_predict(train_z, train_y, test_z[:0])
+    assert out.shape == (0,) and out.dtype == torch.int64
+
+
+@pytest.mark.parametrize("temperature", [None, 0.1])
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_knn_accuracy_perfect_on_separated_clusters(temperature, k: int) -> None:
+    # 4 classes around orthogonal directions, small noise: every neighbour of a point is in its own class
+    g = torch.Generator().manual_seed(0)
+    n_classes, d, per_class = 4, 8, 25
+    centers = torch.eye(d)[:n_classes] * 5.0  # (C, d)
+
+    def sample(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.arange(n_classes).repeat_interleave(m)
+        z = centers[y] + 0.3 * torch.randn(len(y), d, generator=g)
+        return z, y
+
+    train_z, train_y = sample(per_class)
+    test_z, test_y = sample(10)
+    assert knn_accuracy(train_z, train_y, test_z, test_y, k=k, temperature=temperature, chunk=7) == 1.0
+    # and shuffling the test labels makes it fail
+    wrong = (test_y + 1) % n_classes
+    assert knn_accuracy(train_z, train_y, test_z, wrong, k=k, temperature=temperature) == 0.0
+
+
+def test_knn_accuracy_matches_predictions() -> None:
+    train_z, train_y, test_z, test_y = _data(40, 30, 5, 3, seed=9)
+    pred = _knn_reference(train_z, train_y, test_z, 5, 3, None)
+    expected = sum(int(p == y) for p, y in zip(pred, test_y.tolist(), strict=True)) / 30
+    acc = knn_accuracy(train_z, train_y, test_z, test_y, k=5)
+    assert isinstance(acc, float)
+    assert acc == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("n_train", "n_test", "d", "n_classes", "k"), [(50, 40, 4, 3, 1), (200, 100, 8, 5, 7), (300, 80, 16, 10, 20)]
+)
+def test_knn_majority_matches_sklearn(n_train: int, n_test: int, d: int, n_classes: int, k: int) -> None:
+    # random float64 data: no two similarities tie, so the neighbour sets are unique
+    rng = np.random.default_rng(n_train)
+    train_z = rng.normal(size=(n_train, d))
+    test_z = rng.normal(size=(n_test, d))
+    train_y = rng.integers(0, n_classes, size=n_train)
+    clf = KNeighborsClassifier(n_neighbors=k, metric="cosine", algorithm="brute").fit(train_z, train_y)
+    expected = clf.predict(test_z)
+    got = knn_predict(torch.from_numpy(train_z), torch.from_numpy(train_y), torch.from_numpy(test_z), k=k, chunk=32)
+    np.testing.assert_array_equal(got.numpy(), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [None, 0.1])
+def test_knn_cuda_matches_cpu(temperature) -> None:
+    train_z, train_y, test_z, _ = _data(100, 50, 8, 5, seed=1)
+    cpu = knn_predict(train_z, train_y, test_z, k=10, temperature=temperature, chunk=16)
+    gpu = knn_predict(train_z.cuda(), train_y.cuda(), test_z.cuda(), k=10, temperature=temperature, chunk=16)
+    assert gpu.device.type == "cuda"
+    assert torch.equal(cpu, gpu.cpu())

@@ -1,0 +1,118 @@
+"""The cluster helpers without a cluster: addresses, the GPU decision, Ray Train's failures in one paragraph."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config.params import load_params
+from pipeline.data.sources import DatasetError
+from pipeline.runs.cluster import host_port, local_nodes, use_gpu
+from pipeline.runs.train import failure_message
+from tests.conftest import ROOT
+
+
+def params(*overrides: str):
+    return load_params(ROOT / "params.yaml", overrides)
+
+
+@pytest.mark.parametrize(("address", "expected"), [
+    ("127.0.0.1:6379", ("127.0.0.1", 6379)),
+    ("ray://head.example.com:10001", ("head.example.com", 10001)),
+    ("auto", None),
+    ("local", None),
+    ("head-without-port", None),
+])
+def test_explicit_addresses_are_probed_others_left_to_ray(address, expected):
+    assert host_port(address) == expected
+
+
+@pytest.mark.parametrize(("overrides", "gpus", "expected"), [
+    ((), 0, False),                                           # auto on a CPU-only cluster
+    ((), 8, True),                                            # auto: the *cluster's* GPUs, not the driver's
+    (("train.device=cpu",), 8, False),
+    (("train.device=cuda",), 0, True),                        # asked for: check_request then says none exist
+    (("ray.use_gpu=true",), 0, True),
+])
+def test_gpu_training_is_decided_from_the_cluster(overrides, gpus, expected):
+    assert use_gpu(params(*overrides), gpus) is expected
+
+
+def test_the_local_node_is_this_machine():
+    (node,) = local_nodes()
+    assert node.get("CPU") >= 1 and node.max_count == 1
+
+
+def test_worker_failures_become_one_line_per_rank():
+    from ray.train import ControllerError, WorkerGroupError
+
+    exc = WorkerGroupError("Rank 1 Error Snippet: ...\nTraceback ...", {
+        1: DatasetError("node 0123456789ab (b) cannot see the prepared data at /x"),
+        0: RuntimeError("first line\nlast line"),
+    })
+    assert failure_message(exc) == ("rank 0: last line; rank 1: node 0123456789ab (b) cannot see the prepared data "
+                                    "at /x")
+    assert failure_message(ControllerError(ValueError("scheduling failed"))) == "scheduling failed"
+
+
+def test_a_stale_local_ray_record_is_found_and_a_live_one_is_not(tmp_path, monkeypatch):
+    import socket
+
+    from pipeline.runs.cluster import ray_record_file, stale_local_record
+
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    assert stale_local_record() is None  # no record
+    (tmp_path / "ray").mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # closed when the block ends: nothing listens there
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        with open(ray_record_file(), "w") as f:
+            f.write(f"127.0.0.1:{live.getsockname()[1]}")
+        assert stale_local_record() is None  # it answers: ray.init() joins it, as always
+    with open(ray_record_file(), "w") as f:
+        f.write(f"127.0.0.1:{dead}")
+    assert stale_local_record(timeout=1.0) == f"127.0.0.1:{dead}"
+
+
+def test_pending_nodes_are_read_from_the_autoscalers_own_report():
+    """The report autoscaler v1 writes (``asdict`` of Ray's own ``AutoscalerSummary``): nodes booting plus launches
+    requested; none from a report a stopped monitor left behind, or without a report."""
+    from dataclasses import asdict
+
+    from ray.autoscaler._private.autoscaler import AutoscalerSummary
+
+    from pipeline.runs.cluster import AUTOSCALER_REPORT_STALE_S, pending_in_report
+
+    summary = AutoscalerSummary(active_nodes={"head": 1}, idle_nodes={}, failed_nodes=[],
+                                pending_nodes=[("10.0.0.7", "gpu_worker", "waiting-for-ssh"),
+                                               ("10.0.0.8", "gpu_worker", "setting-up")],
+                                pending_launches={"gpu_worker": 3})
+    status = {"time": 1000.0, "autoscaler_report": asdict(summary)}
+    assert pending_in_report(status, now=1010.0) == 5
+    assert pending_in_report(status, now=1000.0 + AUTOSCALER_REPORT_STALE_S + 1) == 0
+    idle = asdict(AutoscalerSummary(active_nodes={"head": 1}, idle_nodes={}, failed_nodes=[], pending_nodes=[],
+                                    pending_launches={}))
+    assert pending_in_report({"time": 1000.0, "autoscaler_report": idle}, now=1001.0) == 0
+    assert pending_in_report({"time": 1000.0}, now=1001.0) == 0  # a local Ray's monitor: no autoscaler
+
+
+def test_a_run_torn_down_is_told_apart_from_a_failing_worker():
+    """Ray's own error (seen when Ctrl-C removed a multi-worker trial's placement group) ends a worker quietly; any
+    other actor death stays an error."""
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError
+
+    from pipeline.runs.train import run_torn_down
+
+    def died(class_name: str, why: str) -> ActorDiedError:
+        return ActorDiedError(ActorDiedErrorContext(class_name=class_name, actor_id=bytes(16), pid=23204,
+                                                    error_message=why))
+
+    removed = ("The actor is dead because its worker process has died. Worker exit type: INTENDED_SYSTEM_EXIT Worker "
+               "exit detail: Destroying worker since its placement group was removed.")
+    assert run_torn_down(died("SynchronizationActor", removed))
+    assert not run_torn_down(died("TrainController", removed))
+    assert not run_torn_down(died("SynchronizationActor", "The actor is dead because its worker process has died. "
+                                  "Worker exit type: SYSTEM_ERROR Worker exit detail: the node was killed (OOM)."))

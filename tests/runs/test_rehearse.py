@@ -1,0 +1,119 @@
+"""A rehearsal changes sizes only: every key outside the whitelist (``pipeline.runs.rehearse.SIZE_KEYS``) keeps the shipped
+value, overrides of control keys are refused naming the key, and the default sizes still pass through every control
+(a periodic checkpoint, an epoch without kNN, ASHA's first rung)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config.base import flatten, read_params_file
+from pipeline.config.params import validate_params
+from pipeline.runs.rehearse import GRID_KEYS, SIZE_KEYS, RehearsalError, get, plan, with_default_rows
+from tests.conftest import ROOT
+
+FILES = ["params.yaml", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "presets").glob("*.yaml"))]
+
+
+def shipped(name: str):
+    return validate_params(with_default_rows(read_params_file(ROOT / name)), source=name)
+
+
+def test_every_shipped_file_is_rehearsed():
+    assert "presets/cluster-sweep.yaml" in FILES and "presets/paper-tables.yaml" in FILES
+
+
+@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("gpus", [0, 4])
+def test_default_rehearsal_changes_only_size_keys(name, gpus):
+    before = flatten(shipped(name))
+    p = plan(ROOT / name, cpus=2, gpus=gpus)
+    after = flatten(validate_params(p.raw, source="rehearsal"))
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed, "a rehearsal that changes nothing would not fit a laptop"
+    assert changed <= set(SIZE_KEYS), f"control keys changed: {sorted(changed - set(SIZE_KEYS))}"
+    assert set(p.changed) <= set(SIZE_KEYS)
+    if gpus:
+        assert after["ray.backend"] == "gloo" and after["ray.use_gpu"] == before["ray.use_gpu"]
+    else:
+        assert after["ray.use_gpu"] is False
+    for key in GRID_KEYS:  # a grid is only shortened
+        old, new = get(with_default_rows(read_params_file(ROOT / name)), key) or [], get(p.raw, key) or []
+        assert all(v in old for v in new) and (bool(new) or not old)
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_default_rehearsal_passes_through_every_control(name):
+    ship = shipped(name)
+    p = validate_params(plan(ROOT / name, cpus=2).raw, source="rehearsal")
+    assert p.ray.num_workers >= min(ship.ray.num_workers, 2)  # several workers stay several
+    assert p.train.epochs >= 2
+    if ship.train.checkpoint_every > 1:  # a periodic checkpoint inside the run
+        assert p.train.epochs > ship.train.checkpoint_every
+    if ship.train.knn_every != 1:  # and an epoch without the kNN check (what crashed the tables job)
+        assert any(e % ship.train.knn_every for e in range(1, p.train.epochs + 1))
+    if ship.sweep.asha:  # ASHA reaches its first rung
+        assert p.sweep.epochs > ship.sweep.grace_period
+    trial = p.sweep.cpus_per_worker * p.ray.num_workers + 0.25
+    assert 2 * trial <= 2, "two sweep trials fit 2 CPUs"
+
+
+CONTROL = {  # key -> a different valid value
+    "train.knn_every": 1, "train.checkpoint_every": 1, "ray.max_failures": 0, "sweep.asha": False,
+    "sweep.grace_period": 1, "sweep.search": "random", "sweep.num_samples": 2, "loss.name": "infonce",
+    "train.mode": "supervised", "model.head": "truncated", "model.depth": 3, "train.batch_size": 32,
+    "train.lr": 0.1, "ray.resources_timeout_s": 10, "sweep.max_concurrent_trials": 1,
+}
+
+
+@pytest.mark.parametrize("key, value", CONTROL.items())
+def test_a_control_override_is_refused_naming_the_key(key, value):
+    with pytest.raises(RehearsalError, match=rf"{key} is a control key"):
+        plan(ROOT / "presets/cluster-sweep.yaml", [f"{key}={value}"])
+
+
+def test_every_key_outside_the_whitelist_is_refused():
+    for key, value in flatten(shipped("presets/cluster-sweep.yaml")).items():
+        if key not in SIZE_KEYS and not key.startswith(("tables.", "theory.")):
+            with pytest.raises(RehearsalError, match=key):
+                plan(ROOT / "presets/cluster-sweep.yaml", [f"{key}={value!r}"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sweep.depth=[0, 2]", "sweep.depth: .* subset of the shipped values"),
+    ("sweep.depth=[1, 0]", "in their order"),
+    ("sweep.batch_size=[]", "non-empty subset"),
+    ("ray.num_workers=1", "between 2 and 4 workers"),
+    ("ray.num_workers=8", "between 2 and 4 workers"),
+    ("train.epochs=1", "at least 2 epochs"),
+    ("sweep.epochs=5", "more epochs than the grace period"),
+    ("ray.use_gpu=true", "needs GPUs"),
+    ("ray.backend=nccl", "ray.backend"),
+])
+def test_a_size_beyond_its_rule_is_refused(override, message):
+    with pytest.raises(RehearsalError, match=message):
+        plan(ROOT / "presets/cluster-sweep.yaml", [override])
+
+
+def test_sizes_within_their_rules_are_applied():
+    p = plan(ROOT / "presets/cluster-sweep.yaml", ["sweep.depth=[0, 9]", "ray.num_workers=4", "sweep.epochs=11",
+                                                   "model.embed_dim=8", "sweep.cpus_per_worker=0.125"])
+    assert (get(p.raw, "sweep.depth"), get(p.raw, "ray.num_workers"), get(p.raw, "sweep.epochs")) == ([0, 9], 4, 11)
+    assert get(p.raw, "sweep.grace_period") == 10 and get(p.raw, "sweep.asha") is True  # as shipped
+
+
+def test_trial_cpu_is_the_sweeps():
+    from pipeline.runs import rehearse, sweep
+
+    assert rehearse.TRIAL_CPU == sweep.TRIAL_CPU
+
+
+def test_the_command_refuses_a_control_key_before_any_work(tmp_path, monkeypatch, ray_starts):
+    from tests.conftest import invoke
+
+    monkeypatch.chdir(tmp_path)
+    result = invoke("rehearse", "--params", str(ROOT / "presets/paper-tables.yaml"), "-S", "train.knn_every=1")
+    assert result.exit_code == 2
+    assert "train.knn_every is a control key: a rehearsal keeps it as the file ships it (10)" in result.output
+    assert not ray_starts and not (tmp_path / ".rehearsal").exists()
+    result = invoke("rehearse", "--params", str(ROOT / "params.yaml"), "--jobs", "prepare,deploy")
+    assert result.exit_code == 2 and "--jobs: deploy is not a job of" in result.output

@@ -1,0 +1,245 @@
+"""The sweep's search space, trial params, concurrency, naming and output tables (no Ray cluster needed)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import yaml
+
+from pipeline.config.base import ParamsError
+from pipeline.config.params import load_params
+from pipeline.runs.resources import NodeType, TrialShape, packing
+from pipeline.runs.sweep import (
+    TRIAL_CPU,
+    axes,
+    base_params,
+    grid_points,
+    inline,
+    max_concurrent,
+    sweep_name,
+    trial_params,
+    trial_placement,
+)
+from stages.sweep import COLUMNS, best_trial, write_outputs
+from tests.conftest import ROOT
+
+MANIFEST = {"files": {"train.pt": {"sha256": "a"}, "test.pt": {"sha256": "b"}}}
+
+
+def params(*overrides: str):
+    return load_params(ROOT / "params.yaml", overrides)
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ((), 8),
+    (("sweep.depth=[0,1,3]",), 12),
+    (("sweep.lr=[0.001,0.01]",), 16),
+    (("sweep.num_samples=3",), 24),  # grid: three seeds per point
+    (("sweep.search=random", "sweep.num_samples=3"), 8),  # random: the listed values, sampled
+])
+def test_grid_points_is_the_cross_product(overrides, expected):
+    p = params(*overrides)
+    points = grid_points(p)
+    assert len(points) == expected
+    assert len({json.dumps(pt, sort_keys=True) for pt in points}) == expected  # no duplicates
+    a = axes(p)
+    for key, values in a.items():
+        assert sorted({pt[key] for pt in points}) == sorted(values)
+
+
+def test_grid_repeats_are_seeds_not_copies():
+    p = params("sweep.num_samples=3", "train.seed=7")
+    assert axes(p)["train.seed"] == [7, 8, 9]
+    assert "train.seed" not in axes(params("sweep.search=random", "sweep.num_samples=3"))
+
+
+def test_trial_params_apply_the_point_over_the_sweep_base():
+    p = params("train.epochs=40", "train.knn_every=5", "train.warmup_epochs=10")
+    base = base_params(p)
+    t = trial_params(base, {"model.depth": 3, "train.batch_size": 64, "augment.strength": 0.5})
+    assert (t.model.depth, t.train.batch_size, t.augment.strength) == (3, 64, 0.5)
+    # the sweep's epochs, a kNN check every epoch (ASHA's metric), a checkpoint every epoch, warmup clipped
+    assert (t.train.epochs, t.train.knn_every, t.train.checkpoint_every) == (6, 1, 1)
+    assert t.train.warmup_epochs == 5 and t.ray.cpus_per_worker == 0.5
+    assert t.model.backbone == p.model.backbone and t.loss == p.loss
+
+
+def test_an_invalid_point_names_the_point_and_the_key():
+    p = params("ray.num_workers=2")
+    with pytest.raises(ParamsError, match=r"(?s)sweep point \{'train.batch_size': 15\}.*multiple of ray.num_workers"):
+        trial_params(base_params(p), {"train.batch_size": 15})
+
+
+def _nodes(*specs: tuple[int, float, float]) -> list:
+    """(count, CPUs, GPUs) per node type."""
+    from pipeline.runs.resources import NodeType
+
+    return [NodeType(f"t{i}", {"CPU": c, "GPU": g}, n) for i, (n, c, g) in enumerate(specs)]
+
+
+@pytest.mark.parametrize(("overrides", "nodes", "gpu", "n_trials", "expected"), [
+    ((), [(1, 2, 0)], False, 8, 2),                            # 0.25 + 1 x 0.5 per trial, two fit 2 CPUs
+    (("ray.num_workers=2",), [(1, 2, 0)], False, 8, 1),        # 0.25 + 2 x 0.5
+    (("ray.num_workers=2",), [(1, 64, 0)], False, 100, 51),
+    (("ray.num_workers=2",), [(1, 64, 0)], False, 8, 8),       # never more than the trials there are
+    ((), [(1, 0.5, 0)], False, 8, 1),                          # never 0: Tune queues the rest
+    (("sweep.max_concurrent_trials=3",), [(1, 64, 0)], False, 8, 3),
+    # GPUs bound it, not CPUs: 2 workers of (0.5 CPU, 1 GPU) per trial on a 64-CPU node with 4 GPUs
+    (("ray.num_workers=2",), [(1, 64, 4)], True, 100, 2),
+    (("ray.num_workers=2",), [(4, 8, 1), (1, 4, 0)], True, 100, 2),  # 4 one-GPU nodes, trial functions on the CPU node
+])
+def test_max_concurrent_packs_trials_onto_the_nodes(overrides, nodes, gpu, n_trials, expected):
+    assert max_concurrent(params(*overrides), _nodes(*nodes), gpu, n_trials) == expected
+
+
+@pytest.mark.parametrize(("overrides", "gpu"), [((), False), ((), True), (("ray.num_workers=2",), False),
+                                                (("ray.num_workers=4", "sweep.cpus_per_worker=3"), True)])
+def test_a_trial_holds_the_bundles_max_concurrent_packs(overrides, gpu):
+    """One worker trains inside the trial, in its worker's bundle (the GPU is the trial's own); more need Ray Train,
+    whose workers ask for their bundles themselves. Either way the trial's bundles plus its workers' are the shape
+    ``max_concurrent`` packs, so the two never disagree."""
+    p = params(*overrides)
+    trial = trial_params(base_params(p), {})
+    held = trial_placement(trial, gpu).bundles
+    shape = TrialShape(p.ray.num_workers, p.sweep.cpus_per_worker, gpu, TRIAL_CPU)
+    if inline(trial):
+        assert p.ray.num_workers == 1 and held == shape.bundles()
+        assert held[0] == {"CPU": p.sweep.cpus_per_worker, **({"GPU": 1.0} if gpu else {})}  # where the trial runs
+    else:
+        assert held == [{"CPU": TRIAL_CPU}] and shape.bundles()[-1] == {"CPU": TRIAL_CPU}
+    node = [NodeType("n", {"CPU": 2.0, "GPU": 4.0 if gpu else 0.0})]
+    assert max_concurrent(p, node, gpu, 8) == max(1, packing(node, shape, cap=8).trials)
+
+
+def test_sweep_name_ignores_swept_keys_and_follows_the_rest():
+    name = sweep_name(params(), MANIFEST)
+    assert name.startswith("sweep-") and name == sweep_name(params(), MANIFEST)
+    assert sweep_name(params("model.depth=5", "train.batch_size=64", "train.epochs=3"), MANIFEST) == name
+    assert sweep_name(params("train.lr=0.01"), MANIFEST) != name
+    assert sweep_name(params("sweep.epochs=3"), MANIFEST) != name
+    other = {"files": {"train.pt": {"sha256": "c"}, "test.pt": {"sha256": "b"}}}
+    assert sweep_name(params(), other) != name
+
+
+@pytest.mark.parametrize("bad", [
+    "sweep.depth=[]", "sweep.batch_size=[1]", "sweep.strength=[1.5]", "sweep.search=bayes",
+    "sweep.max_concurrent_trials=0", "sweep.epochs=0", "sweep.lr=[-1]",
+])
+def test_bad_sweep_params_name_the_key(bad):
+    with pytest.raises(ParamsError, match=bad.split("=")[0].replace(".", r"\.")):
+        params(bad)
+
+
+def rows_fixture():
+    rows = []
+    for k, (depth, batch, strength, acc, epochs, status) in enumerate([
+        (0, 16, 0.0, 0.90, 4, "TERMINATED"), (0, 16, 1.0, 0.95, 4, "TERMINATED"),
+        (1, 16, 0.0, 0.80, 2, "TERMINATED"), (1, 16, 1.0, math.nan, 0, "ERROR"),
+    ]):
+        history = [{"epoch": e, "loss": 1.0 / e, "knn_acc": acc, "view_noise": 0.1 * strength, "samples_per_s": 100.0}
+                   for e in range(1, epochs + 1)]
+        rows.append({"trial_id": f"t_{k:05d}", "model.depth": depth, "train.batch_size": batch,
+                     "augment.strength": strength, "view_noise": 0.1 * strength, "knn_acc": acc, "best_knn_acc": acc,
+                     "loss": 0.5, "epochs": epochs, "stopped_early": 0 < epochs < 4, "seconds": 1.0, "status": status,
+                     "history": history})
+    return rows
+
+
+def test_best_trial_is_the_best_finished_one():
+    rows = rows_fixture()
+    assert best_trial(rows)["trial_id"] == "t_00001"
+    assert best_trial([r for r in rows if r["status"] == "ERROR"]) is None
+    tie = [dict(rows[0], trial_id="b"), dict(rows[0], trial_id="a")]
+    assert best_trial(tie)["trial_id"] == "a"
+
+
+def test_write_outputs_tables_plot_and_best(tmp_path):
+    p = params("sweep.epochs=4")
+    best = write_outputs(p, rows_fixture(), tmp_path / "sweeps", tmp_path / "plots" / "sweep", "digits")
+    with open(tmp_path / "sweeps/results.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["trial_id"] for r in table] == ["t_00000", "t_00001", "t_00002", "t_00003"]
+    assert list(table[0]) == list(COLUMNS)
+    assert table[0]["train.lr"] == str(p.train.lr) and table[3]["status"] == "ERROR"
+    assert table[2]["stopped_early"] == "True" and table[2]["epochs"] == "2"
+    saved = json.loads((tmp_path / "sweeps/best.json").read_text())
+    assert saved["trial_id"] == best["trial_id"] == "t_00001" and saved["knn_acc"] == 0.95
+    assert "history" not in saved
+    plots = tmp_path / "plots" / "sweep"
+    assert sorted(x.name for x in plots.iterdir()) == ["curves.csv", "phase.csv", "phase.png"]
+    assert (plots / "phase.png").read_bytes()[:4] == b"\x89PNG"
+    with open(plots / "curves.csv") as f:
+        curves = list(csv.DictReader(f))
+    assert len(curves) == 4 + 4 + 2 and curves[0]["trial_id"] == "t_00000" and curves[-1]["epoch"] == "2"
+    with open(plots / "phase.csv") as f:
+        phase = list(csv.DictReader(f))
+    assert len(phase) == 4 and phase[3]["knn_acc"] == "nan" and phase[1]["knn_acc"] == "0.95"
+
+
+def test_params_yaml_default_sweep_is_small():
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    p = params()
+    assert len(grid_points(p)) <= 8 and p.sweep.epochs <= 10, "the default sweep must stay a few minutes on 2 cores"
+    assert set(raw["sweep"]) == set(type(p.sweep).model_fields)
+
+
+def test_cluster_preset_is_valid_and_is_the_documented_grid():
+    p = load_params(ROOT / "presets/cluster-sweep.yaml")
+    assert (p.data.dataset, p.model.backbone, p.ray.use_gpu) == ("cifar10", "resnet18_cifar", True)
+    assert p.sweep.depth == [0, 1, 3, 5, 9] and min(p.sweep.batch_size) == 32 and max(p.sweep.batch_size) == 4096
+    assert p.sweep.strength[0] == 0.0 and p.sweep.strength[-1] == 1.0 and p.sweep.asha
+    assert len(grid_points(p)) == 240
+    for point in grid_points(p):  # every point is a valid run (e.g. the batch splits over the workers)
+        trial_params(base_params(p), point)
+
+
+def test_rows_carry_the_last_epochs_block_health():
+    import pandas as pd
+
+    from pipeline.runs.sweep import trial_rows
+
+    class Result:  # what Tune's ResultGrid yields, as far as trial_rows reads it
+        def __init__(self, name, reported):
+            self.metrics_dataframe, self.path = pd.DataFrame(reported), f"/x/trial-{name}"
+            self.config, self.error = {}, None
+
+    alive = {"block_1.positive": 0.4, "block_1.uniform_rows": 0.0, "block_2.positive": 0.2, "block_2.uniform_rows": 0.1}
+    dead = {"block_1.positive": 0.3, "block_1.uniform_rows": 0.0, "block_2.positive": 0.0, "block_2.uniform_rows": 1.0}
+    grid = [Result("a", [{"epoch": 1, "loss": 1.0, **dead}, {"epoch": 2, "loss": 0.9, **alive}]),
+            Result("b", [{"epoch": 1, "loss": 1.0, **alive}, {"epoch": 2, "loss": 0.9, **dead}]),
+            Result("c", [{"epoch": 1, "loss": 1.0}, {"epoch": 2, "loss": 0.9}])]  # depth 0: no blocks
+    a, b, c = trial_rows(grid, epochs=2, labels=lambda config: {})
+    assert (a["min_positive"], a["max_uniform_rows"], a["dead_blocks"]) == (0.2, 0.1, 0)
+    assert (b["min_positive"], b["max_uniform_rows"], b["dead_blocks"]) == (0.0, 1.0, 1)
+    assert math.isnan(c["min_positive"]) and c["dead_blocks"] == 0
+    assert "block_2.positive" in b["history"][-1]  # the curves keep the health too
+    for col in ("min_positive", "max_uniform_rows", "dead_blocks"):
+        assert col in COLUMNS
+
+
+def test_where_ranks_ran_comes_from_the_newest_checkpoint_that_has_it(tmp_path):
+    """A multi-worker trial stopped by ASHA while its last checkpoint was still uploading: its workers.json is in
+    the checkpoint before."""
+    import json
+
+    import pandas as pd
+
+    from pipeline.runs.sweep import trial_rows
+    from pipeline.runs.train import WORKERS_FILE
+
+    ranks = [{"rank": 1, "gpu_ids": ["3"]}, {"rank": 0, "gpu_ids": ["2"]}]
+    done, torn = tmp_path / "checkpoint_000008", tmp_path / "checkpoint_000009"
+    done.mkdir()
+    torn.mkdir()  # the upload never finished: nothing in it
+    (done / WORKERS_FILE).write_text(json.dumps(ranks))
+
+    class Result:
+        metrics_dataframe = pd.DataFrame([{"epoch": 9, "loss": 1.0, "checkpoint_path": str(done)},
+                                          {"epoch": 10, "loss": 0.9, "checkpoint_path": str(torn)}])
+        path, config, error, checkpoint = str(tmp_path / "trial-x"), {}, None, None
+
+    (row,) = trial_rows([Result()], epochs=20, labels=lambda config: {})
+    assert (row["workers"], row["gpu_ids"], row["epochs"], row["stopped_early"]) == (2, "2 3", 10, True)

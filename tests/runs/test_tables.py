@@ -1,0 +1,144 @@
+"""The tables job without a cluster: row validation, resolution, layout of TABLES.md, the CSV's n/a cells, and the
+sweep helpers it shares (fault selection, failure reasons)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config.base import ParamsError
+from pipeline.config.params import load_params
+from pipeline.evaluation.report import HEADER, NA, PAPER_TABLE_1, PAPER_TABLE_2
+from pipeline.runs.sweep import TrialFailed, error_reason, trial_fault
+from pipeline.runs.tables import PROBES, as_sweep, csv_records, render, resolve_rows
+from tests.conftest import ROOT
+
+PRESET = ROOT / "presets/paper-tables.yaml"
+
+
+def params(*overrides: str, path=ROOT / "params.yaml"):
+    return load_params(path, overrides)
+
+
+def test_the_preset_and_the_default_are_the_papers_eight_rows():
+    preset = params(path=PRESET)
+    rows = resolve_rows(preset)
+    assert [(r.table, r.name) for r in rows] == [
+        (1, "InfoNCE"), (1, "DCL"), (1, "BarlowTwins"), (1, "TransFusion 1-Layer"), (1, "TransFusion 9-Layer"),
+        (2, "SupCon"), (2, "TransFusion 1-Layer"), (2, "TransFusion 9-Layer")]
+    assert all(r.paper == r.name for r in rows)  # each beside the paper's row of its name
+    by = {(r.table, r.name): r.params for r in rows}
+    assert (by[1, "DCL"].loss.name, by[1, "DCL"].model.depth) == ("dcl", 0)
+    assert (by[1, "TransFusion 9-Layer"].model.depth, by[1, "TransFusion 9-Layer"].augment.strength) == (9, 1.0)
+    assert (by[2, "SupCon"].train.mode, by[2, "SupCon"].augment.strength) == ("supervised", 0.0)
+    assert (preset.model.backbone, preset.data.dataset, preset.train.epochs, preset.train.batch_size) == (
+        "resnet18_cifar", "cifar10", 200, 128)
+    assert preset.probe.max_train is None  # the paper's 100 % of the labels
+    assert params().tables.rows == preset.tables.rows  # params.yaml needs no tables section
+    assert "tables" not in params().model_dump()  # nor does any other stage record it
+
+
+@pytest.mark.parametrize(("row", "needles"), [
+    ("{name: A, table: 3}", ["tables.rows.0.table", "1 or 2"]),
+    ("{name: A, table: 1, params: {loss.nme: jsd}}", ["tables.rows[0] ('A')", "'loss.nme'", "name, temperature"]),
+    ("{name: A, table: 1, params: {data.dataset: cifar10}}", ["'data.dataset'", "overrides only model.*"]),
+    ("{name: A, table: 1, colour: red}", ["tables.rows.0.colour", "unknown key"]),
+    ("{table: 1}", ["tables.rows.0.name"]),
+])
+def test_bad_rows_name_the_row_and_the_key(row, needles):
+    with pytest.raises(ParamsError) as info:
+        params(f"tables.rows=[{row}]")
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_duplicate_rows_in_one_table_are_refused_but_a_name_may_repeat_across_tables():
+    with pytest.raises(ParamsError, match=r"a second row named 'A' in table 1"):
+        params("tables.rows=[{name: A, table: 1}, {name: A, table: 1}]")
+    assert len(params("tables.rows=[{name: A, table: 1}, {name: A, table: 2}]").tables.rows) == 2
+
+
+@pytest.mark.parametrize(("row", "needle"), [
+    # resolved on the file's base: the loss needs the other mode, the mode is not the table's, the paper has no such row
+    ("{name: A, table: 2, params: {train.mode: supervised, loss.name: infonce}}", "loss.name: infonce needs"),
+    ("{name: A, table: 2, params: {loss.name: supcon}}", "train.mode is self_supervised, but table 2 is supervised"),
+    ("{name: A, table: 1, paper: SimCLR}", "paper: 'SimCLR' is not a row of the paper's table 1"),
+    ("{name: A, table: 1, params: {model.depth: -1}}", "model.depth"),
+])
+def test_rows_are_resolved_against_the_base_before_any_work(row, needle):
+    p = params(f"tables.rows=[{row}]")
+    with pytest.raises(ParamsError) as info:
+        resolve_rows(p)
+    assert "tables.rows[0] ('A'" in str(info.value) and needle in str(info.value)
+
+
+def test_a_batch_beyond_the_data_is_refused():
+    p = params("tables.rows=[{name: A, table: 1, params: {train.batch_size: 512}}]")
+    with pytest.raises(ParamsError, match=r"train.batch_size 512 exceeds the training set \(300 samples\)"):
+        resolve_rows(p, n_train=300)
+
+
+def test_rows_take_the_clusters_per_worker_cpus_for_concurrency():
+    p = as_sweep(params("ray.cpus_per_worker=2.0", "tables.max_concurrent_trials=3"))
+    assert (p.sweep.cpus_per_worker, p.sweep.max_concurrent_trials) == (2.0, 3)
+
+
+def record(index, table, name, accs, *, paper=None, batch=128, status="TERMINATED", error=""):
+    ok = status == "TERMINATED"
+    return {"index": index, "table": table, "name": name, "paper": paper if paper is not None else name,
+            "trial_id": f"t{index}", "train.mode": "self_supervised", "loss.name": "jsd", "model.depth": 1,
+            "model.backbone": "cnn_small", "train.batch_size": batch, "epochs": 2 if ok else 1,
+            **dict(zip(PROBES, accs if ok else (None,) * 4, strict=True)),
+            "train_minutes": 1.5 if ok else None, "fit_seconds": 120.0, "eval_seconds": 3.0, "workers": 2,
+            "gpus": 2 if ok else None, "hours": 2 * 120 / 3600 if ok else None, "hours_unit": "GPU-hours",
+            "status": status, "error": error}
+
+
+def test_tables_md_puts_each_row_under_the_papers_and_says_n_a_for_what_failed():
+    p = params("tables.rows=[{name: InfoNCE, table: 1}, {name: Mine, table: 1}, {name: SupCon, table: 2, params: "
+               "{train.mode: supervised, loss.name: supcon}}]")
+    records = [record(0, 1, "InfoNCE", (0.61, 0.62, 0.63, 0.64)),
+               record(1, 1, "Mine", (0.5, 0.5, 0.5, 0.5), paper=None),
+               record(2, 2, "SupCon", (), status="ERROR", error="non_finite: nan (last good epoch 1)")]
+    records[1]["paper"] = None
+    text = render(records, p, "GPU-hours", "digits")
+    t1, t2 = text.split("## Table 1 (self-supervised)")[1].split("## Table 2 (supervised)")
+    lines1 = t1.splitlines()
+    assert lines1[2] == HEADER + " GPU-hours |"
+    at = lines1.index("| **ours: InfoNCE** | 128 | 0.6100 | 0.6200 | 0.6300 | 0.6400 | 1.5 | 0.0667 |")
+    assert lines1[at - 1].startswith("| paper: InfoNCE | 128 | 0.3854 |")
+    assert sum(line.startswith("| paper: ") for line in lines1) == len(PAPER_TABLE_1)
+    assert [line for line in lines1 if line.startswith("| ")][-1].startswith("| **ours: Mine** |")  # no paper row
+    lines2 = t2.splitlines()
+    at = lines2.index(f"| **ours: SupCon** | 128 | {NA} | {NA} | {NA} | {NA} | {NA} | {NA} |")
+    assert lines2[at - 1].startswith("| paper: SupCon | 128 |")  # the batch-128 row, not the 1024 one
+    assert sum(line.startswith("| paper: ") for line in lines2) == len(PAPER_TABLE_2)
+    assert "- table 2 **SupCon**: non_finite: nan (last good epoch 1)" in text
+
+
+def test_csv_cells_we_could_not_compute_are_n_a():
+    out = csv_records([record(0, 1, "A", (0.1, 0.2, 0.3, 0.4)), record(1, 2, "B", (), status="ERROR", error="x")])
+    assert (out[0]["ffn"], out[0]["hours"], out[0]["error"]) == (0.1, pytest.approx(0.0667, abs=1e-4), "")
+    assert [out[1][k] for k in (*PROBES, "train_minutes", "hours", "gpus")] == [NA] * 7
+    assert out[1]["fit_seconds"] == 120.0 and out[1]["status"] == "ERROR"
+
+
+def test_trial_fault_selects_the_trials_it_names():
+    point = {"model.depth": 1, "train.batch_size": 32, "augment.strength": 0.0}
+    assert trial_fault(None, point) is None
+    assert trial_fault("nan@2", point) == "nan@2"
+    assert trial_fault("nan@2:train.batch_size=32", point) == "nan@2"
+    assert trial_fault("nan@2:train.batch_size=64", point) is None
+    assert trial_fault("nan@2:train.batch_size=32,augment.strength=1.0", point) is None
+    assert trial_fault("crash@1:row=SupCon", {"table": 2, "row": "SupCon"}) == "crash@1"
+
+
+def test_error_reason_is_one_line_also_through_rays_wrapper():
+    from ray.exceptions import RayTaskError
+
+    failed = TrialFailed("non_finite: non-finite loss (nan) (last good epoch 1)")
+    wrapped = RayTaskError("_trial", "Traceback (most recent call last):\n  ...\nTrialFailed: ...", failed)
+    assert error_reason(wrapped.as_instanceof_cause()) == str(failed)
+    assert error_reason(failed) == str(failed)
+    assert error_reason(None) == ""
+    other = RayTaskError("_trial", "Traceback ...", RuntimeError("worker died\nmore detail"))
+    assert error_reason(other) == "RuntimeError: worker died"

@@ -1,0 +1,199 @@
+"""The tracking store fails fast and in one paragraph when it cannot be used."""
+
+from __future__ import annotations
+
+import ast
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from pipeline.runs.tracking import (
+    DVC_EXP_TAGS,
+    IDENTITY_TAG,
+    TrackingError,
+    check_reachable,
+    child_run,
+    create_run,
+    data_digest,
+    dataset_input,
+    dvc_experiment_tags,
+    end_run,
+    evaluate_label,
+    experiment_id,
+    log_metrics_batch,
+    pretrain_label,
+    sweep_label,
+    tables_label,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+MANIFEST = {"dataset": "digits", "n_train": 256, "n_test": 360, "classes": list("0123456789"),
+            "input_shape": [1, 8, 8], "dtype": "uint8", "params": {"data": {"limit_train": 256, "seed": 0}},
+            "files": {"train.pt": {"sha256": "a" * 64}, "test.pt": {"sha256": "b" * 64}}}
+
+
+def test_missing_or_empty_store_is_fine(tmp_path):
+    check_reachable(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (tmp_path / "empty.db").write_bytes(b"")
+    check_reachable(f"sqlite:///{tmp_path / 'empty.db'}")
+
+
+def test_a_garbage_file_is_named_with_the_fix(tmp_path):
+    db = tmp_path / "mlflow.db"
+    db.write_bytes(b"this is not a database at all\n" * 100)
+    with pytest.raises(TrackingError) as err:
+        check_reachable(f"sqlite:///{db}")
+    text = str(err.value)
+    assert "is not an SQLite database" in text and str(db) in text and "MLFLOW_TRACKING_URI" in text
+    assert "\n" not in text
+
+
+def test_a_damaged_sqlite_file_is_refused(tmp_path):
+    db = tmp_path / "mlflow.db"
+    con = sqlite3.connect(db)
+    con.execute("create table t (x integer)")
+    con.executemany("insert into t values (?)", [(i,) for i in range(5000)])
+    con.commit()
+    con.close()
+    blob = bytearray(db.read_bytes())
+    blob[4096:8192] = b"\xff" * 4096  # a page of the table overwritten
+    db.write_bytes(bytes(blob))
+    with pytest.raises(TrackingError, match="damaged SQLite database"):
+        check_reachable(f"sqlite:///{db}")
+
+
+@pytest.mark.slow
+def test_a_sqlite_store_of_another_program_is_one_paragraph(tmp_path):
+    db = tmp_path / "mlflow.db"
+    con = sqlite3.connect(db)
+    con.execute("create table experiments (x integer)")  # an MLflow table name, the wrong schema
+    con.commit()
+    con.close()
+    check_reachable(f"sqlite:///{db}")  # a healthy SQLite file...
+    with pytest.raises(TrackingError, match="cannot be used") as err:
+        experiment_id(f"sqlite:///{db}", tmp_path)  # ...that MLflow cannot use
+    assert "\n" not in str(err.value) and len(str(err.value)) < 1000
+
+
+def mlflow_imports(path: Path) -> list[str]:
+    """The lines of ``path`` that import MLflow (``import mlflow...``, ``from mlflow... import``, or
+    ``importlib.import_module`` / ``__import__`` of a literal ``mlflow...`` name)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                names = [node.args[0].value]
+        if any(n == "mlflow" or n.startswith("mlflow.") for n in names):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def test_only_the_tracking_module_imports_mlflow():
+    """Every MLflow call of the library and the stages goes through pipeline/runs/tracking.py (stages/ui.py starts
+    ``python -m mlflow server`` as a process, which is no import)."""
+    files = sorted((ROOT / "pipeline").rglob("*.py")) + sorted((ROOT / "stages").rglob("*.py"))
+    assert ROOT / "pipeline" / "runs" / "tracking.py" in files and len(files) > 10
+    assert mlflow_imports(ROOT / "pipeline" / "runs" / "tracking.py"), "the scan finds tracking.py's own imports"
+    offenders = [hit for f in files if f != ROOT / "pipeline" / "runs" / "tracking.py" for hit in mlflow_imports(f)]
+    assert offenders == [], f"import MLflow through pipeline.runs.tracking instead: {offenders}"
+
+
+def test_run_names_follow_the_params():
+    """Runs are named by what they are: the pretraining run by its stage, backbone, depth, loss, batch and seed; a
+    sweep by its size and the axes it varies; a trial by its point; a tables row by its name and table."""
+    from pipeline.config.base import flatten
+    from pipeline.config.params import load_params
+    from pipeline.runs.sweep import SweepTracker, axes, grid_points
+    from pipeline.runs.tables import TablesTracker
+
+    params = load_params(ROOT / "params.yaml", ["model.depth=3", "loss.name=supcon", "train.mode=supervised",
+                                                "train.batch_size=64", "train.seed=7", "model.backbone=mlp"])
+    assert pretrain_label(flatten(params)) == "pretrain · mlp · depth 3 · supcon · b64 · s7"
+    default = load_params(ROOT / "params.yaml")
+    assert pretrain_label(flatten(default)) == (f"pretrain · {default.model.backbone} · depth {default.model.depth} · "
+                                                f"{default.loss.name} · b{default.train.batch_size} · "
+                                                f"s{default.train.seed}")
+    assert sweep_label(len(grid_points(default)), axes(default)) == "sweep · 8 trials · depth×batch×strength"
+    one = load_params(ROOT / "params.yaml", ["sweep.depth=[1]", "sweep.strength=[1.0]", "sweep.batch_size=[50,100]"])
+    assert sweep_label(len(grid_points(one)), axes(one)) == "sweep · 2 trials · batch"
+    names = [SweepTracker(1).child_name(point) for point in grid_points(default)]
+    assert names[1] == "depth 0 · b16 · strength 1.0" and len(set(names)) == len(names) == 8
+    seeds = load_params(ROOT / "params.yaml", ["sweep.num_samples=2"])
+    assert SweepTracker(1).child_name(grid_points(seeds)[1]) == "depth 0 · b16 · strength 0.0 · s1"
+    row = {"name": "TransFusion 9-Layer", "table": 1, "params": {"model.depth": 9}}
+    assert TablesTracker(1, unit="GPU-hours").child_name({"row": row}) == "TransFusion 9-Layer (table 1)"
+    assert tables_label([r.table for r in default.tables.rows]) == "tables · 8 rows · table 1: 5, table 2: 3"
+    assert evaluate_label(["svm", "knn50"], [0.1, 1.0]) == "evaluate · 2 probes · labels 10%, 100%"
+
+
+def test_dvc_experiment_tags_come_from_the_variables_dvc_sets():
+    """``dvc exp run`` gives each stage command DVC_EXP_NAME and DVC_EXP_BASELINE_REV (dvc/env.py); they become the
+    tags ``dvc.exp_name`` and ``dvc.exp_baseline``, and outside an experiment there are none."""
+    from dvc import env
+
+    assert set(DVC_EXP_TAGS) == {env.DVC_EXP_NAME, env.DVC_EXP_BASELINE_REV}  # DVC's own names for them
+    commit = "c0ffee" * 6 + "ab"
+    assert dvc_experiment_tags({"DVC_EXP_NAME": "bulky-lamb", "DVC_EXP_BASELINE_REV": commit, "DVC_ROOT": "/x"}) == {
+        "dvc.exp_name": "bulky-lamb", "dvc.exp_baseline": commit}
+    assert dvc_experiment_tags({"PATH": "/bin"}) == {}
+
+
+def test_the_dataset_input_names_the_data_its_digest_and_source(tmp_path):
+    data = dataset_input(MANIFEST, tmp_path / "data/prepared", context="evaluation")
+    assert data.dataset.name == "digits" and data.dataset.digest == data_digest(MANIFEST)
+    assert len(data.dataset.digest) == 8 and data.dataset.source_type == "local"
+    assert json.loads(data.dataset.source) == {"uri": str(tmp_path / "data/prepared")}
+    profile = json.loads(data.dataset.profile)
+    assert profile["train"] == 256 and profile["classes"] == 10 and profile["prepared_with"]["limit_train"] == 256
+    assert [(t.key, t.value) for t in data.tags] == [("mlflow.data.context", "evaluation")]
+    other = {**MANIFEST, "files": {**MANIFEST["files"], "test.pt": {"sha256": "c" * 64}}}
+    assert data_digest(other) != data_digest(MANIFEST)
+
+
+@pytest.mark.slow
+def test_runs_children_metrics_and_endings(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("DVC_EXP_NAME", "bulky-lamb")
+    monkeypatch.setenv("DVC_EXP_BASELINE_REV", "f" * 40)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    exp = experiment_id(uri, tmp_path)
+    parent = create_run(uri, tmp_path, "job", {"stage": "sweep", IDENTITY_TAG: "sweep-0123"}, {"sweep.epochs": 3},
+                        inputs=[dataset_input(MANIFEST, tmp_path)])
+    child = child_run(uri, exp, parent, "trial-a", match={"trial_id": "a"}, tags={"stage": "sweep-trial"},
+                      params={"lr": 0.1})
+    client = MlflowClient(uri)
+    for run in (client.get_run(parent), client.get_run(child)):  # the child inherits the data; both are tagged
+        assert [(i.dataset.name, i.dataset.digest) for i in run.inputs.dataset_inputs] == [
+            ("digits", data_digest(MANIFEST))]
+        assert run.data.tags["dvc.exp_name"] == "bulky-lamb" and run.data.tags["dvc.exp_baseline"] == "f" * 40
+    assert [r.info.run_id for r in client.search_runs([exp], "tags.dvc.exp_name = 'bulky-lamb' and "
+                                                      "tags.identity = 'sweep-0123'")] == [parent]
+    assert {r.info.run_id for r in client.search_runs([exp], "dataset.name = 'digits'")} == {parent, child}
+    end_run(uri, child, "KILLED")
+    assert child_run(uri, exp, parent, "trial-a", match={"trial_id": "a"}, tags={}, params={}) == child
+    client = MlflowClient(uri)
+    run = client.get_run(child)
+    assert run.info.status == "RUNNING" and run.info.run_name == "trial-a"
+    assert run.data.tags["mlflow.parentRunId"] == parent and run.data.tags["stage"] == "sweep-trial"
+    assert run.data.params == {"lr": "0.1"}
+    rows = [{"epoch": 1, "loss": 2.0, "knn_acc": float("nan")}, {"epoch": 2, "loss": 1.5, "knn_acc": None}]
+    log_metrics_batch(uri, child, rows, ("loss", "knn_acc"))
+    assert [(m.step, m.value) for m in client.get_metric_history(child, "loss")] == [(1, 2.0), (2, 1.5)]
+    assert client.get_metric_history(child, "knn_acc") == []
+    end_run(uri, child, "FAILED", tags={"stopped_early": False, "error": "boom"})
+    run = client.get_run(child)
+    assert run.info.status == "FAILED" and run.data.tags["stopped_early"] == "False"
+    assert run.data.tags["error"] == "boom"
+    end_run(None, parent, "FAILED")  # no store: nothing happens
+    assert client.get_run(parent).info.status == "RUNNING"

@@ -1,0 +1,86 @@
+"""pipeline.training.comm: buckets in backward order, and 2 gloo workers whose overlapped sums (and the loss riding in a
+bucket) equal one coalesced all-reduce bit for bit, with buckets started during the backward, for every backbone
+family (BatchNorm included)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from pipeline.training.comm import GradReducer, buckets_of
+from tests.training.test_step import BACKBONES, B, make_batch, make_model
+
+
+def test_buckets_follow_the_backward_order_and_their_size():
+    layers = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 10), nn.Linear(10, 10))  # 10100, 1010, 110 params
+    params = list(layers.parameters())
+    one = buckets_of(params, bucket_mb=1.0)
+    assert one == [list(reversed(params))]  # all in one bucket, last layer first
+    small = buckets_of(params, bucket_mb=4000 / 2**20)  # 4000 bytes = 1000 fp32 values
+    assert [p for b in small for p in b] == list(reversed(params))
+    assert [sum(p.numel() for p in b) for b in small] == [10 + 100 + 10 + 1000, 100 + 10000]  # closed once full
+    mixed = buckets_of([nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3, dtype=torch.float64))])
+    assert [[p.dtype for p in b] for b in mixed] == [[torch.float64], [torch.float32]]  # one dtype per bucket
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from pipeline.core.batchnorm import convert_batchnorm
+        from pipeline.core.losses import make_loss
+        from pipeline.training.step import GlobalBatchStep, allreduce_grads
+
+        out = {}
+        for backbone, shape in BACKBONES:
+            model = convert_batchnorm(make_model(backbone=backbone, shape=shape, dtype=torch.float32))
+            v1, v2, ids = make_batch("self", shape, torch.float32)
+            b = B // world
+            mine = slice(rank * b, (rank + 1) * b)
+            x, i = torch.cat([v1[mine], v2[mine]]), torch.cat([ids[mine], ids[mine]])
+            step = GlobalBatchStep(model, make_loss("jsd"), layout="two_view")
+            step.reducer = GradReducer(step.params, bucket_mb=0.05)  # small buckets: many start mid-backward
+            step.lazy(x, i)  # the first step of a batch size gathers and checks the ids
+            total = step.lazy(x, i)  # the second uses the layout's ids; the loss's sum rode in a gradient bucket
+            overlapped, early, buckets = _grads(model), step.reducer.launched_early, len(step.reducer.buckets)
+            step.reducer.remove()
+            for p in step.params:  # the coalesced sum after the backward, on the same local gradients
+                p.grad = None
+            loss = step._head_loss(model.backbone(x), i, world, rank)
+            summed = loss.detach().clone()
+            dist.all_reduce(summed)
+            loss.backward()
+            allreduce_grads(step.params)
+            out[backbone] = (overlapped, _grads(model), early, buckets, total, summed)
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_overlapped_sums_equal_the_coalesced_all_reduce_bit_for_bit(tmp_path):
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    for backbone, _ in BACKBONES:
+        for out in ranks:
+            overlapped, coalesced, early, buckets, total, summed = out[backbone]
+            assert torch.equal(total, summed), backbone  # the global loss, with no collective of its own
+            assert overlapped.keys() == coalesced.keys() and overlapped
+            for name in coalesced:
+                assert torch.equal(overlapped[name], coalesced[name]), (backbone, name)
+            least = 1 if backbone in ("pixels", "mlp") else 2  # the small models fit one bucket
+            assert early == buckets >= least, (backbone, early, buckets)  # every bucket started mid-backward
+        for name, g in ranks[0][backbone][0].items():  # and every rank holds the same sums
+            assert torch.equal(g, ranks[1][backbone][0][name]), (backbone, name)

@@ -1,0 +1,120 @@
+"""pipeline/training/loop.py: where the training set lives (the data budget), and the streamed path's equality.
+
+Within ``train.data_budget_mb`` the training set is put on the device and indexed there; beyond it each worker reads
+only its rows of each global batch from the memory-mapped prepared files. Both paths must train to the same numbers,
+bit for bit, for the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pipeline.config.params import load_params
+from pipeline.data.sources import load_dataset, load_prepared, save_prepared
+from pipeline.training.loop import DATA_BUDGET_SHARE, PretrainLoop, data_budget
+from tests.conftest import ROOT
+from tests.data.test_datasets import mapped_file
+
+DIGITS_TRAIN_MIB = 1437 * 64 * 4 / 2**20  # digits' training set: 1437 float32 images of 8 x 8 (0.35 MiB)
+SMALL_BUDGET = "train.data_budget_mb=0.25"  # below it: streamed
+COMPARED = ("epoch", "loss", "lr", "view_noise", "knn_acc")  # an epoch's numbers (not its timings)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("loop") / "prepared"
+    save_prepared(load_dataset("digits", root="unused"), out)
+    return out
+
+
+def numbers(history: list[dict]) -> list[dict]:
+    """Each epoch's results: the losses, lr, view noise, kNN accuracy and every block's health."""
+    return [{k: v for k, v in h.items() if k in COMPARED or k.startswith("block_")} for h in history]
+
+
+def holds_the_training_set(loop: PretrainLoop) -> bool:
+    """Whether the loop keeps a tensor of the training set's size of its own (a copy on the device)."""
+    shape = loop.data.train.x.shape
+    return any(isinstance(v, torch.Tensor) and v.shape == shape for v in vars(loop).values())
+
+
+def test_budget_is_the_param_or_a_share_of_the_devices_memory():
+    cpu = torch.device("cpu")
+    assert data_budget(1.5, cpu) == int(1.5 * 2**20) and data_budget(0, cpu) == 0
+    auto, available = data_budget(None, cpu), psutil.virtual_memory().available
+    assert auto == pytest.approx(DATA_BUDGET_SHARE * available, rel=0.2)  # free memory moves a little meanwhile
+
+
+@pytest.mark.parametrize("mode", ["self_supervised", "supervised"])
+def test_streamed_training_equals_in_memory_bit_for_bit(prepared, mode):
+    overrides = ["train.epochs=3", f"train.mode={mode}", "model.depth=1"]
+    in_memory = PretrainLoop(load_params(ROOT / "params.yaml", overrides), load_prepared(prepared),
+                             torch.device("cpu"))
+    assert not in_memory.streaming and in_memory.x_dev is in_memory.data.train.x  # the default: today's fast path
+    assert SMALL_BUDGET.endswith(str(0.25)) and 0.25 < DIGITS_TRAIN_MIB
+    streamed = PretrainLoop(load_params(ROOT / "params.yaml", [*overrides, SMALL_BUDGET]),
+                            load_prepared(prepared, mmap=True), torch.device("cpu"))
+    assert streamed.streaming and streamed.x_dev is None and not holds_the_training_set(streamed)
+    assert mapped_file(streamed.data.train.x) == str((prepared / "train_x.npy").resolve())  # read from the file
+
+    for loop in (in_memory, streamed):
+        loop.fit(lambda m, ckpt: None)
+    assert numbers(streamed.history) == numbers(in_memory.history)  # floats compared with ==
+    assert len(streamed.history) == 3 and "block_1.positive" in streamed.history[-1]
+    a, b = in_memory.model.state_dict(), streamed.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("mode", ["self_supervised", "supervised"])
+def test_every_rank_reads_the_same_shard_either_way(prepared, mode):
+    """With 2 workers each rank's local batch (inputs, ids) is the same from the device copy and streamed."""
+    overrides = ["train.batch_size=64", f"train.mode={mode}", "model.depth=1"]
+    perm = torch.randperm(1437, generator=torch.Generator().manual_seed(3))
+    for rank in range(2):
+        a = PretrainLoop(load_params(ROOT / "params.yaml", overrides), load_prepared(prepared), torch.device("cpu"),
+                         rank=rank, world_size=2)
+        b = PretrainLoop(load_params(ROOT / "params.yaml", [*overrides, SMALL_BUDGET]),
+                         load_prepared(prepared, mmap=True), torch.device("cpu"), rank=rank, world_size=2)
+        assert b.streaming and not a.streaming
+        for step in range(a.steps_per_epoch):
+            (xa, ida), (xb, idb) = a._local_batch(perm, step), b._local_batch(perm, step)
+            assert xa.shape == (32, 1, 8, 8) and torch.equal(xa, xb) and torch.equal(ida, idb)
+            mine = perm[step * 64 + rank * 32 : step * 64 + (rank + 1) * 32]
+            assert torch.equal(xb, load_prepared(prepared).train.x[mine])  # exactly this rank's rows, in order
+
+
+# ------------------------------------------------------------------------------- two gloo workers, two paths
+def _two_paths_worker(rank: int, world: int, init_file: str, data_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        histories = {}
+        for name, extra, mmap in (("in_memory", [], False), ("streamed", [SMALL_BUDGET], True)):
+            params = load_params(ROOT / "params.yaml", ["train.epochs=2", "train.batch_size=64", *extra])
+            loop = PretrainLoop(params, load_prepared(data_dir, mmap=mmap), torch.device("cpu"), rank=rank,
+                                world_size=world)
+            assert loop.streaming == mmap
+            loop.fit(lambda m, ckpt: None)
+            histories[name] = numbers(loop.history)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(histories))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_gloo_workers_streamed_equal_in_memory(prepared, tmp_path):
+    mp.spawn(_two_paths_worker, args=(2, str(tmp_path / "init"), str(prepared), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for histories in ranks:
+        assert histories["streamed"] == histories["in_memory"] and len(histories["streamed"]) == 2
+    # rank 0 alone runs the kNN monitor and the health; the all-reduced losses are the same on both ranks
+    assert [h["loss"] for h in ranks[0]["streamed"]] == [h["loss"] for h in ranks[1]["streamed"]]
+    assert os.path.exists(tmp_path / "rank1.json")

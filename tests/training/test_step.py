@@ -1,0 +1,406 @@
+"""Global-batch fusion: 2 gloo workers give the gradients of one process on the concatenated batch.
+
+Every backbone family is checked, the BatchNorm ones (resnet18_cifar, resnet18) with global BatchNorm
+(``pipeline.core.batchnorm``): same loss, every gradient, and the BN running statistics (identical on both ranks
+and equal to one process's). Controls: without the gather, or with plain per-worker BN, the gradients differ.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import warnings
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pipeline.core.backbones import build_backbone
+from pipeline.core.batchnorm import GlobalBatchNorm, convert_batchnorm
+from pipeline.core.losses import make_loss
+from pipeline.core.model import TransFusion, TransFusionHead
+from pipeline.training.step import GlobalBatchStep, NonFiniteLossError, local_rows
+
+B, SHAPE = 8, (1, 8, 8)  # 8 images, two views each
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One configuration of the equality harness (picklable for mp.spawn)."""
+
+    loss_name: str = "jsd"
+    mode: str = "self"  # self | sup
+    chunk: int | None = None
+    truncated: bool = False
+    backbone: str = "cnn_small"
+    shape: tuple[int, ...] = SHAPE
+    dtype: torch.dtype = torch.float64
+    global_bn: bool = True  # convert BatchNorm to global BN when world > 1 (False: the plain-BN control)
+    no_gather: bool = False  # the control: a step that forgets to gather sees only its shard
+    reduce_scatter: bool | None = None  # force the all-gather's backward collective (None: the default)
+    layout: str | None = None  # GlobalBatchStep's layout hint (pipeline.core.losses): None, two_view or labels
+
+
+def make_model(seed: int = 0, depth: int = 2, truncated: bool = False, backbone: str = "cnn_small",
+               shape: tuple[int, ...] = SHAPE, dtype: torch.dtype = torch.float64) -> TransFusion:
+    torch.manual_seed(seed)
+    embed = None if backbone in ("pixels", "resnet18_cifar", "resnet18") else 16
+    bb, dim = build_backbone(backbone, shape, embed_dim=embed)
+    return TransFusion(bb, dim, TransFusionHead(dim, depth, truncate_last=truncated)).to(dtype)
+
+
+def make_batch(mode: str, shape: tuple[int, ...] = SHAPE, dtype: torch.dtype = torch.float64):
+    g = torch.Generator().manual_seed(1)
+    v1 = torch.rand(B, *shape, generator=g, dtype=torch.float64)
+    v2 = (v1 + 0.1 * torch.rand(B, *shape, generator=g, dtype=torch.float64)).clamp(0, 1)
+    labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    img_ids = torch.arange(B) if mode == "self" else labels
+    return v1.to(dtype), v2.to(dtype), img_ids
+
+
+def grads_of(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def bn_buffers(model):
+    """Running mean / var / num_batches_tracked of every BatchNorm."""
+    return {n: b.detach().clone() for n, b in model.named_buffers() if n.rsplit(".", 1)[-1].startswith(
+        ("running_", "num_batches"))}
+
+
+def _run_step(spec: Spec, rank: int, world: int):
+    """One step on this rank's shard; returns (loss, grads, BN buffers, this rank's embeddings (2b, m))."""
+    model = make_model(truncated=spec.truncated, backbone=spec.backbone, shape=spec.shape, dtype=spec.dtype)
+    if world > 1 and spec.global_bn:
+        convert_batchnorm(model)
+    captured = []
+    model.backbone.register_forward_hook(lambda mod, inp, out: captured.append(out.detach().clone()))
+    v1, v2, ids = make_batch(spec.mode, spec.shape, spec.dtype)
+    b = B // world
+    mine = slice(rank * b, (rank + 1) * b)
+    step = GlobalBatchStep(model, make_loss(spec.loss_name), grad_cache_chunk=spec.chunk, layout=spec.layout)
+    loss = step(torch.cat([v1[mine], v2[mine]]), torch.cat([ids[mine], ids[mine]]))
+    return loss, grads_of(model), bn_buffers(model), captured[0]
+
+
+def single_process(loss_name: str, mode: str, chunk=None, truncated=False):
+    loss, grads, _, _ = one_process(Spec(loss_name, mode, chunk, truncated))
+    return loss, grads
+
+
+def one_process(spec: Spec):
+    """(loss, grads, BN buffers, embeddings) of one process on the whole batch."""
+    return _run_step(spec, 0, 1)
+
+
+def _worker(rank, world, init_file, out_dir, spec: Spec):
+    torch.set_num_threads(1)
+    warnings.simplefilter("error", FutureWarning)  # no deprecated collective (torch 2.14 deprecates several)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        import pipeline.training.step as step_mod
+
+        if spec.no_gather:
+            step_mod.gather_views = lambda z, w: z
+            step_mod.gather_ids = lambda i, w: i
+            step_mod.local_rows = lambda r, b, w: (slice(0, b), slice(b, 2 * b))
+        if spec.reduce_scatter is not None:
+            step_mod.reduce_scatter_works = lambda t: spec.reduce_scatter
+        result = _run_step(spec, rank, world)
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_two(tmp_path, spec: Spec):
+    """(loss, grads, BN buffers, embeddings) of each of 2 gloo workers."""
+    for r in range(2):
+        (tmp_path / f"rank{r}.pkl").unlink(missing_ok=True)
+    init = tmp_path / "init"
+    init.unlink(missing_ok=True)
+    mp.spawn(_worker, args=(2, str(init), str(tmp_path), spec), nprocs=2, join=True)
+    results = []
+    for r in range(2):
+        with open(tmp_path / f"rank{r}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
+def two_workers(tmp_path, loss_name, mode, chunk=None, no_gather=False, truncated=False):
+    spec = Spec(loss_name, mode, chunk, truncated, no_gather=no_gather)
+    return [(loss, grads) for loss, grads, _, _ in run_two(tmp_path, spec)]
+
+
+def rel_diff(a: dict, b: dict) -> float:
+    """‖a − b‖ / ‖b‖ over all tensors of two dicts with equal keys."""
+    num = math.sqrt(sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b))
+    den = math.sqrt(sum(float(b[k].double().pow(2).sum()) for k in b))
+    return num / den
+
+
+def assert_grads_close(a, b, rtol=1e-5):
+    """Every tensor within rtol, relative to itself and (for ~0 tensors) to the largest gradient."""
+    assert a.keys() == b.keys()
+    top = max(float(g.abs().max()) for g in b.values())
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=rtol * top, msg=name)
+
+
+CASES = [("jsd", "self", None, False), pytest.param("supcon", "sup", None, False, marks=pytest.mark.slow),
+         pytest.param("barlow_twins", "self", None, False, marks=pytest.mark.slow),
+         pytest.param("jsd_appendix_e", "self", 3, True, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("loss_name,mode,chunk,truncated", CASES)
+def test_two_gloo_workers_equal_one_process(tmp_path, loss_name, mode, chunk, truncated):
+    ref_loss, ref_grads = single_process(loss_name, mode, truncated=truncated)
+    results = two_workers(tmp_path, loss_name, mode, chunk=chunk, truncated=truncated)
+    for loss, grads in results:
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert_grads_close(grads, ref_grads)
+
+
+@pytest.mark.slow
+def test_without_the_gather_the_gradients_differ(tmp_path):
+    _, ref_grads = single_process("jsd", "self")
+    (loss0, grads0), _ = two_workers(tmp_path, "jsd", "self", no_gather=True)
+    with pytest.raises(AssertionError):
+        assert_grads_close(grads0, ref_grads)
+
+
+@pytest.mark.parametrize("loss_name,mode", [("jsd", "self"), pytest.param("supcon", "sup", marks=pytest.mark.slow),
+                                            pytest.param("barlow_twins", "self", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 3, pytest.param(5, marks=pytest.mark.slow)])
+def test_grad_cache_equals_plain_step(loss_name, mode, chunk):
+    loss, grads = single_process(loss_name, mode)
+    loss_c, grads_c = single_process(loss_name, mode, chunk=chunk)
+    assert loss_c == pytest.approx(loss, rel=1e-10)
+    assert_grads_close(grads_c, grads, rtol=1e-9)
+
+
+def test_local_rows_partition_the_global_batch():
+    rows = [r for rank in range(4) for r in local_rows(rank, 3, 4)]
+    covered = sorted(i for r in rows for i in range(r.start, r.stop))
+    assert covered == list(range(24))
+
+
+def test_non_finite_loss_raises_before_touching_grads():
+    model = make_model()
+    v1, v2, ids = make_batch("self")
+    x = torch.cat([v1, v2])
+    x[0, 0, 0, 0] = float("nan")
+    step = GlobalBatchStep(model, make_loss("jsd"))
+    with pytest.raises(NonFiniteLossError, match="non-finite"):
+        step(x, torch.cat([ids, ids]))
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------- every backbone, global BN
+# resnet18 (ImageNet stem) needs 32x32 to keep a spatial map past its stride-32 trunk; fp64 keeps the 1e-5 bound
+# meaningful (measured 5e-14 here); resnet18_cifar on 3x8x8 likewise.
+BACKBONES = [("pixels", SHAPE), ("mlp", SHAPE), ("cnn_small", SHAPE), ("resnet18_cifar", (3, 8, 8)),
+             ("resnet18", (3, 32, 32))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backbone,shape", BACKBONES, ids=[b for b, _ in BACKBONES])
+def test_every_backbone_two_gloo_workers_equal_one_process(tmp_path, backbone, shape):
+    spec = Spec(backbone=backbone, shape=shape)
+    ref_loss, ref_grads, ref_buffers, ref_z = one_process(spec)
+    results = run_two(tmp_path, spec)
+    for loss, grads, buffers, _ in results:
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert_grads_close(grads, ref_grads)
+        assert buffers.keys() == ref_buffers.keys()
+        for name, ref in ref_buffers.items():  # running stats: the single process's, after one step
+            torch.testing.assert_close(buffers[name], ref, rtol=1e-5, atol=1e-8, msg=name)
+    (_, _, buf0, z0), (_, _, buf1, z1) = results
+    for name in buf0:  # identical on both ranks, bit for bit
+        assert torch.equal(buf0[name], buf1[name]), name
+    b = B // 2
+    z = torch.cat([z0[:b], z1[:b], z0[b:], z1[b:]])  # the workers' embeddings in the one-process row order
+    torch.testing.assert_close(z, ref_z, rtol=1e-5, atol=1e-8)
+    if backbone.startswith("resnet"):
+        assert ref_buffers and int(ref_buffers["backbone.bn1.num_batches_tracked"]) == 1
+
+
+@pytest.mark.slow
+def test_plain_batchnorm_on_two_workers_differs(tmp_path):
+    """The control: per-worker BN (no conversion) normalises each shard by its own statistics."""
+    spec = Spec(backbone="resnet18_cifar", shape=(3, 8, 8), global_bn=False)
+    ref_loss, ref_grads, ref_buffers, ref_z = one_process(spec)
+    (loss0, grads0, buf0, z0), (_, _, buf1, z1) = run_two(tmp_path, spec)
+    assert rel_diff(grads0, ref_grads) > 0.5  # measured 2.56 (256 %)
+    b = B // 2
+    z = torch.cat([z0[:b], z1[:b], z0[b:], z1[b:]])
+    assert float((z - ref_z).norm() / ref_z.norm()) > 0.2  # measured 0.95
+    assert abs(loss0 - ref_loss) > 0.1  # measured 0.278 -> 0.737
+    key = "backbone.bn1.running_mean"
+    assert not torch.equal(buf0[key], buf1[key])  # the ranks drift apart
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduce_scatter", [False, True], ids=["allreduce-slice", "reduce-scatter"])
+def test_both_gather_backwards_equal_one_process(tmp_path, reduce_scatter):
+    """The all-gather's two backward collectives (gloo in torch 2.14 has reduce_scatter too) give equal grads."""
+    spec = Spec(loss_name="supcon", mode="sup", reduce_scatter=reduce_scatter)
+    ref_loss, ref_grads, _, _ = one_process(spec)
+    for loss, grads, _, _ in run_two(tmp_path, spec):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert_grads_close(grads, ref_grads)
+
+
+def test_grad_cache_with_batchnorm_is_refused():
+    model = make_model(backbone="resnet18_cifar", shape=(3, 8, 8))
+    with pytest.raises(ValueError, match="grad_cache_chunk=4 with a BatchNorm model.*different BatchNorm batches"):
+        GlobalBatchStep(model, make_loss("jsd"), grad_cache_chunk=4)
+    GlobalBatchStep(model, make_loss("jsd"))  # without gradient caching it is fine
+    GlobalBatchStep(make_model(), make_loss("jsd"), grad_cache_chunk=4)  # GroupNorm: caching is exact
+
+
+def test_lazy_step_equals_the_checked_step():
+    spec = Spec()
+    loss, grads, _, _ = one_process(spec)
+    model = make_model()
+    v1, v2, ids = make_batch("self")
+    lazy = GlobalBatchStep(model, make_loss("jsd")).lazy(torch.cat([v1, v2]), torch.cat([ids, ids]))
+    assert isinstance(lazy, torch.Tensor) and lazy.dim() == 0 and not lazy.requires_grad
+    assert float(lazy) == loss
+    assert_grads_close(grads_of(model), grads, rtol=0)
+
+
+# ------------------------------------------------------------------------------------- broadcast from rank 0
+def _broadcast_worker(rank, world, init_file, out_dir, data_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from pipeline.config.params import load_params
+        from pipeline.core.model import build_model
+        from pipeline.data.sources import load_prepared
+        from pipeline.training.loop import PretrainLoop
+        from tests.conftest import ROOT
+
+        # ranks seeded differently (train.seed = rank): without the broadcast their models would start apart
+        params = load_params(ROOT / "params.yaml", ["model.backbone=resnet18_cifar", "model.embed_dim=null",
+                                                     "train.batch_size=16", f"train.seed={rank}"])
+        data = load_prepared(data_dir)
+        torch.manual_seed(rank)
+        own = {k: v.clone() for k, v in build_model(params.model, data.input_shape).state_dict().items()}
+        loop = PretrainLoop(params, data, torch.device("cpu"), rank=rank, world_size=world)
+        kinds = sorted({type(m).__name__ for m in loop.model.modules() if "BatchNorm" in type(m).__name__})
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump((own, {k: v.clone() for k, v in loop.model.state_dict().items()}, kinds), f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_seeded_differently_start_identical(tmp_path):
+    from pipeline.data.sources import load_dataset, save_prepared
+
+    save_prepared(load_dataset("digits", root=tmp_path, limit_train=64, limit_test=32), tmp_path / "prepared")
+    mp.spawn(_broadcast_worker, args=(2, str(tmp_path / "init"), str(tmp_path), str(tmp_path / "prepared")),
+             nprocs=2, join=True)
+    results = []
+    for r in range(2):
+        with open(tmp_path / f"rank{r}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    (own0, state0, kinds0), (own1, state1, kinds1) = results
+    assert any(not torch.equal(own0[k], own1[k]) for k in own0)  # the seeds do give different models
+    assert state0.keys() == state1.keys() == own0.keys()  # global BN keeps the state_dict keys
+    for k in state0:
+        assert torch.equal(state0[k], state1[k]), k
+    assert kinds0 == kinds1 == [GlobalBatchNorm.__name__]  # world 2: every BN became global
+
+
+# ------------------------------------------------------------------------------------- the loop's deferred sync
+def _loop(defer_sync: bool, backbone: str = "cnn_small"):
+    from pipeline.config.params import load_params
+    from pipeline.data.sources import load_dataset
+    from pipeline.training.loop import PretrainLoop
+    from tests.conftest import ROOT
+
+    params = load_params(ROOT / "params.yaml", ["train.epochs=3", "train.batch_size=32", "train.knn_every=0",
+                                                 f"model.backbone={backbone}", "model.embed_dim=null"])
+    data = load_dataset("digits", root="data/raw", limit_train=160, limit_test=40)
+    return PretrainLoop(params, data, torch.device("cpu"), defer_sync=defer_sync)
+
+
+@pytest.mark.slow
+def test_deferred_sync_gives_the_per_step_results_bit_for_bit():
+    """The CUDA path (0-d loss/noise tensors, one sync per epoch) run on CPU: the very same epoch metrics."""
+    runs = []
+    for defer in (False, True):
+        loop = _loop(defer)
+        assert loop.defer_sync is defer
+        loop.fit(lambda m, ckpt: None)
+        runs.append([(h["loss"], h["view_noise"]) for h in loop.history])
+    assert len(runs[0]) == 3 and runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("defer", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["per-step", "deferred"])
+def test_nan_mid_epoch_raises_before_the_epoch_is_reported(defer):
+    loop = _loop(defer)
+    loop.poison_step = (1, 2)  # epoch 2 (index 1), its third of five steps
+    reported = []
+    with pytest.raises(NonFiniteLossError, match="non-finite"):
+        loop.fit(lambda m, ckpt: reported.append(m.epoch))
+    assert reported == [1]  # epoch 2 never reported (nor checkpointed)
+    assert loop.epoch == 1 and len(loop.history) == 1
+
+
+# ------------------------------------------------------------------------------------- layout hints (no host sync)
+@pytest.mark.parametrize("loss_name,mode,layout,exact", [
+    ("jsd", "self", "two_view", True), ("barlow_twins", "self", "two_view", True),
+    ("infonce", "self", "two_view", True), ("supcon", "sup", "labels", False), ("kl_relu", "sup", "labels", False),
+    ("jsd", "self", "labels", False)])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_layout_hint_gives_the_same_step(loss_name, mode, layout, exact, chunk):
+    """``two_view``: the step of the validated path bit for bit; ``labels``: up to rounding."""
+    loss, grads, _, _ = one_process(Spec(loss_name, mode, chunk))
+    loss_h, grads_h, _, _ = one_process(Spec(loss_name, mode, chunk, layout=layout))
+    if exact:
+        assert loss_h == loss
+        assert grads_h.keys() == grads.keys() and all(torch.equal(grads_h[k], grads[k]) for k in grads)
+    else:
+        assert loss_h == pytest.approx(loss, rel=1e-12)
+        assert_grads_close(grads_h, grads, rtol=1e-10)
+
+
+def test_two_gloo_workers_with_a_layout_equal_one_process(tmp_path):
+    ref_loss, ref_grads = single_process("jsd", "self")
+    for loss, grads, _, _ in run_two(tmp_path, Spec("jsd", "self", layout="two_view")):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert_grads_close(grads, ref_grads)
+
+
+def test_two_view_ids_are_checked_once_per_batch_size(monkeypatch):
+    import pipeline.training.step as step_mod
+
+    calls = []
+    monkeypatch.setattr(step_mod, "check_layout", lambda ids, layout: calls.append((ids.shape[0], layout)))
+    step = GlobalBatchStep(make_model(), make_loss("jsd"), layout="two_view")
+    v1, v2, ids = make_batch("self")
+    x, ids2 = torch.cat([v1, v2]), torch.cat([ids, ids])
+    step.lazy(x, ids2)
+    step.lazy(x, ids2)
+    step(x, ids2)
+    assert calls == [(2 * B, "two_view")]
+    step.lazy(torch.cat([v1[:4], v2[:4]]), torch.cat([ids[:4], ids[:4]]))  # another batch size: checked again
+    assert calls == [(2 * B, "two_view"), (8, "two_view")]
+
+
+def test_wrong_ids_for_the_layout_are_refused():
+    v1, v2, _ = make_batch("sup")
+    labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    x = torch.cat([v1, v2])
+    with pytest.raises(ValueError, match="two_view"):
+        GlobalBatchStep(make_model(), make_loss("supcon"), layout="two_view").lazy(x, torch.cat([labels, labels]))
+    with pytest.raises(ValueError, match="one positive per row"):
+        GlobalBatchStep(make_model(), make_loss("infonce"), layout="labels").lazy(x, torch.cat([labels, labels]))
+    with pytest.raises(ValueError, match="unknown layout 'dense'"):
+        GlobalBatchStep(make_model(), make_loss("jsd"), layout="dense")
