@@ -50,11 +50,10 @@ PROBES = ("knn200", "svm", "ffn")
 
 def _data(name: str):
     from pipeline.config.params import load_params
-    from pipeline.data.sources import SyntheticSpec, load_dataset
+    from pipeline.data.sources import load_dataset
 
     d = load_params(ROOT / "params.yaml", DATASETS[name]).data
-    return load_dataset(d.dataset, root=ROOT / d.root, test_fraction=d.test_fraction, seed=d.seed,
-                        synthetic=SyntheticSpec(**d.synthetic.model_dump()))
+    return load_dataset(d.model_copy(update={"root": str(ROOT / d.root)}))
 
 
 def run_one(job: dict) -> dict:

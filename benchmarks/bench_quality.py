@@ -65,7 +65,7 @@ def main() -> None:
     torch.set_num_threads(2)
     base = load_params(ROOT / "params.yaml", args.overrides)
     d = base.data
-    data = load_dataset(d.dataset, root=Path(d.root), test_fraction=d.test_fraction, seed=d.seed)
+    data = load_dataset(d)
     results: dict[str, list[dict[str, float]]] = {}
     for key in args.only:
         name, overrides = METHODS[key]

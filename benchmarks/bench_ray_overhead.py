@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from pipeline.config.params import load_params
-from pipeline.data.sources import load_dataset, load_prepared, save_prepared
+from pipeline.data.prepared import load_prepared, save_prepared
+from pipeline.data.sources import load_dataset
 from pipeline.runs.train import cleanup_run, pretrain
 from pipeline.training.loop import PretrainLoop
 
@@ -41,8 +42,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         d = params.data
-        save_prepared(load_dataset(d.dataset, root=Path(d.root), test_fraction=d.test_fraction, seed=d.seed),
-                      tmp / "prepared")
+        save_prepared(load_dataset(d), tmp / "prepared")
         data = load_prepared(tmp / "prepared")
 
         torch.set_num_threads(args.threads)

@@ -18,7 +18,7 @@ import click
 
 from pipeline.config.base import flatten
 from pipeline.config.params import Params, load_params
-from pipeline.data.sources import DatasetError
+from pipeline.data.types import DatasetError
 from pipeline.evaluation.evaluate import Evaluation, evaluate, load_data, load_pretrained
 from pipeline.io import TensorFileError, atomic_dir, json_safe, write_csv, write_json
 from pipeline.runs.tracking import TrackingError

@@ -14,7 +14,8 @@ import click
 
 from pipeline.config.base import load_section
 from pipeline.config.data import DataConfig
-from pipeline.data.sources import DatasetError, prepare_dataset
+from pipeline.data.prepared import prepare_dataset
+from pipeline.data.types import DatasetError
 from stages._common import params_options, runtime_errors
 
 DEFAULT_OUT = Path("data/prepared")

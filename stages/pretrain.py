@@ -15,7 +15,7 @@ import click
 
 from pipeline.config.base import ParamsError
 from pipeline.config.params import Params, load_params
-from pipeline.data.sources import DatasetError
+from pipeline.data.types import DatasetError
 from pipeline.evaluation.health import unflat, warnings_for
 from pipeline.io import atomic_dir, save_torch, write_csv, write_json
 from pipeline.runs.cluster import ClusterError

@@ -19,7 +19,7 @@ import click
 
 from pipeline.config.base import ParamsError
 from pipeline.config.params import Params, load_params
-from pipeline.data.sources import DatasetError
+from pipeline.data.types import DatasetError
 from pipeline.io import atomic_dir, write_csv, write_json
 from pipeline.runs.cluster import ClusterError
 from pipeline.runs.storage import StorageError
@@ -80,8 +80,9 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
 @runtime_errors(DatasetError, TrackingError, ClusterError, ValueError, StorageError)
 def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Sweep depth, batch size and augmentation strength with Ray Tune (each trial a Ray Train run)."""
-    from pipeline.data.sources import load_prepared
-    from pipeline.runs.sweep import SPACE_KEYS, SweepError, check_points, cleanup, finish_tracking, run_sweep
+    from pipeline.data.prepared import load_prepared
+    from pipeline.runs.sweep import SPACE_KEYS, check_points, run_sweep
+    from pipeline.runs.tune import SweepError, cleanup, finish_tracking
 
     started = process_started()
     try:  # every point of the grid is valid params (e.g. batch vs workers) before any work
@@ -115,7 +116,7 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
 
 def time_parts(started: float, result: Any, now: float) -> list[tuple[str, float]]:
     """Where the stage's time went: before Ray Tune's run (imports, Ray's start, the checks, the MLflow parent run),
-    the trials (``result``: a ``pipeline.runs.sweep.SweepResult``), after them (outputs, figures, MLflow)."""
+    the trials (``result``: a ``pipeline.runs.tune.SweepResult``), after them (outputs, figures, MLflow)."""
     before, after = around(started, result.started, result.seconds, now)
     return [("start (imports, Ray, checks, MLflow run)", before), ("trials", result.seconds),
             ("outputs, figures and MLflow", after)]

@@ -16,7 +16,7 @@ import click
 
 from pipeline.config.base import ParamsError
 from pipeline.config.params import Params, load_params
-from pipeline.data.sources import DatasetError
+from pipeline.data.types import DatasetError
 from pipeline.io import write_csv, write_json, write_text
 from pipeline.runs.cluster import ClusterError
 from pipeline.runs.storage import StorageError
@@ -35,9 +35,9 @@ OUT = Path("tables")
 @runtime_errors(DatasetError, TrackingError, ClusterError, StorageError)
 def tables_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Run the paper's Tables 1-2 (tables.rows) as one Ray Tune job and write reports/TABLES.md."""
-    from pipeline.data.sources import load_prepared
-    from pipeline.runs.sweep import SweepError, cleanup, finish_tracking
+    from pipeline.data.prepared import load_prepared
     from pipeline.runs.tables import COLUMNS, csv_records, render, resolve_rows, run_tables
+    from pipeline.runs.tune import SweepError, cleanup, finish_tracking
 
     try:  # every row resolves to valid params of its table before any work
         resolve_rows(params)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline import faults
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,8 +42,22 @@ def project(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
-    monkeypatch.delenv("TRANSFUSION_FAULT", raising=False)
+    monkeypatch.delenv(faults.ENV, raising=False)
     return tmp_path
+
+
+@pytest.fixture
+def install_faults(monkeypatch):
+    """Install a test-fault plan (``pipeline.faults``: ``install_faults(crash_at_epoch=2)``) in this process, whence
+    the stages carry it to the Ray processes they start; ``install_faults()`` removes it. Undone after the test."""
+
+    def install(**plan) -> None:
+        if plan:
+            monkeypatch.setenv(faults.ENV, faults.environment(**plan)[faults.ENV])
+        else:
+            monkeypatch.delenv(faults.ENV, raising=False)
+
+    return install
 
 
 @pytest.fixture

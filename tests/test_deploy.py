@@ -31,7 +31,7 @@ def test_kuberay_cluster_mounts_one_shared_volume_everywhere():
 
 
 # ---------------------------------------------------------------------------------- recipes x the sweep preset
-# A preset trial asks for its function's {CPU: 0.25} (pipeline.runs.sweep.TRIAL_CPU) and ray.num_workers = 4 workers of
+# A preset trial asks for its function's {CPU: 0.25} (pipeline.runs.tune.TRIAL_CPU) and ray.num_workers = 4 workers of
 # {CPU: sweep.cpus_per_worker = 3, GPU: 1}. Both recipes give the head 2 Ray CPUs (8 trial functions) and GPU nodes
 # of {CPU: 3, GPU: 1} (one worker each, no CPU left over for a trial function), 16 of them at most: 16 GPUs / 4 per
 # trial = 4 trials at once, their functions on the head (1 of its 2 CPUs), every GPU node busy. At start the
@@ -40,7 +40,7 @@ def test_kuberay_cluster_mounts_one_shared_volume_everywhere():
 def _preset_shapes():
     from pipeline.config.params import load_params
     from pipeline.runs.resources import TrialShape
-    from pipeline.runs.sweep import TRIAL_CPU
+    from pipeline.runs.tune import TRIAL_CPU
 
     p = load_params(ROOT / "presets/cluster-sweep.yaml")
     sweep = TrialShape(p.ray.num_workers, p.sweep.cpus_per_worker, p.ray.use_gpu, TRIAL_CPU)

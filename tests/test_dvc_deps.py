@@ -35,7 +35,9 @@ def module_file(dotted: str, root: Path = ROOT) -> Path | None:
 def imported_files(path: Path, root: Path = ROOT) -> set[Path]:
     """The project files one file imports, anywhere in it (``import a.b``, ``from a import b``, ``from a.b import c``).
 
-    A package's ``__init__.py`` counts only when it holds code (an empty one changes nothing).
+    A package's ``__init__.py`` counts only when it holds code (an empty one, or a docstring alone, changes nothing).
+    ``pipeline/__init__.py``, the public API, never counts: its exports load lazily and no project module uses them
+    (tests/test_layers.py), so it changes no stage's output, and a new export re-runs nothing.
     """
     found: set[Path] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -51,9 +53,16 @@ def imported_files(path: Path, root: Path = ROOT) -> set[Path]:
             parts = dotted.split(".")
             for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__.py and a/b/__init__.py too
                 file = module_file(".".join(parts[:i]), root)
-                if file is not None and (file.name != "__init__.py" or file.read_text().strip()):
+                if file is not None and file != root / "pipeline" / "__init__.py" and (
+                        file.name != "__init__.py" or holds_code(file)):
                     found.add(file)
     return found
+
+
+def holds_code(path: Path) -> bool:
+    """Whether a file holds more than a docstring (a package's docstring-only ``__init__.py`` runs nothing)."""
+    body = ast.parse(path.read_text()).body
+    return any(not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)) for n in body)
 
 
 def closure(start: Path, root: Path = ROOT) -> set[Path]:
@@ -127,6 +136,49 @@ def code_problems(name: str, stage: dict, root: Path = ROOT) -> list[str]:
     if code != sorted(code):
         problems.append(f"stage {name}: code deps are not sorted: {code}")
     return problems
+
+
+def write_code_deps(path: Path = ROOT / "dvc.yaml", root: Path = ROOT) -> None:
+    """Rewrite each stage's code deps in ``dvc.yaml`` to its import closure (the data deps and the rest kept):
+    ``python -m tests.test_dvc_deps`` after moving code."""
+    commands = command_modules(root)
+    lines, out, stage = path.read_text().splitlines(keepends=True), [], None
+    stages = yaml.safe_load(path.read_text())["stages"]
+    for line in lines:
+        stripped = line.strip()
+        if line.startswith("  ") and not line.startswith("    ") and stripped.endswith(":"):
+            stage = stripped[:-1]
+        code = stripped.startswith("- ") and stripped[2:].endswith(".py")
+        if code:
+            continue
+        out.append(line)
+        if stage in stages and stripped == "deps:":
+            command = stage_command(stages[stage])
+            indent = line[: len(line) - len(line.lstrip())] + "  "
+            data = [d for d in listed(stages[stage]) if not d.endswith(".py")]
+            needed = sorted(p.relative_to(root).as_posix() for p in closure(commands[command], root))
+            out.append("\x00" + "".join(f"{indent}- {d}\n" for d in needed) + "\x00")
+    text = "".join(out)
+    # the code deps go after the data deps of the same list
+    result, pending = [], None
+    for chunk in text.split("\x00"):
+        if chunk.startswith(" ") and chunk.lstrip().startswith("- ") and chunk.strip().endswith(".py"):
+            pending = chunk
+            continue
+        if pending is not None:
+            rest = chunk.splitlines(keepends=True)
+            i = 0
+            while i < len(rest) and rest[i].lstrip().startswith("- ") and not rest[i].strip().endswith(":"):
+                i += 1
+            result.append("".join(rest[:i]) + pending + "".join(rest[i:]))
+            pending = None
+        else:
+            result.append(chunk)
+    path.write_text("".join(result))
+
+
+if __name__ == "__main__":
+    write_code_deps()
 
 
 def test_every_stage_command_is_found():

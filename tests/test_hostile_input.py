@@ -29,7 +29,7 @@ import yaml
 from click.testing import CliRunner
 
 from pipeline.config.params import load_params
-from pipeline.data.sources import save_prepared
+from pipeline.data.prepared import save_prepared
 from pipeline.io import save_torch, sha256_file, write_json
 from stages.cli import main
 from tests.conftest import ROOT
@@ -253,7 +253,7 @@ CASES = [
          (params_edit("ray:\n", "trainer:\n  lr: 1\nray:\n"),)),
     # ---------------------------------------------------------------- params: values (exit 2)
     Case("type-int-from-word", ("check", "-S", "model.depth=three"), 2, ("model.depth", "valid integer")),
-    Case("type-int-from-bool", ("prepare", "-S", "model.depth=true"), 2, ("model.depth", "valid integer")),
+    Case("type-int-from-bool", ("prepare", "-S", "data.seed=true"), 2, ("data.seed", "valid integer")),
     Case("type-int-from-float", ("check", "-S", "train.epochs=1.5"), 2, ("train.epochs", "valid integer")),
     Case("type-bool-from-word", ("prepare", "-S", "data.download=maybe"), 2, ("data.download", "valid boolean")),
     Case("type-list-from-scalar", ("check", "-S", "probe.probes=svm"), 2, ("probe.probes", "valid list")),
@@ -279,7 +279,7 @@ CASES = [
          ("train.batch_size (7)", "multiple of ray.num_workers (2)")),
     Case("conflict-supervised-infonce", ("check", "-S", "train.mode=supervised", "-S", "loss.name=infonce"), 2,
          ("loss.name", "self_supervised", "supcon")),
-    Case("conflict-synthetic-cnn", ("prepare", "-S", "data.dataset=synthetic"), 2,
+    Case("conflict-synthetic-cnn", ("pretrain", "-S", "data.dataset=synthetic"), 2,
          ("model.backbone", "synthetic", "mlp")),
     Case("conflict-image-folder-size", ("prepare", "-S", "data.dataset=image_folder"), 2,
          ("data.image_size", "image_folder")),
@@ -517,7 +517,7 @@ def test_cifar_download_cannot_escape_the_data_root(project, monkeypatch):
 
 
 EXTRACTING = {"extractall", "extract", "unpack_archive"}
-PRODUCT_SOURCES = sorted([*(ROOT / "pipeline").glob("*.py"), *(ROOT / "stages").glob("*.py")])
+PRODUCT_SOURCES = sorted([*(ROOT / "pipeline").rglob("*.py"), *(ROOT / "stages").rglob("*.py")])
 
 
 def _calls(path: Path, module: str, names: set[str]) -> list[ast.Call]:
@@ -555,7 +555,7 @@ def test_no_unsafe_unpickling_or_archive_extraction():
     for path in PRODUCT_SOURCES:
         text = path.read_text()
         pickles = _calls(path, "pickle", {"load", "loads", "Unpickler"})
-        assert not pickles or (path.name == "datasets.py" and len(pickles) == 1), f"{path.name}: pickle"
+        assert not pickles or (path.name == "sources.py" and len(pickles) == 1), f"{path.name}: pickle"
         extracting = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Call)
                       and isinstance(n.func, ast.Attribute) and n.func.attr in EXTRACTING]
         assert not extracting and "import zipfile" not in text, path.name

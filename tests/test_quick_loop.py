@@ -25,8 +25,9 @@ CLI_MODULE = "stages.cli"
 
 
 def project_modules(root: Path = ROOT) -> set[str]:
-    """Every module of pipeline/*.py and stages/*.py (the packages' ``__init__`` aside)."""
-    return {f"{pkg}.{p.stem}" for pkg in PACKAGES for p in (root / pkg).glob("*.py") if p.stem != "__init__"}
+    """Every module of pipeline/ and stages/, subpackages included (the packages' ``__init__`` aside)."""
+    return {".".join(p.relative_to(root).with_suffix("").parts) for pkg in PACKAGES for p in (root / pkg).rglob("*.py")
+            if p.stem != "__init__"}
 
 
 def dotted(node: ast.AST) -> str:

@@ -25,7 +25,9 @@ from pipeline.config.model import ModelConfig
 from pipeline.config.params import Params
 from pipeline.core.clustering import cosine_affinity, spectral_scores, symmetric_affinity
 from pipeline.core.model import TransFusion, build_model
-from pipeline.data.sources import Dataset, load_prepared, stratified_subset, to_float
+from pipeline.data.prepared import load_prepared
+from pipeline.data.split import stratified_subset, to_float
+from pipeline.data.types import Dataset
 from pipeline.evaluation.health import head_health
 from pipeline.evaluation.probes import run_probes
 from pipeline.io import load_torch

@@ -24,7 +24,7 @@ from matplotlib.lines import Line2D
 from sklearn.manifold import TSNE
 from threadpoolctl import threadpool_limits  # a dependency of scikit-learn
 
-from pipeline.data.sources import stratified_subset
+from pipeline.data.split import stratified_subset
 from pipeline.host import usable_cpus
 from pipeline.io import csv_text
 from pipeline.plots import as_float, fmt_value, new_figure, save_figure
@@ -106,7 +106,7 @@ def tsne_layers(
 ) -> None:
     """The paper's Figure 4: a t-SNE panel per representation, left to right, points coloured by class.
 
-    The same subset ``S = datasets.stratified_subset(labels, max_points, seed, min_per_class=1)`` (m <= max_points
+    The same subset ``S = split.stratified_subset(labels, max_points, seed, min_per_class=1)`` (m <= max_points
     points, every class present) is embedded in every panel; t-SNE (sklearn, PCA init, ``random_state=seed``) runs
     on each representation ``reps[l][S]`` separately with perplexity ``min(perplexity, (m - 1) / 3)``. Class c
     always gets the same colour (``class_colors``, indexed by c's rank among the sorted distinct labels), one

@@ -16,7 +16,7 @@ with k = 50 and k = 200; logistic regression is the usual linear probe, added fo
 - ``logreg``: StandardScaler -> LogisticRegression
 
 Label fractions (semi-supervised evaluation): the probe sees a stratified subset of the train labels, see
-``datasets.stratified_subset(train_y, fraction=f, min_per_class=MIN_LABELS_PER_CLASS, seed=seed)`` (every
+``split.stratified_subset(train_y, fraction=f, min_per_class=MIN_LABELS_PER_CLASS, seed=seed)`` (every
 class's rounded share, but at least 2 of it); it is always scored on the full test split.
 """
 
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline.data.sources import stratified_subset
+from pipeline.data.split import stratified_subset
 
 if TYPE_CHECKING:
     from sklearn.pipeline import Pipeline

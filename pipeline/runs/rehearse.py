@@ -34,7 +34,7 @@ from pipeline.config.base import ParamsError, parse_override, read_params_file
 from pipeline.config.params import validate_params
 from pipeline.config.tables import TablesConfig
 
-TRIAL_CPU = 0.25  # a sweep trial's own CPUs (pipeline.runs.sweep.TRIAL_CPU; tests/runs/test_rehearse.py checks they agree)
+TRIAL_CPU = 0.25  # a trial's own CPUs (pipeline.runs.tune.TRIAL_CPU; tests/runs/test_rehearse.py checks they agree)
 GRID_KEYS = ("sweep.depth", "sweep.batch_size", "sweep.strength", "sweep.lr", "tables.rows")
 
 #: The keys a rehearsal may change, and the rule each follows (see the module docstring). Everything else is control.

@@ -31,7 +31,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pipeline.data.sources import MANIFEST, PREPARED_FILES, Dataset, DatasetError, load_prepared
+from pipeline.data.prepared import MANIFEST, PREPARED_FILES, load_prepared
+from pipeline.data.types import Dataset, DatasetError
 
 STAGED = "prepared-data"
 STATUS_FILE = "transfusion_status.json"
@@ -154,7 +155,7 @@ def fetch_prepared(location: str, expected: dict[str, Any], mmap: bool = False) 
     """Load the staged prepared data on a worker, checking it is the copy the driver saw.
 
     ``expected``: the driver's manifest; ``mmap``: map the inputs instead of reading them
-    (:func:`pipeline.data.sources.load_prepared`; a remote copy is downloaded to this node's disk first).
+    (:func:`pipeline.data.prepared.load_prepared`; a remote copy is downloaded to this node's disk first).
     Raises :class:`DatasetError` naming this node and the path when the copy is missing, is another version, or a
     file's sha256 disagrees (a torn or modified copy).
     """

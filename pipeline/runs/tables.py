@@ -1,16 +1,17 @@
 """The paper's Tables 1-2 as one Ray Tune job: an explicit list of rows, each a Ray Train pretraining run whose
 frozen backbone is then probed as the paper does.
 
-- Rows (``tables.rows``, :class:`pipeline.config.tables.TableRow`): a name, a table (1: self-supervised, 2: supervised) and
-  params overrides on the file's ``model``/``loss``/``augment``/``train``. :func:`resolve_rows` turns each into full,
-  validated params before any work (a row's mode must be its table's; a loss must suit the mode; ...).
-- One Tune job (``grid_search`` over the rows), each trial :func:`pipeline.runs.sweep.fit_trial` (the sweep's Train
-  trial), then, in the trial, the paper's probes on the frozen backbone (3-layer FFN 256/128/64, SVM, kNN k=50 and
-  k=200, 100 % of the labels: :func:`probe_backbone`), reported to Tune as the trial's last result.
+- Rows (``tables.rows``, :class:`pipeline.config.tables.TableRow`): a name, a table (1: self-supervised, 2:
+  supervised) and params overrides on the file's ``model``/``loss``/``augment``/``train``. :func:`resolve_rows` turns
+  each into full, validated params before any work (a row's mode must be its table's; a loss must suit the mode; ...).
+- One Tune job (``grid_search`` over the rows), each trial :func:`pipeline.runs.tune.fit_trial` (the Train trial the
+  sweep runs too), then, in the trial, the paper's probes on the frozen backbone (3-layer FFN 256/128/64, SVM, kNN
+  k=50 and k=200, 100 % of the labels: :func:`probe_backbone`), reported to Tune as the trial's last result.
 - Cost per row: the Train run's wall time × its GPUs (GPU-hours), or × its workers on a CPU-only cluster
   (worker-hours); the table labels the column accordingly.
-- MLflow, from the driver (:class:`TablesTracker`, the sweep's tracker): one parent run, one child per row with its
-  per-epoch metrics, its probe accuracies and its hours; FAILED with the reason for a row that failed.
+- MLflow, from the driver (:class:`TablesTracker`, a ``pipeline.runs.tune.TrialTracker``): one parent run, one
+  child per row with its per-epoch metrics, its probe accuracies and its hours; FAILED with the reason for a row that
+  failed.
 - :func:`render` lays the two tables out as the paper does, our row under the paper's row it reproduces.
 
 Probes run after training where the row's resources are (:func:`probe_where_trained`: in the trial of a one-worker
@@ -34,22 +35,21 @@ from pipeline.config.base import ParamsError, flatten
 from pipeline.config.params import Params
 from pipeline.evaluation.report import HEADER, NA, PAPER_TABLES, RULE, fmt_cell, fmt_minutes, table_row
 from pipeline.runs import tracking as trk
-from pipeline.runs.sweep import (
-    COUNT_ENV,
+from pipeline.runs.tune import (
     TRIAL_CPU,
     SweepResult,
-    SweepTracker,
+    TrialTracker,
     at_once,
     checkpoint_history,
     error_reason,
     fit_trial,
     inline,
-    log_trial_start,
     max_concurrent,
     parent_run,
     say,
     stable_name,
-    trial_fault,
+    start_trial,
+    trainable,
     trial_params,
     trial_placement,
     tune_job,
@@ -129,7 +129,7 @@ def probe_backbone(params: Params, data, model) -> tuple[dict[str, float], int]:
     returns ({probe: test accuracy}, number of probe training samples)."""
     import numpy as np
 
-    from pipeline.data.sources import stratified_subset
+    from pipeline.data.split import stratified_subset
     from pipeline.evaluation.evaluate import layer_embeddings, resolve_device
     from pipeline.evaluation.probes import run_probes
 
@@ -149,7 +149,7 @@ def probe_backbone(params: Params, data, model) -> tuple[dict[str, float], int]:
 
 # --------------------------------------------------------------------------------------------------- trial
 def row_labels(row: dict[str, Any]) -> dict[str, Any]:
-    """A row's identity (MLflow params of its child run, fault matching in tests)."""
+    """A row's identity (MLflow params of its child run, the labels test faults match: ``pipeline.faults``)."""
     return {"table": row["table"], "row": row["name"], **row["params"]}
 
 
@@ -189,13 +189,11 @@ def probe_where_trained(params: Params, fixed: dict[str, Any], model_state: dict
 
 
 def _row_trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
-    """One row: the sweep's Train trial on the row's params, then the probes; reported to Tune as the last result."""
+    """One row: the Train trial on the row's params, then the probes; reported to Tune as the last result."""
     row = config["row"]
-    trial_id = tune.get_context().get_trial_id()
-    labels = row_labels(row)
-    log_trial_start(fixed, trial_id, labels)
+    trial_id = start_trial(fixed, row_labels(row))
     params = trial_params(fixed["base"], row["params"], source=f"tables row {row['name']!r}")
-    run = fit_trial(params, fixed, trial_id, trial_fault(fixed.get("fault"), labels))
+    run = fit_trial(params, fixed, trial_id)
     state = run.state
     start = time.time()
     accuracies, n_probe, held = probe_where_trained(params, fixed, state["model"])
@@ -212,8 +210,8 @@ def _row_trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
     })
 
 
-class TablesTracker(SweepTracker):
-    """The sweep's driver-side tracker, for rows: a child run per row, and the row's probes and hours at its end."""
+class TablesTracker(TrialTracker):
+    """The driver-side tracker of rows: a child run per row, and the row's probes and hours at its end."""
 
     PREFIX = "[tables]"
     STAGE = "tables-row"
@@ -289,12 +287,12 @@ def collect(grid, rows: list[Row], unit: str) -> list[dict[str, Any]]:
 def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = True) -> tuple[SweepResult, str]:
     """Run (or resume) the tables job; returns its result (``rows`` from :func:`collect`) and the hours' unit.
 
-    Raises :class:`ParamsError` for bad rows (before Ray and tracking) and :class:`pipeline.runs.sweep.SweepError` if the
+    Raises :class:`ParamsError` for bad rows (before Ray and tracking) and :class:`pipeline.runs.tune.SweepError` if the
     job was interrupted or every row failed.
     """
     from pipeline.runs.cluster import connect
     from pipeline.runs.storage import check_storage, stage_prepared
-    from pipeline.runs.train import FAULT_ENV, storage_location
+    from pipeline.runs.train import storage_location
 
     manifest = json.loads((data_dir / "manifest.json").read_text())
     rows = resolve_rows(params, manifest.get("n_train"))
@@ -307,24 +305,22 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
         logged = {**{k: v for k, v in flatten(params).items() if k.split(".")[0] in ("model", "loss", "augment",
                                                                                         "train", "probe")},
                   **{f"tables.{r.table}.{r.name}": json.dumps(r.overrides, sort_keys=True) for r in rows}}
-        uri, exp, parent = parent_run(params, root, name, stage=STAGE, logged=logged, manifest=manifest,
+        uri, exp, parent = parent_run(root, name, stage=STAGE, logged=logged, manifest=manifest,
                                       data_dir=data_dir, title=trk.tables_label([r.table for r in rows]))
     unit = hours_unit(gpu)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     fixed = {"base": base_params(params), "data": stage_prepared(data_dir, storage), "manifest": manifest,
-             "storage": storage, "use_gpu": gpu, "count_file": os.environ.get(COUNT_ENV),
-             "fault": os.environ.get(FAULT_ENV)}
+             "storage": storage, "use_gpu": gpu}
     space = {"row": tune.grid_search([r.config() for r in rows])}
     base = fixed["base"]
-    trainable = tune.with_resources(  # a row's workers may differ from the base's: its own placement
-        tune.with_parameters(_row_trial, fixed=fixed),
-        lambda config: trial_placement(trial_params(base, config["row"]["params"]), gpu))
+    job = trainable(_row_trial, fixed,  # a row's workers may differ from the base's: its own placement
+                    lambda config: trial_placement(trial_params(base, config["row"]["params"]), gpu))
     tracker = TablesTracker(params.train.epochs, uri, exp, parent, unit=unit)
     concurrent = max_concurrent(as_sweep(params), nodes, gpu, len(rows))
     announce = (f"[tables] {name}: {len(rows)} rows (table 1: {sum(r.table == 1 for r in rows)}, table 2: "
                 f"{sum(r.table == 2 for r in rows)}), up to {concurrent} at a time, {'GPU' if gpu else 'CPU'} workers")
     # no scheduler: results need not carry knn_acc (train.knn_every), and one-worker rows may reuse a process
-    grid, resumed, seconds = tune_job(trainable, space, name=name, storage=storage, tracker=tracker,
+    grid, resumed, seconds = tune_job(job, space, name=name, storage=storage, tracker=tracker,
                                       concurrent=concurrent, announce=announce, what="tables job", metric=None,
                                       reuse_actors=all(inline(r.params) for r in rows))
     records = collect(grid, rows, unit)

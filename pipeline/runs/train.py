@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
+from pipeline import faults
 from pipeline.config.base import ParamsError, flatten
 from pipeline.config.params import Params
-from pipeline.data.sources import load_prepared, prepared_nbytes
+from pipeline.data.prepared import load_prepared, prepared_nbytes
 from pipeline.evaluation.health import unflat
 from pipeline.io import load_torch
 from pipeline.runs.cluster import connect, train_logging, wait_for_workers
@@ -46,7 +47,6 @@ from pipeline.training.loop import EpochMetrics, PretrainLoop, data_budget
 from pipeline.training.step import NonFiniteLossError
 
 EPOCH_METRICS = ("loss", "lr", "samples_per_s", "view_noise", "knn_acc", "seconds")  # per-epoch, in MLflow
-FAULT_ENV = "TRANSFUSION_FAULT"  # fault injection for tests: "crash@E" (rank 0 dies after epoch E), "nan@E"
 STATE_FILE = "state.pt"
 HISTORY_FILE = "history.json"  # per-epoch metrics up to the checkpoint, beside STATE_FILE
 WORKERS_FILE = "workers.json"  # where each rank ran (node, host, device, Ray's GPU ids), beside STATE_FILE
@@ -78,7 +78,6 @@ class WorkerSpec:
     manifest: dict[str, Any]  # the manifest the driver saw: each worker checks its copy against it
     run_dir: str  # the Ray run directory on the run storage (a path or a URI): the worker's status goes there
     use_gpu: bool
-    fault: str | None = None
     quiet: bool = False  # no per-epoch progress lines (sweep trials: the driver prints them)
     resume_dir: str | None = None  # a checkpoint to start from when Ray knows none (see recover_run_snapshot)
 
@@ -151,7 +150,7 @@ class Session:
     """Where a worker's checkpoint comes from and where its per-epoch reports go.
 
     Two implementations: :class:`TrainSession` (a Ray Train worker, :func:`train_loop_per_worker`) and
-    ``pipeline.runs.sweep.TuneSession`` (a one-worker sweep trial that trains inside the Tune trial itself).
+    ``pipeline.runs.tune.TuneSession`` (a one-worker trial that trains inside the Tune trial itself).
     """
 
     def get_checkpoint(self) -> Any:  # a ``ray.train.Checkpoint`` (or Tune's, the same class) or None
@@ -159,7 +158,8 @@ class Session:
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, sync: bool) -> None:
         """Report one epoch; ``checkpoint_dir`` (a temp directory, the session deletes it after the upload) holds
-        its checkpoint, if any. ``sync``: the upload must finish before this returns (an injected crash follows)."""
+        its checkpoint, if any. ``sync``: the upload must finish before this returns (an injected crash follows:
+        ``pipeline.faults``)."""
         raise NotImplementedError
 
 
@@ -215,11 +215,6 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
         if rank == 0 and not spec.quiet:
             _progress(f"[pretrain] resumed from the checkpoint after epoch {loop.epoch}")
 
-    kind, _, at = (spec.fault or "").partition("@")
-    crash_at = int(at) if kind == "crash" and rank == 0 else None
-    if kind == "nan":
-        loop.poison_epoch = int(at)
-
     def report(m: EpochMetrics, checkpoint_now: bool) -> None:
         metrics = {k: v for k, v in m.as_dict().items() if v is not None}
         if rank == 0 and not spec.quiet:
@@ -231,12 +226,12 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
             torch.save({**loop.state_dict(), "workers": workers}, Path(d) / STATE_FILE)
             Path(d, HISTORY_FILE).write_text(json.dumps(loop.history))  # readable without loading the model
             Path(d, WORKERS_FILE).write_text(json.dumps(workers))
-            session.report(metrics, d, sync=m.epoch == crash_at)
+            session.report(metrics, d, sync=faults.hit("checkpoint", epoch=m.epoch, rank=rank))
         else:
             session.report(metrics, None, sync=False)
 
     try:
-        loop.fit(report, crash_at_epoch=crash_at)
+        loop.fit(report)
     except NonFiniteLossError as exc:  # every rank sees the same all-reduced loss and stops alike
         if rank == 0:
             write_status(spec.run_dir, {"error": "non_finite", "message": str(exc), "epoch": loop.epoch})
@@ -372,7 +367,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     uri = trk.tracking_uri(root) if tracking else None
     run_id = _mlflow_run(params, root, name, uri, state_dir, manifest, data_dir) if uri else None
     spec = WorkerSpec(params=params.model_dump(), data_dir=stage_prepared(data_dir, storage), manifest=manifest,
-                      run_dir=run_dir, use_gpu=gpu, fault=os.environ.get(FAULT_ENV),
+                      run_dir=run_dir, use_gpu=gpu,
                       resume_dir=recover_run_snapshot(None if is_uri(run_dir) else run_dir))
     # the controller collects each report when it polls (default every 2 s) and a worker's next report
     # waits for that: with short epochs that idles the workers, so poll faster (propagated by Ray Train)
@@ -390,7 +385,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
             failure_config=ray.train.FailureConfig(max_failures=params.ray.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
             callbacks=[trk.epoch_logger(uri, run_id)] if run_id else [],
-            logging_config=train_logging(),
+            logging_config=train_logging(), worker_runtime_env={"env_vars": faults.carried()},  # tests' faults
         ),
     )
     system = trk.SystemMetrics(uri, run_id) if run_id else None  # the driver's node while Ray trains

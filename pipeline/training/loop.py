@@ -32,13 +32,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pipeline import faults
 from pipeline.config.params import Params
 from pipeline.core.batchnorm import convert_batchnorm
 from pipeline.core.losses import make_loss
 from pipeline.core.model import build_model
 from pipeline.core.optim import build_optimizer, warmup_cosine
 from pipeline.data.augment import BatchAugment, view_noise
-from pipeline.data.sources import Dataset, gather_rows, to_float
+from pipeline.data.prepared import gather_rows
+from pipeline.data.split import to_float
+from pipeline.data.types import Dataset
 from pipeline.evaluation.health import block_health, flat
 from pipeline.evaluation.knn import knn_accuracy
 from pipeline.training.precision import for_device
@@ -141,8 +144,6 @@ class PretrainLoop:
         self.y_dev = data.train.y.to(device)  # (N,)
         self.epoch = 0  # completed epochs
         self.history: list[dict[str, Any]] = []
-        self.poison_epoch: int | None = None  # fault injection: NaN inputs in this epoch (tests of the guard)
-        self.poison_step: tuple[int, int] | None = None  # fault injection: NaN inputs at (epoch index, step)
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -166,7 +167,7 @@ class PretrainLoop:
         """Training inputs ``index`` (b,) -> (b, ...) on the device, stored dtype, in ``index``'s order.
 
         Indexed on the device copy within the budget; streamed, read from the host source (only these rows, in
-        ascending order: :func:`pipeline.data.sources.gather_rows`), pinned and copied without blocking on CUDA.
+        ascending order: :func:`pipeline.data.prepared.gather_rows`), pinned and copied without blocking on CUDA.
         """
         if self.x_dev is not None:
             return self.x_dev[index.to(self.device)]
@@ -205,7 +206,7 @@ class PretrainLoop:
         start = time.perf_counter()
         for s in range(self.steps_per_epoch):
             x, ids = self._local_batch(perm, s)
-            if self.poison_epoch == epoch + 1 or (self.poison_step is not None and self.poison_step == (epoch, s)):
+            if faults.hit("step", epoch=epoch + 1, step=s + 1, rank=self.rank):  # tests of the guard: NaN inputs
                 x = x * float("nan")
             with torch.no_grad():
                 v1, v2 = self.augment(x, gen), self.augment(x, gen)
@@ -304,11 +305,11 @@ class PretrainLoop:
         return knn_accuracy(zb, self.y_train[bank], zq, test.y[queries], k=self.params.train.knn_k)
 
     # ------------------------------------------------------------------ the loop
-    def fit(self, report: Callable[[EpochMetrics, bool], None], crash_at_epoch: int | None = None) -> None:
+    def fit(self, report: Callable[[EpochMetrics, bool], None]) -> None:
         """Run the remaining epochs; ``report(metrics, checkpoint_now)`` after each (on every rank).
 
-        Raises :class:`NonFiniteLossError` (on every rank alike) when the loss stops being finite.
-        ``crash_at_epoch`` is fault injection for tests: raise after that epoch's report.
+        Raises :class:`NonFiniteLossError` (on every rank alike) when the loss stops being finite. Test faults
+        (``pipeline.faults``): NaN inputs at the ``step`` hook, a crash after a report at the ``epoch_end`` hook.
         """
         t = self.params.train
         while self.epoch < t.epochs:
@@ -318,5 +319,4 @@ class PretrainLoop:
             self.history.append(m.as_dict())
             ckpt = self.epoch % t.checkpoint_every == 0 or self.epoch == t.epochs
             report(m, ckpt)
-            if crash_at_epoch is not None and self.epoch == crash_at_epoch:
-                raise RuntimeError(f"injected crash after epoch {self.epoch} (TRANSFUSION_FAULT)")
+            faults.hit("epoch_end", epoch=self.epoch, rank=self.rank)

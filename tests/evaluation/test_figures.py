@@ -13,7 +13,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from pipeline import plots as P
-from pipeline.data.sources import stratified_subset
+from pipeline.data.split import stratified_subset
 from pipeline.evaluation import figures as F
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -110,9 +110,10 @@ def _params(tmp_overrides: list[str]):
 
 
 def _digits_small():
+    from pipeline.config.data import DataConfig
     from pipeline.data.sources import load_dataset
 
-    return load_dataset("digits", root="data/raw", seed=0, limit_train=200, limit_test=100)
+    return load_dataset(DataConfig(dataset="digits", root="data/raw", seed=0, limit_train=200, limit_test=100))
 
 
 def kill(head: TransFusionHead) -> None:
@@ -171,10 +172,21 @@ def test_row_slices_give_the_numbers_of_the_whole(n: int, rows: int) -> None:
     labels, other = torch.arange(n) % 4, torch.roll(torch.arange(n), 2)
     whole = block_health(raw, labels, other, rows=n)
     sliced = block_health(raw, labels, other, rows=rows)
-    assert sliced == pytest.approx(whole, rel=1e-12)
+    assert_same_numbers(sliced, whole, rel=1e-12)
     grouped = torch.stack([raw, relu_affinity(n, 7)])
-    assert block_health(grouped, torch.stack([labels] * 2), rows=rows) == pytest.approx(
-        block_health(grouped, torch.stack([labels] * 2), rows=n), rel=1e-12)
+    assert_same_numbers(block_health(grouped, torch.stack([labels] * 2), rows=rows),
+                        block_health(grouped, torch.stack([labels] * 2), rows=n), rel=1e-12)
+
+
+def assert_same_numbers(got: dict, want: dict, rel: float) -> None:
+    """Same keys; None ("n/a") exactly where the other has None; numbers within ``rel``. Spelled out key by key:
+    ``pytest.approx`` of a mapping that holds None raises TypeError from pytest 9.2 on."""
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if value is None:
+            assert got[key] is None, key
+        else:
+            assert got[key] is not None and got[key] == pytest.approx(value, rel=rel), key
 
 
 @pytest.mark.parametrize("scope", ["joint", "per_view"])
@@ -195,12 +207,13 @@ def test_health_in_chunks_equals_one_forward(scope: str) -> None:
 def test_health_at_a_large_batch_needs_no_more_memory_than_a_training_step(depth: int) -> None:
     """B = 1024 (2B = 2048 fused rows): the health check's peak stays below one training step's; the whole-matrix
     way (every block's affinity collected, fp64 statistics over all of it) would not."""
+    from pipeline.config.data import DataConfig
     from pipeline.data.sources import load_dataset
     from pipeline.evaluation.health import attention_weights
     from pipeline.training.loop import PretrainLoop
     from pipeline.training.measure import peak_bytes
 
-    data = load_dataset("digits", root="data/raw", seed=0, limit_train=1100, limit_test=100)
+    data = load_dataset(DataConfig(dataset="digits", root="data/raw", seed=0, limit_train=1100, limit_test=100))
     loop = PretrainLoop(_params([f"model.depth={depth}", "train.batch_size=1024"]), data, torch.device("cpu"))
     perm = torch.randperm(len(data.train.y), generator=torch.Generator().manual_seed(0))
 

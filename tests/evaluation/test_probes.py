@@ -18,7 +18,7 @@ from sklearn.preprocessing import StandardScaler
 from sklearn.svm import SVC, LinearSVC
 
 import pipeline.evaluation.probes as probes_mod
-from pipeline.data.sources import stratified_subset
+from pipeline.data.split import stratified_subset
 from pipeline.evaluation.probes import MIN_LABELS_PER_CLASS, PROBES, ProbeResult, make_probe, run_probes
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config.params import load_params
-from pipeline.data.sources import DatasetError
+from pipeline.data.types import DatasetError
 from pipeline.runs.cluster import host_port, local_nodes, use_gpu
 from pipeline.runs.train import failure_message
 from tests.conftest import ROOT

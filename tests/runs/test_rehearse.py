@@ -102,9 +102,9 @@ def test_sizes_within_their_rules_are_applied():
 
 
 def test_trial_cpu_is_the_sweeps():
-    from pipeline.runs import rehearse, sweep
+    from pipeline.runs import rehearse, tune
 
-    assert rehearse.TRIAL_CPU == sweep.TRIAL_CPU
+    assert rehearse.TRIAL_CPU == tune.TRIAL_CPU
 
 
 def test_the_command_refuses_a_control_key_before_any_work(tmp_path, monkeypatch, ray_starts):

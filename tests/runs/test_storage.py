@@ -8,7 +8,10 @@ import os
 import pytest
 import torch
 
-from pipeline.data.sources import PREPARED_FILES, DatasetError, load_dataset, save_prepared
+from pipeline.config.data import DataConfig
+from pipeline.data.prepared import PREPARED_FILES, save_prepared
+from pipeline.data.sources import load_dataset
+from pipeline.data.types import DatasetError
 from pipeline.runs.storage import (
     CACHE_ENV,
     STAGED,
@@ -25,7 +28,7 @@ from tests.data.test_datasets import mapped_file
 
 @pytest.fixture
 def prepared(tmp_path):
-    ds = load_dataset("digits", root=tmp_path / "raw", seed=0)
+    ds = load_dataset(DataConfig(dataset="digits", root=str(tmp_path / "raw"), seed=0))
     out = tmp_path / "project" / "data" / "prepared"
     manifest = save_prepared(ds, out)
     return out, manifest

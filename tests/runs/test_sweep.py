@@ -12,17 +12,8 @@ import yaml
 from pipeline.config.base import ParamsError
 from pipeline.config.params import load_params
 from pipeline.runs.resources import NodeType, TrialShape, packing
-from pipeline.runs.sweep import (
-    TRIAL_CPU,
-    axes,
-    base_params,
-    grid_points,
-    inline,
-    max_concurrent,
-    sweep_name,
-    trial_params,
-    trial_placement,
-)
+from pipeline.runs.sweep import axes, base_params, grid_points, sweep_name
+from pipeline.runs.tune import TRIAL_CPU, inline, max_concurrent, trial_params, trial_placement
 from stages.sweep import COLUMNS, best_trial, write_outputs
 from tests.conftest import ROOT
 

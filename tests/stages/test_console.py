@@ -19,6 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pipeline import faults
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 RUN = ["-S", "train.epochs=2", "-S", "data.limit_train=512", "-S", "train.batch_size=128", "-S", "model.embed_dim=32"]
@@ -100,7 +102,7 @@ def test_a_default_run_prints_our_lines_and_ray_keeps_its_own_logs(sandbox):
 
 def test_a_worker_error_still_reaches_the_console(sandbox):
     project, tmp, home = sandbox
-    code, lines = pretrain(project, tmp, home, TRANSFUSION_FAULT="crash@1")
+    code, lines = pretrain(project, tmp, home, **faults.environment(crash_at_epoch=1))
     console = "\n".join(lines)
     assert code == 1, console
     error = [line for line in lines if line.startswith("Error: ")]

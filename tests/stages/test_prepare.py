@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from click.testing import CliRunner
 
-from pipeline.data.sources import PREPARED_FILES, load_prepared
+from pipeline.data.prepared import PREPARED_FILES, load_prepared
 from stages.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,9 +66,22 @@ def test_missing_dataset_exit_1_with_instructions(project):
 
 def test_console_script_exit_code(project):
     """The installed entry point, as DVC runs it."""
-    proc = subprocess.run([sys.executable, "-m", "stages.cli", "prepare", "-S", "model.depth=-2"],
+    proc = subprocess.run([sys.executable, "-m", "stages.cli", "prepare", "-S", "data.test_fraction=2"],
                           capture_output=True, text=True, cwd=project)
-    assert proc.returncode == 2 and "model.depth" in proc.stderr
+    assert proc.returncode == 2 and "data.test_fraction" in proc.stderr
+
+
+def test_prepare_validates_the_section_it_reads_and_leaves_the_rest_to_their_stages(project):
+    """prepare reads `data` alone (its DVC deps hold no other section's names); a bad value elsewhere is refused by
+    `check` and by the stage that reads it, before that stage does any work. A malformed override is refused by all."""
+    bad = ["-S", "loss.name=nope", "-S", "model.depth=-2"]
+    ok = CliRunner().invoke(main, ["prepare", *bad])
+    assert ok.exit_code == 0, ok.output
+    for command in ("check", "pretrain"):
+        refused = CliRunner().invoke(main, [command, *bad])
+        assert refused.exit_code == 2 and "loss.name" in refused.output and "model.depth" in refused.output
+    malformed = CliRunner().invoke(main, ["prepare", "-S", "model..depth=3"])
+    assert malformed.exit_code == 2 and "section.name" in malformed.output
 
 
 def test_check_validates_without_running(project):
@@ -86,7 +99,8 @@ import json, re, sys
 from pathlib import Path
 import PIL.Image, sklearn.model_selection, torchvision.datasets, torchvision.transforms.v2
 from pipeline.config.params import load_params
-from pipeline.data.sources import load_dataset, save_prepared
+from pipeline.data.prepared import save_prepared
+from pipeline.data.sources import load_dataset
 from stages.prepare import run
 
 def kib(field):
@@ -97,9 +111,9 @@ params = load_params(params_file, ["data.dataset=image_folder", f"data.root={roo
 Path("/proc/self/clear_refs").write_text("5")
 start = kib("VmRSS")
 if how == "stage":
-    run(params, Path(out))
+    run(params.data, Path(out))
 else:  # the whole data set in memory, then written: what the cap must catch
-    save_prepared(load_dataset("image_folder", root=root, image_size=256), Path(out))
+    save_prepared(load_dataset(params.data), Path(out))
 print(json.dumps({"start": start * 1024, "growth": (kib("VmHWM") - start) * 1024}))
 """
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.config.params import load_params
-from pipeline.data.sources import load_prepared
+from pipeline.data.prepared import load_prepared
 from pipeline.training.loop import PretrainLoop
 from tests.conftest import invoke
 
@@ -80,13 +80,13 @@ def test_two_workers_write_outputs_and_track_in_mlflow(prepared, ray_session):
         torch.testing.assert_close(tensor, state[name])
 
 
-def test_crash_then_rerun_resumes_from_the_last_checkpoint(prepared, ray_session, monkeypatch):
-    monkeypatch.setenv("TRANSFUSION_FAULT", "crash@2")
+def test_crash_then_rerun_resumes_from_the_last_checkpoint(prepared, ray_session, install_faults):
+    install_faults(crash_at_epoch=2)
     result = invoke("pretrain", *TINY)
     assert result.exit_code == 1 and "rerun the stage to resume" in result.output
     assert not (prepared / "models").exists()
 
-    monkeypatch.delenv("TRANSFUSION_FAULT")
+    install_faults()
     result = invoke("pretrain", *TINY)
     assert result.exit_code == 0, result.output
     rows = history(prepared)
@@ -106,8 +106,8 @@ def test_crash_then_rerun_resumes_from_the_last_checkpoint(prepared, ray_session
     assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == [1, 2, 3]
 
 
-def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(prepared, ray_session, monkeypatch):
-    monkeypatch.setenv("TRANSFUSION_FAULT", "nan@2")
+def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(prepared, ray_session, install_faults):
+    install_faults(nan_at_epoch=2)
     result = invoke("pretrain", *TINY)
     assert result.exit_code == 1
     assert "non-finite" in result.output and "last good checkpoint" in result.output
@@ -119,8 +119,8 @@ def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(prepa
     assert runs[0].info.status == "FAILED"
 
 
-def test_max_failures_restarts_the_worker_group_from_the_last_checkpoint(prepared, ray_session, monkeypatch):
-    monkeypatch.setenv("TRANSFUSION_FAULT", "crash@2")
+def test_max_failures_restarts_the_worker_group_from_the_last_checkpoint(prepared, ray_session, install_faults):
+    install_faults(crash_at_epoch=2)
     result = invoke("pretrain", *TINY, "-S", "ray.max_failures=1")
     assert result.exit_code == 0, result.output
     rows = history(prepared)

@@ -16,6 +16,7 @@ import mlflow
 import pytest
 import yaml
 
+from pipeline import faults
 from tests.conftest import ROOT, invoke
 from tests.runs.test_rehearse import FILES
 
@@ -75,7 +76,7 @@ def test_gpu_preset_on_declared_gpus_schedules_as_computed(tmp_path):
     """cluster-sweep.yaml on a Ray that declares 4 GPUs (none exist: ray.backend gloo): each worker its own GPU, the
     sweep and the tables as many trials at once as pipeline.runs.resources computes, probes on a worker's GPU bundle."""
     from pipeline.runs.resources import NodeType, TrialShape, trials_at_once
-    from pipeline.runs.sweep import TRIAL_CPU
+    from pipeline.runs.tune import TRIAL_CPU
 
     work = tmp_path / "gpu"
     proc = run(["rehearse", "--params", str(ROOT / "presets/cluster-sweep.yaml"), "--gpus", "4", "--dir", str(work),
@@ -111,7 +112,7 @@ def started(log) -> list[str]:
 @pytest.mark.timeout(900)
 def test_ctrl_c_of_a_multi_worker_sweep_ends_in_30_s_and_resumes(tmp_path):
     work, log = tmp_path / "sweep", tmp_path / "trials.log"
-    env = {"TRANSFUSION_TRIAL_LOG": str(log)}
+    env = faults.environment(count_file=str(log))
     args = ["rehearse", "--params", str(ROOT / "presets/cluster-sweep.yaml"), "--dir", str(work),
             "--jobs", "prepare,sweep"]
     proc = subprocess.Popen([sys.executable, "-m", "stages.cli", *args], cwd=tmp_path, start_new_session=True,

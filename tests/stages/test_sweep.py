@@ -13,6 +13,7 @@ import time
 import mlflow
 import pytest
 
+from pipeline import faults
 from tests.conftest import invoke
 
 pytestmark = [pytest.mark.slow]
@@ -86,9 +87,9 @@ def check_sweep(project, rows, epochs):
 
 
 @pytest.mark.timeout(600)
-def test_four_trial_sweep_with_asha_end_to_end(prepared, ray_session, monkeypatch):
+def test_four_trial_sweep_with_asha_end_to_end(prepared, ray_session, install_faults):
     log = prepared / "trials.log"
-    monkeypatch.setenv("TRANSFUSION_TRIAL_LOG", str(log))
+    install_faults(count_file=str(log))
     result = invoke("sweep", *TINY, "-S", "sweep.epochs=3", "-S", "sweep.asha=true", "-S", "sweep.grace_period=1")
     assert result.exit_code == 0, result.output
     assert "swept 4 trials (0 failed)" in result.output
@@ -101,9 +102,9 @@ def test_four_trial_sweep_with_asha_end_to_end(prepared, ray_session, monkeypatc
 
 
 @pytest.mark.timeout(300)
-def test_a_diverged_trial_is_failed_with_its_reason(prepared, ray_session, monkeypatch, capsys):
+def test_a_diverged_trial_is_failed_with_its_reason(prepared, ray_session, install_faults, capsys):
     """A NaN at epoch 2 of 2 in one of two trials: that trial is ERROR / FAILED with the reason, not stopped early."""
-    monkeypatch.setenv("TRANSFUSION_FAULT", "nan@2:train.batch_size=32")  # only the batch-32 trial diverges
+    install_faults(nan_at_epoch=2, trial={"train.batch_size": 32})  # only the batch-32 trial diverges
     result = invoke("sweep", "-S", "model.embed_dim=16", "-S", "sweep.depth=[1]", "-S", "sweep.batch_size=[32,64]",
                     "-S", "sweep.strength=[1.0]", "-S", "sweep.epochs=2")
     assert result.exit_code == 0, result.output
@@ -128,10 +129,10 @@ def test_a_diverged_trial_is_failed_with_its_reason(prepared, ray_session, monke
 
 
 @pytest.mark.timeout(400)
-def test_multi_worker_trials_are_ray_train_runs(prepared, ray_session, monkeypatch):
+def test_multi_worker_trials_are_ray_train_runs(prepared, ray_session, install_faults):
     """Two workers per trial: each trial is a Ray Train run (one-worker trials train inside the trial: the tests
     above), reporting through Tune like the inline ones, and one diverging in one trial fails that trial alone."""
-    monkeypatch.setenv("TRANSFUSION_FAULT", "nan@2:augment.strength=0.0")
+    install_faults(nan_at_epoch=2, trial={"augment.strength": 0.0})
     result = invoke("sweep", "-S", "model.embed_dim=16", "-S", "ray.num_workers=2", "-S", "sweep.depth=[1]",
                     "-S", "sweep.batch_size=[32]", "-S", "sweep.strength=[0.0,1.0]", "-S", "sweep.epochs=2",
                     "-S", "sweep.cpus_per_worker=0.25")
@@ -153,7 +154,7 @@ def test_bad_sweep_point_is_a_usage_error_before_any_work(prepared):
 
 
 def run_cli(project, args, log):
-    env = {**os.environ, "TRANSFUSION_TRIAL_LOG": str(log), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **faults.environment(count_file=str(log)), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "stages.cli", *args], cwd=project, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.evaluation.evaluate import Evaluation
-from pipeline.runs.sweep import SweepResult
 from pipeline.runs.train import PretrainResult
+from pipeline.runs.tune import SweepResult
 from stages import evaluate, pretrain, sweep
 from stages._common import time_line
 

@@ -99,7 +99,7 @@ def test_a_remote_tracking_server_is_shown_not_started(project, monkeypatch):
         def no_server(*args, **kwargs):
             raise AssertionError("no local server may be started")
 
-        monkeypatch.setattr("stages.ui.subprocess.Popen", no_server)
+        monkeypatch.setattr("pipeline.runs.mlflow_ui.subprocess.Popen", no_server)
         result = invoke("ui")
     finally:
         server.shutdown()

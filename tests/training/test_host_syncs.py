@@ -139,14 +139,16 @@ def test_losses_with_a_layout_have_no_host_sync(name, layout):
 # ------------------------------------------------------------------------------------- the loop passes the layout
 @pytest.mark.parametrize("mode,loss", [("self_supervised", "jsd"), ("supervised", "supcon")])
 def test_the_loops_step_has_no_host_sync(mode, loss):
+    from pipeline.config.data import DataConfig
     from pipeline.config.params import load_params
-    from pipeline.data.sources import load_dataset, to_float
+    from pipeline.data.sources import load_dataset
+    from pipeline.data.split import to_float
     from pipeline.training.loop import PretrainLoop
     from tests.conftest import ROOT
 
     params = load_params(ROOT / "params.yaml", [f"train.mode={mode}", f"loss.name={loss}", "train.batch_size=16",
                                                  "model.embed_dim=16"])
-    data = load_dataset("digits", root="data/raw", limit_train=64, limit_test=16)
+    data = load_dataset(DataConfig(dataset="digits", root="data/raw", limit_train=64, limit_test=16))
     loop = PretrainLoop(params, data, torch.device("cpu"), defer_sync=True)
     assert loop.step.layout == layout_of(mode)
     x = to_float(data.train.x[:16])

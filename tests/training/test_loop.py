@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipeline.config.data import DataConfig
 from pipeline.config.params import load_params
-from pipeline.data.sources import load_dataset, load_prepared, save_prepared
+from pipeline.data.prepared import load_prepared, save_prepared
+from pipeline.data.sources import load_dataset
 from pipeline.training.loop import DATA_BUDGET_SHARE, PretrainLoop, data_budget
 from tests.conftest import ROOT
 from tests.data.test_datasets import mapped_file
@@ -31,7 +33,7 @@ COMPARED = ("epoch", "loss", "lr", "view_noise", "knn_acc")  # an epoch's number
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("loop") / "prepared"
-    save_prepared(load_dataset("digits", root="unused"), out)
+    save_prepared(load_dataset(DataConfig(dataset="digits", root="unused")), out)
     return out
 
 

@@ -46,6 +46,7 @@ def test_the_params_key_allows_exactly_the_choices():
 
 
 def _loop(precision: str):
+    from pipeline.config.data import DataConfig
     from pipeline.config.params import load_params
     from pipeline.data.sources import load_dataset
     from pipeline.training.loop import PretrainLoop
@@ -53,7 +54,7 @@ def _loop(precision: str):
     params = load_params("params.yaml", ["train.epochs=2", "train.knn_every=0", "train.batch_size=32",
                                          "model.backbone=mlp", "model.embed_dim=16", "model.hidden_dim=32",
                                          "model.depth=1", f"train.precision={precision}"])
-    data = load_dataset("digits", root="data/raw", seed=0, limit_train=128, limit_test=40)
+    data = load_dataset(DataConfig(dataset="digits", root="data/raw", seed=0, limit_train=128, limit_test=40))
     return PretrainLoop(params, data, torch.device("cpu"))
 
 

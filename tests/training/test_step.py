@@ -280,7 +280,7 @@ def _broadcast_worker(rank, world, init_file, out_dir, data_dir):
     try:
         from pipeline.config.params import load_params
         from pipeline.core.model import build_model
-        from pipeline.data.sources import load_prepared
+        from pipeline.data.prepared import load_prepared
         from pipeline.training.loop import PretrainLoop
         from tests.conftest import ROOT
 
@@ -300,9 +300,12 @@ def _broadcast_worker(rank, world, init_file, out_dir, data_dir):
 
 @pytest.mark.slow
 def test_ranks_seeded_differently_start_identical(tmp_path):
-    from pipeline.data.sources import load_dataset, save_prepared
+    from pipeline.config.data import DataConfig
+    from pipeline.data.prepared import save_prepared
+    from pipeline.data.sources import load_dataset
 
-    save_prepared(load_dataset("digits", root=tmp_path, limit_train=64, limit_test=32), tmp_path / "prepared")
+    save_prepared(load_dataset(DataConfig(dataset="digits", root=str(tmp_path), limit_train=64, limit_test=32)),
+                  tmp_path / "prepared")
     mp.spawn(_broadcast_worker, args=(2, str(tmp_path / "init"), str(tmp_path), str(tmp_path / "prepared")),
              nprocs=2, join=True)
     results = []
@@ -319,6 +322,7 @@ def test_ranks_seeded_differently_start_identical(tmp_path):
 
 # ------------------------------------------------------------------------------------- the loop's deferred sync
 def _loop(defer_sync: bool, backbone: str = "cnn_small"):
+    from pipeline.config.data import DataConfig
     from pipeline.config.params import load_params
     from pipeline.data.sources import load_dataset
     from pipeline.training.loop import PretrainLoop
@@ -326,7 +330,7 @@ def _loop(defer_sync: bool, backbone: str = "cnn_small"):
 
     params = load_params(ROOT / "params.yaml", ["train.epochs=3", "train.batch_size=32", "train.knn_every=0",
                                                  f"model.backbone={backbone}", "model.embed_dim=null"])
-    data = load_dataset("digits", root="data/raw", limit_train=160, limit_test=40)
+    data = load_dataset(DataConfig(dataset="digits", root="data/raw", limit_train=160, limit_test=40))
     return PretrainLoop(params, data, torch.device("cpu"), defer_sync=defer_sync)
 
 
@@ -343,9 +347,9 @@ def test_deferred_sync_gives_the_per_step_results_bit_for_bit():
 
 
 @pytest.mark.parametrize("defer", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["per-step", "deferred"])
-def test_nan_mid_epoch_raises_before_the_epoch_is_reported(defer):
+def test_nan_mid_epoch_raises_before_the_epoch_is_reported(defer, install_faults):
     loop = _loop(defer)
-    loop.poison_step = (1, 2)  # epoch 2 (index 1), its third of five steps
+    install_faults(nan_at_step=[2, 3])  # epoch 2, its third of five steps
     reported = []
     with pytest.raises(NonFiniteLossError, match="non-finite"):
         loop.fit(lambda m, ckpt: reported.append(m.epoch))

@@ -10,7 +10,7 @@ import yaml
 from pipeline.config.base import ParamsError, apply_overrides, flatten, parse_override
 from pipeline.config.params import Params, load_params, validate_params
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def default_raw() -> dict:

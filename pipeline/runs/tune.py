@@ -1,0 +1,553 @@
+"""The Ray Tune machinery of the jobs whose trials pretrain, the sweep (``pipeline.runs.sweep``) and the paper's
+tables (``pipeline.runs.tables``): a library both use, knowing neither.
+
+- **A trial** (:func:`fit_trial`) runs the pretraining worker loop (``pipeline.runs.train.run_worker``). One worker
+  (:func:`inline`) trains in the trial itself, reporting epochs and checkpoints to Tune (:class:`TuneSession`): a
+  Ray Train run's start-up (about 25 s on 2 cores) would cost more than a small trial's training. Several workers
+  are a ``TorchTrainer`` run named after the trial id, so that a restored job resumes each trial's own run;
+  ``TuneReportCallback`` passes rank 0's metrics to Tune. A diverged trial raises :class:`TrialFailed`, and
+  :func:`error_reason` is the one line a failed trial's row and MLflow run show.
+- **Resources**: a trial holds ``TRIAL_CPU`` and its workers' bundles (:func:`trial_placement`); :func:`max_concurrent`
+  packs trials onto the cluster's nodes at the largest size its autoscaler can reach (CPUs and GPUs).
+- **Tracking and progress**: :class:`TrialTracker`, the driver-side Tune callback each job subclasses: a line per
+  trial event, MLflow from the driver only (the job's :func:`parent_run`, a child per trial), so trials never
+  contend for the sqlite store.
+- **The job**: :func:`tune_job` runs it, or restores an interrupted one (finished trials kept, unfinished ones
+  resumed from their checkpoints, the same MLflow runs continued); :func:`checkpoint_history` reads a trial's epochs
+  back from its last checkpoint; :func:`finish_tracking` and :func:`cleanup` end it. Test faults
+  (``pipeline.faults``) reach the trials through :func:`trainable`; :func:`start_trial` installs them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ray import tune
+
+from pipeline import faults
+from pipeline.config.params import Params, validate_params
+from pipeline.io import load_torch
+from pipeline.runs import tracking as trk
+from pipeline.runs.cluster import train_logging
+from pipeline.runs.resources import NodeType, TrialShape, trials_at_once
+from pipeline.runs.storage import clear_status, is_uri, join
+from pipeline.runs.train import (
+    HISTORY_FILE,
+    STATE_FILE,
+    Session,
+    WorkerSpec,
+    read_status,
+    recover_run_snapshot,
+    run_worker,
+    status_reason,
+    storage_location,
+    torch_config,
+    train_loop_per_worker,
+    worker_device,
+)
+
+TRIAL_CPU = 0.25  # a trial's own CPUs (its function's; a one-worker trial also holds its worker's bundle)
+STATE_DIR = ".transfusion"  # driver-side state of a job under the project root (MLflow parent run id)
+
+
+class SweepError(RuntimeError):
+    """A Tune job (the sweep, the tables) did not finish (interrupted, or every trial failed); rerunning the stage
+    resumes it."""
+
+
+# ------------------------------------------------------------------------------------------------- params
+def trial_params(base: dict[str, Any], point: dict[str, Any], source: str | None = None) -> Params:
+    """The base params with one point of the space applied (validated: e.g. batch vs workers); errors name
+    ``source`` (default: the sweep point)."""
+    raw = json.loads(json.dumps(base))
+    for dotted, value in point.items():
+        section, key = dotted.split(".")
+        raw[section][key] = value
+    return validate_params(raw, source=source or f"sweep point {point}")
+
+
+def point_of(config: dict[str, Any]) -> dict[str, Any]:
+    """A trial's point: the dotted keys of its config (``{"model.depth": 1, ...}``)."""
+    return {k: v for k, v in config.items() if "." in k}
+
+
+def describe(point: dict[str, Any]) -> str:
+    """``"depth 1, batch_size 32, strength 0.5"`` for progress lines."""
+    return ", ".join(f"{k.split('.')[-1]} {v}" for k, v in point.items())
+
+
+def stable_name(prefix: str, keyed: dict[str, Any], manifest: dict[str, Any]) -> str:
+    """``<prefix>-<digest>`` of ``keyed`` (what determines a job's result) and the data's file digests."""
+    keyed = {**keyed, "data": {n: f["sha256"] for n, f in sorted(manifest["files"].items())}}
+    return f"{prefix}-" + hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def max_concurrent(params: Params, nodes: list[NodeType], gpu: bool, n_trials: int) -> int:
+    """``sweep.max_concurrent_trials`` if set, else as many trials as the cluster holds at the largest size its
+    autoscaler can reach, packing each trial's bundles (its own ``TRIAL_CPU``, ``ray.num_workers`` workers of
+    ``sweep.cpus_per_worker`` CPUs and a GPU each when training on GPUs) onto the nodes: the minimum over CPUs and
+    GPUs, never more than the trials there are, at least 1 (Tune queues the rest while the cluster scales up)."""
+    if params.sweep.max_concurrent_trials is not None:
+        return params.sweep.max_concurrent_trials
+    shape = TrialShape(params.ray.num_workers, params.sweep.cpus_per_worker, gpu, TRIAL_CPU)
+    return max(1, trials_at_once(nodes, shape, cap=max(1, n_trials)))
+
+
+def at_once(tracker: TrialTracker, concurrent: int) -> str:
+    """``"up to 2 training at once (2 allowed)"``: what ran at once against what the job allowed."""
+    return f"up to {tracker.peak_at_once()} training at once ({concurrent} allowed)"
+
+
+# ------------------------------------------------------------------------------------------------- trial
+class TrialFailed(RuntimeError):
+    """A trial's training ended with an error its worker reported (e.g. a non-finite loss): the message is the
+    one-line reason. Raised from the trial function, so that Tune marks the trial ERROR (MLflow: FAILED)."""
+
+
+@dataclass
+class TrialRun:
+    state: dict[str, Any]  # the final checkpoint's state (model, history, epoch, ...)
+    checkpoint_path: str | None  # where that checkpoint is stored (None: a trial trained inside Tune)
+    seconds: float  # wall time of the training: what its workers (and their GPUs) were held for
+
+
+def inline(params: Params) -> bool:
+    """A trial of one worker trains inside the Tune trial itself (:class:`TuneSession`): the same loop, checkpoints
+    and resume, without a Ray Train run's start-up (about 25 s per trial on 2 cores). Several workers need Ray
+    Train (one process per worker, torch.distributed between them)."""
+    return params.ray.num_workers == 1
+
+
+class TuneSession(Session):
+    """A one-worker trial's: checkpoints are Tune's (``tune.get_checkpoint`` / ``tune.report``), kept under the
+    trial's directory on the storage; a restored sweep resumes the trial from its last one."""
+
+    def __init__(self) -> None:
+        # Tune's session logs every persisted checkpoint at INFO (from the ray.train package): the driver's progress
+        # lines already say it all
+        logging.getLogger("ray.train").setLevel(logging.WARNING)
+
+    def get_checkpoint(self) -> Any:
+        return tune.get_checkpoint()
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, sync: bool) -> None:
+        if checkpoint_dir is None:
+            tune.report(metrics)
+            return
+        try:
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))  # persisted on return
+        finally:
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)
+
+
+def trial_placement(params: Params, gpu: bool) -> tune.PlacementGroupFactory:
+    """What a trial on ``params`` (a trial's: ``ray.cpus_per_worker`` is the sweep's) holds: its own ``TRIAL_CPU``
+    and ``ray.num_workers`` worker bundles (``pipeline.runs.resources``'s :class:`TrialShape`, which ``max_concurrent``
+    packs). A Ray Train trial asks for its workers' bundles itself;
+    an inline trial reserves its one worker's bundle and trains in it (the GPU, if any, is its own)."""
+    if not inline(params):
+        return tune.PlacementGroupFactory([{"CPU": TRIAL_CPU}])
+    worker = TrialShape(1, params.ray.cpus_per_worker, gpu).worker
+    return tune.PlacementGroupFactory([worker, {"CPU": TRIAL_CPU}])
+
+
+def fit_trial(params: Params, fixed: dict[str, Any], trial_id: str) -> TrialRun:
+    """Inside a Tune trial: the pretraining loop on ``params``, its rank-0 metrics passed to Tune per epoch, in this
+    process (one worker, :func:`inline`) or as a Ray Train run (``trial-<trial_id>`` on the storage). Raises
+    :class:`TrialFailed` with the reason when the loss became non-finite (the last good checkpoint is kept).
+
+    ``fixed``: what every trial of the job shares (staged data, manifest, storage, use_gpu).
+    """
+    storage = fixed["storage"]
+    run_dir = f"{storage.rstrip('/')}/trial-{trial_id}"
+    spec = WorkerSpec(params=params.model_dump(), data_dir=fixed["data"], manifest=fixed["manifest"], run_dir=run_dir,
+                      use_gpu=fixed["use_gpu"], quiet=True)
+    start = time.time()
+    if inline(params):
+        clear_status(run_dir)
+        device = worker_device(fixed["use_gpu"], params.ray.backend, ray_train=False)
+        loop = run_worker(spec, TuneSession(), device=device)
+        state, path = (loop.state_dict() if loop else None), None
+    else:
+        spec.resume_dir = recover_run_snapshot(None if is_uri(storage) else run_dir)
+        result = _fit_train(params, fixed, spec, trial_id)
+        state = None
+        if result.checkpoint is not None:
+            with result.checkpoint.as_directory() as d:
+                state = load_torch(Path(d) / STATE_FILE)
+        path = result.checkpoint.path if result.checkpoint is not None else None
+    seconds = time.time() - start
+    status = read_status(run_dir)  # kept with the run: a restored trial whose run had diverged fails again
+    if status:
+        raise TrialFailed(status_reason(status))
+    if state is None:
+        raise TrialFailed("the trial's training finished without a checkpoint")
+    return TrialRun(state=state, checkpoint_path=path, seconds=seconds)
+
+
+def _fit_train(params: Params, fixed: dict[str, Any], spec: WorkerSpec, trial_id: str) -> Any:
+    """A Ray Train run of the trial's workers; returns its ``Result``."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=asdict(spec),
+        torch_config=torch_config(params.ray.backend),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=params.ray.num_workers, use_gpu=fixed["use_gpu"],
+            resources_per_worker={"CPU": params.ray.cpus_per_worker},
+        ),
+        run_config=ray.train.RunConfig(
+            name=f"trial-{trial_id}", storage_path=fixed["storage"], callbacks=[TuneReportCallback()],
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
+            logging_config=train_logging(), worker_runtime_env={"env_vars": faults.carried()},
+        ),
+    )
+    return trainer.fit()
+
+
+def trainable(trial: Any, fixed: dict[str, Any], placement: Any) -> Any:
+    """The Tune trainable of a job's trial function ``trial(config, fixed)``: ``fixed`` (what every trial shares)
+    shipped once, with this process's fault plan (``pipeline.faults``; tests); each trial holds ``placement``
+    (a ``PlacementGroupFactory``, or a function of the trial's config returning one)."""
+    return tune.with_resources(tune.with_parameters(trial, fixed={**fixed, "faults": faults.carried()}), placement)
+
+
+def start_trial(fixed: dict[str, Any], labels: dict[str, Any]) -> str:
+    """A trial function's first step: its trial id, the driver's fault plan installed in this process (a reused
+    process gets it afresh) and the ``trial_start`` hook told the trial's ``labels`` (what identifies it)."""
+    faults.adopt(fixed.get("faults", {}))
+    trial_id = tune.get_context().get_trial_id()
+    faults.hit("trial_start", trial_id=trial_id, labels=labels)
+    return trial_id
+
+
+def error_reason(error: BaseException | None) -> str:
+    """One line saying why a trial failed: a :class:`TrialFailed`'s message, else the innermost error's first line
+    (Ray wraps the trial's exception: ``RayTaskError.cause``, ``__cause__``)."""
+    if error is None:
+        return ""
+    seen, chain = error, []
+    while isinstance(seen, BaseException) and len(chain) < 8:
+        if type(seen) is TrialFailed:
+            return " ".join(str(seen).split())[:500]
+        chain.append(seen)
+        seen = getattr(seen, "cause", None) or seen.__cause__
+    last = chain[-1]
+    lines = [ln.strip() for ln in str(last).splitlines() if ln.strip()]
+    return f"{type(last).__name__}: {lines[0] if lines else ''}"[:500]
+
+
+def _trial_error(trial) -> BaseException | None:
+    """The error Tune recorded for a trial: its pickle in the trial's local directory (written before the callbacks
+    run; the copy on the storage comes later), else the storage's."""
+    import cloudpickle
+
+    path = trial.pickled_error_file
+    try:
+        if path and os.path.exists(path):
+            with open(path, "rb") as f:
+                return cloudpickle.load(f)
+        return trial.get_pickled_error()
+    except Exception:  # an error that cannot be unpickled here: Tune's text, whose last line is the exception
+        lines = Path(trial.error_file).read_text().strip().splitlines() if trial.error_file else []
+        return RuntimeError(lines[-1] if lines else "unknown error")
+
+
+# ------------------------------------------------------------------------------------ progress, tracking
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+class TrialTracker(tune.Callback):
+    """Driver-side: one progress line per trial event, live MLflow runs, and the trials' final statuses.
+
+    MLflow (when ``uri``): ``parent_id`` is the job's run; each trial gets a child run (tags
+    ``mlflow.parentRunId``, ``trial_id``; params = its labels) found again by those tags when a restored job
+    restarts the trial; per-epoch metrics are logged with step = epoch; the child ends FINISHED (tag
+    ``stopped_early`` when ASHA cut it) or FAILED (tag ``error``: the one-line reason).
+
+    Each job subclasses it (``pipeline.runs.sweep.SweepTracker``, ``pipeline.runs.tables.TablesTracker``): ``PREFIX``
+    of the progress lines, ``STAGE`` tag of the children, :meth:`labels` (what identifies a trial: its params in
+    MLflow; by default its point).
+    """
+
+    METRICS = ("loss", "knn_acc", "view_noise", "samples_per_s", "lr")
+    PREFIX: str  # "[sweep]": the job's progress lines
+    STAGE: str  # "sweep-trial": the children's stage tag
+
+    def labels(self, config: dict[str, Any]) -> dict[str, Any]:
+        """What identifies a trial (its MLflow params, its progress line): its point."""
+        return point_of(config)
+
+    def epochs_of(self, trial) -> int:
+        return self.epochs
+
+    def __init__(self, epochs: int, uri: str | None = None, experiment_id: str | None = None,
+                 parent_id: str | None = None) -> None:
+        self.epochs, self.uri, self.experiment_id, self.parent_id = epochs, uri, experiment_id, parent_id
+        self.status: dict[str, str] = {}
+        self.total = 0
+        self.children: dict[str, str] = {}
+        self.last_epoch: dict[str, int] = {}
+        self.training: dict[str, list[float]] = {}  # trial id -> [first result, end] (time.monotonic())
+
+    def setup(self, **info) -> None:
+        self.total = int(info.get("total_num_samples") or 0)
+
+    def _child(self, trial) -> str | None:
+        if not self.uri:
+            return None
+        tid = trial.trial_id
+        if tid not in self.children:
+            self.children[tid] = trk.child_run(self.uri, self.experiment_id, self.parent_id,
+                                               self.child_name(trial.config), match={"trial_id": tid},
+                                               tags={"stage": self.STAGE}, params=self.labels(trial.config))
+        return self.children[tid]
+
+    def child_name(self, config: dict[str, Any]) -> str:
+        """A trial's MLflow run name: its point (``depth 1 · b16 · strength 1.0``); its id is the tag ``trial_id``."""
+        return trk.point_label(point_of(config))
+
+    def _done(self, trials, ending=None) -> str:
+        """``"3/8"``: the trials that have ended, ``ending`` included (Tune calls ``on_trial_complete`` and
+        ``on_trial_error`` before it marks the trial so)."""
+        finished = sum(t.status in ("TERMINATED", "ERROR") or t is ending for t in trials)
+        return f"{finished}/{max(self.total, len(trials))}"
+
+    def peak_at_once(self) -> int:
+        """The most trials that were training at the same moment (from each one's first result to its end): what
+        the cluster really ran at once, to compare with the computed ``max_concurrent_trials``."""
+        events = sorted((t, +1 if i == 0 else -1) for span in self.training.values() for i, t in enumerate(span))
+        peak = now = 0
+        for _, step in sorted(events, key=lambda e: (e[0], e[1])):  # an end before a start at the same instant
+            now += step
+            peak = max(peak, now)
+        return peak
+
+    def on_step_end(self, iteration, trials, **info) -> None:
+        # statuses as the control loop left them: after an interruption Tune's cleanup marks the stopped trials
+        # TERMINATED (on_experiment_end sees that), but the saved experiment state, and a restore, see them unfinished
+        self.status = {t.trial_id: t.status for t in trials}
+
+    def on_experiment_end(self, trials, **info) -> None:
+        if not self.status:  # the loop never stepped (a restored sweep that had already ended, or an early Ctrl-C)
+            self.status = {t.trial_id: t.status for t in trials}
+
+    def unfinished(self) -> list[str]:
+        """Trial ids that did not end, plus placeholders for trials never created (``total`` from Tune)."""
+        ids = [tid for tid, st in self.status.items() if st not in ("TERMINATED", "ERROR")]
+        return ids + ["(not started)"] * max(0, self.total - len(self.status))
+
+    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        say(f"{self.PREFIX} {self._done(trials)} done; trial {trial.trial_id} started: "
+            f"{describe(self.labels(trial.config))}")
+        self._child(trial)
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        epoch = int(result.get("epoch", 0))
+        self.last_epoch[trial.trial_id] = epoch
+        self.training.setdefault(trial.trial_id, [time.monotonic()])
+        knn = result.get("knn_acc")
+        say(f"{self.PREFIX} trial {trial.trial_id} epoch {epoch}/{self.epochs_of(trial)}: "
+            f"loss {result.get('loss', math.nan):.4f}"
+            + (f" knn {knn:.4f}" if knn is not None else "")
+            + f" eps {result.get('view_noise', math.nan):.4f}")
+        child = self._child(trial)
+        if child:
+            trk.log_metrics_batch(self.uri, child, [result], self.metric_names(result))
+
+    def metric_names(self, h: dict[str, Any]) -> tuple[str, ...]:
+        """:data:`METRICS` and the blocks' health (``block_1.positive``, ...) that ``h`` holds."""
+        return self.METRICS + tuple(k for k in h if k.startswith("block_"))
+
+    def _end(self, trials, trial, status: str) -> None:
+        epoch = self.last_epoch.get(trial.trial_id, 0)
+        early = status == "FINISHED" and epoch < self.epochs_of(trial)
+        reason = error_reason(_trial_error(trial)) if status == "FAILED" else ""
+        what = f"failed: {reason}" if status == "FAILED" else f"stopped early at epoch {epoch}" if early else "finished"
+        span = self.training.get(trial.trial_id)
+        if span is not None and len(span) == 1:
+            span.append(time.monotonic())
+        say(f"{self.PREFIX} trial {trial.trial_id} {what} ({self._done(trials, trial)} done)")
+        child = self._child(trial)
+        if child:
+            # epochs a resumed trial checkpointed before an interruption but never reported to Tune: from the
+            # checkpoint's history, so that the run shows every epoch once
+            history = checkpoint_history(last_checkpoint_path(trial.last_result, trial)) or []
+            trk.log_missing_epochs(self.uri, child, history, self.metric_names(history[-1] if history else {}))
+            trk.end_run(self.uri, child, status, tags={"stopped_early": early, **({"error": reason} if reason else {})})
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        self._end(trials, trial, "FINISHED")
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self._end(trials, trial, "FAILED")
+
+    def kill_unfinished(self) -> None:
+        """After an interruption: the children of trials that did not finish are KILLED (a rerun revives them)."""
+        for tid in self.unfinished():
+            if tid in self.children:
+                trk.end_run(self.uri, self.children[tid], "KILLED")
+
+
+# ------------------------------------------------------------------------------------------------ driver
+@dataclass
+class SweepResult:  # a Tune job's outcome: the sweep's, the tables'
+    rows: list[dict[str, Any]]  # one per trial: point, final metrics, epochs, status, per-epoch history
+    name: str
+    mlflow_run_id: str | None = None
+    seconds: float = 0.0  # Ray Tune's run of the trials
+    resumed: bool = False
+    started: float = 0.0  # when that run started (time.time())
+    concurrent: int = 0  # the trials at once it allowed (max_concurrent_trials, computed from the cluster)
+    peak: int = 0  # the most trials that trained at the same moment (TrialTracker.peak_at_once)
+
+
+def parent_run(root: Path, name: str, *, stage: str, logged: dict[str, Any], title: str,
+               manifest: dict[str, Any] | None = None, data_dir: Path | None = None) -> tuple[str, str, str]:
+    """(uri, experiment id, parent run id): the job's MLflow run, created once and found again on resume. Named
+    ``title`` (``sweep · 8 trials · depth×batch×strength``); tags ``stage`` and the identity ``name`` (as
+    ``identity`` and ``<stage>``); params ``logged``; the prepared data of ``manifest`` in ``data_dir`` its dataset
+    input, which the children inherit."""
+    uri = trk.tracking_uri(root)
+    trk.check_reachable(uri)
+    exp = trk.experiment_id(uri, root)
+    id_file = root / STATE_DIR / name / "mlflow_run_id"
+    if id_file.exists():
+        run_id = id_file.read_text().strip()
+        trk.resume_run(uri, run_id)
+        return uri, exp, run_id
+    inputs = [trk.dataset_input(manifest, data_dir if data_dir.is_absolute() else root / data_dir)] if manifest else []
+    run_id = trk.create_run(uri, root, title, {**trk.stage_tags(stage, root), stage: name, trk.IDENTITY_TAG: name},
+                            logged, inputs=inputs)
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    id_file.write_text(run_id)
+    return uri, exp, run_id
+
+
+def last_checkpoint_path(reported: Any, trial: Any) -> str | None:
+    """Where a trial's last checkpoint is: the path a Ray Train trial reported (``reported``: its metrics, or their
+    ``checkpoint_path``), else that of the Tune checkpoint an inline trial reported (``trial``: Tune's ``Trial`` or
+    ``Result``, both have ``.checkpoint``)."""
+    path = reported.get("checkpoint_path") if isinstance(reported, dict) else reported
+    if isinstance(path, str) and path:
+        return path
+    return getattr(getattr(trial, "checkpoint", None), "path", None)
+
+
+def checkpoint_history(checkpoint_path: Any, name: str = HISTORY_FILE) -> list[dict[str, Any]] | None:
+    """The per-epoch history saved beside the trial's last Train checkpoint (local or remote storage), if any; with
+    ``name`` :data:`pipeline.runs.train.WORKERS_FILE`, where each rank ran."""
+    if not isinstance(checkpoint_path, str) or not checkpoint_path:
+        return None
+    from pyarrow import fs as pafs
+
+    try:
+        if "://" in checkpoint_path:
+            filesystem, path = pafs.FileSystem.from_uri(checkpoint_path)
+        else:
+            filesystem, path = pafs.LocalFileSystem(), checkpoint_path
+        with filesystem.open_input_stream(f"{path}/{name}") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, tracker: TrialTracker, concurrent: int,
+             announce: str, what: str = "sweep", scheduler=None, num_samples: int = 1, reuse_actors: bool = True,
+             metric: str | None = "knn_acc"):
+    """Run, or resume, one Tune job of Train trials (the sweep, the paper's tables) under ``<storage>/<name>``.
+
+    ``metric``: what the scheduler ranks trials by (ASHA's online kNN accuracy); every result must then carry it
+    (Tune's strict check), so a job without a scheduler passes None (the tables: kNN every ``train.knn_every``
+    epochs). ``reuse_actors``: Tune runs the next trial in a finished trial's process; only for trials that train
+    in that process (one worker, :func:`inline`). A trial of several workers waits in ``TorchTrainer.fit`` for its Ray
+    Train run: when ASHA stops it, that wait cannot end in the 2 s Tune gives a reset, and a reused process would keep
+    the stopped run's workers, and their resources, for Tune's 600 s clean-up timeout.
+
+    Returns ``(ResultGrid, resumed, seconds)``. Raises :class:`SweepError` (the parent run KILLED, unfinished
+    children KILLED) if the job was interrupted, and (the parent FAILED) if every trial failed.
+    """
+    path = join(storage, name)
+    resumed = tune.Tuner.can_restore(path)
+    if resumed:
+        say(f"{tracker.PREFIX} resuming {path}")
+        tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True, param_space=space)
+        # the restored run config holds an unpickled copy of the first run's tracker: use this run's instead
+        tuner._local_tuner.get_run_config().callbacks = [tracker]
+    else:
+        say(announce)
+        tuner = tune.Tuner(
+            trainable,
+            param_space=space,
+            tune_config=tune.TuneConfig(metric=metric, mode="max" if metric else None, scheduler=scheduler,
+                                        num_samples=num_samples,
+                                        max_concurrent_trials=concurrent, reuse_actors=reuse_actors,
+                                        trial_dirname_creator=lambda t: f"trial-{t.trial_id}"),
+            run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0, callbacks=[tracker]),
+        )
+    start = time.time()
+    # Tune's own lines: on Ctrl-C "Stop signal received ...", "Resume experiment with: Tuner.restore(...)" (the stage
+    # ends with its one line saying how to resume); a failed trial's traceback and "Trials did not complete" (the
+    # tracker prints the trial's one-line reason, the stage the job's). Ray's session logs keep them.
+    logging.getLogger("ray.tune").setLevel(logging.CRITICAL)
+    grid = tuner.fit()
+    unfinished = tracker.unfinished()
+    if unfinished or not tracker.status:
+        tracker.kill_unfinished()
+        _end_parent(tracker, "KILLED")
+        total = max(tracker.total, len(tracker.status))
+        raise SweepError(f"the {what} was interrupted with {len(unfinished)} of {total} trials unfinished; rerun "
+                         f"the stage to resume it from {path}")
+    if all(r.error for r in grid):
+        _end_parent(tracker, "FAILED")
+        raise SweepError(f"every trial of the {what} failed: " + "; ".join(error_reason(r.error) for r in grid)[:2000])
+    return grid, resumed, time.time() - start
+
+
+def _end_parent(tracker: TrialTracker, status: str) -> None:
+    trk.end_run(tracker.uri, tracker.parent_id, status)
+
+
+def finish_tracking(root: Path, result: SweepResult, best: dict[str, Any] | None, files: list[Path]) -> None:
+    """The parent run gets the best trial's metrics and point (``best``: its row, or None), the trials' counts, the
+    output files, and ends FINISHED."""
+    if not result.mlflow_run_id:
+        return
+    uri = trk.tracking_uri(root)
+    pid = result.mlflow_run_id
+    metrics, tags = {}, {}
+    if best:
+        metrics = {f"best.{k}": best[k] for k in ("knn_acc", "best_knn_acc", "view_noise")
+                   if isinstance(best.get(k), float) and math.isfinite(best[k])}
+        tags = {**{f"best.{k}": v for k, v in point_of(best).items()}, "best.trial_id": best["trial_id"]}
+    metrics["trials"] = len(result.rows)
+    metrics["trials_failed"] = sum(r["status"] == "ERROR" for r in result.rows)
+    trk.log_metrics(uri, pid, metrics)
+    trk.set_tags(pid, tags, uri=uri)
+    trk.log_artifacts(uri, pid, files)
+    trk.end_run(uri, pid, "FINISHED")
+
+
+def cleanup(params: Params, root: Path, result: SweepResult) -> None:
+    """Forget a finished job, so that a forced rerun runs its trials again instead of returning the old ones."""
+    storage = storage_location(params, root)
+    if not is_uri(storage):
+        shutil.rmtree(Path(storage) / result.name, ignore_errors=True)
+        for r in result.rows:
+            shutil.rmtree(Path(storage) / f"trial-{r['trial_id']}", ignore_errors=True)
+    shutil.rmtree(root / STATE_DIR / result.name, ignore_errors=True)

@@ -1,0 +1,89 @@
+"""Each section's allowed names (plain literals in pipeline/config/) match the registry of what implements them.
+
+The config holds the names so that a stage depends only on the sections it reads (``prepare`` never on a loss
+name); the implementations keep their own registries. These tests keep the two in step, and check that each name
+really works and that a name outside the list is refused by the implementation too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.config import augment as C_augment
+from pipeline.config import data as C_data
+from pipeline.config import loss as C_loss
+from pipeline.config import model as C_model
+from pipeline.config import probe as C_probe
+from pipeline.core import backbones, losses, model
+from pipeline.core.targets import self_supervised_ids
+from pipeline.data import augment, sources
+from pipeline.evaluation import probes
+from pipeline.host import usable_cpus
+
+
+def test_dataset_names_are_the_readers():
+    assert tuple(sources.DATASET_NAMES) == C_data.DATASET_NAMES
+
+
+def test_backbone_names_and_fixed_widths_are_the_backbones():
+    assert tuple(backbones.BACKBONE_NAMES) == C_model.BACKBONE_NAMES
+    assert backbones.FIXED_DIMS == C_model.FIXED_DIMS
+    assert set(C_model.BATCHNORM_BACKBONES) | set(C_model.IMAGE_BACKBONES) <= set(C_model.BACKBONE_NAMES)
+    with pytest.raises(ValueError, match="unknown backbone"):
+        backbones.build_backbone("nope", (3, 32, 32), None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet18_cifar", "resnet18"])
+def test_the_fixed_widths_are_what_the_backbones_output(name):
+    net, width = backbones.build_backbone(name, (3, 32, 32), None)
+    with torch.no_grad():
+        assert net.eval()(torch.zeros(2, 3, 32, 32)).shape == (2, C_model.FIXED_DIMS[name]) and width == 512
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in net.modules()) == (name in C_model.BATCHNORM_BACKBONES)
+
+
+def test_block_options_are_the_ones_the_block_takes():
+    for activation in C_model.ACTIVATIONS:
+        model.TransFusionBlock(8, activation=activation)
+    for kwargs in ({"activation": "gelu"}, {"norm": "batch"}, {"qk_init": "orthogonal"}):
+        with pytest.raises(ValueError, match="allowed"):
+            model.TransFusionBlock(8, **kwargs)
+    assert model.EPS == C_model.AFFINITY_EPS == losses.EPS
+
+
+def test_loss_names_are_the_losses_and_self_supervised_only_is_what_they_refuse():
+    assert tuple(losses.LOSSES) == C_loss.LOSS_NAMES == losses.LOSS_NAMES
+    q, k = torch.randn(8, 4), torch.randn(8, 4)
+    two_view, classes = self_supervised_ids(4), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
+    for name in C_loss.LOSS_NAMES:
+        fn = losses.make_loss(name)
+        assert torch.isfinite(fn(q, k, two_view))
+        if name in C_loss.SELF_SUPERVISED_ONLY:
+            with pytest.raises(ValueError):
+                fn(q, k, classes)
+        else:
+            assert torch.isfinite(fn(q, k, classes))
+    with pytest.raises(ValueError, match="unknown loss"):
+        losses.make_loss("nope")
+
+
+def test_preset_names_are_the_augmentation_presets():
+    assert tuple(augment.PRESETS) == C_augment.PRESET_NAMES
+
+
+def test_probe_names_are_the_probes():
+    assert tuple(probes.PROBES) == C_probe.PROBES
+    for name in C_probe.PROBES:
+        assert hasattr(probes.make_probe(name, n_train=400, n_classes=4), "fit")
+    with pytest.raises(ValueError):
+        probes.make_probe("nope", n_train=400)
+
+
+def test_usable_cpus_is_this_process_affinity():
+    import os
+
+    n = usable_cpus()
+    assert 1 <= n <= (os.cpu_count() or n)
+    if hasattr(os, "sched_getaffinity"):
+        assert n == len(os.sched_getaffinity(0))
