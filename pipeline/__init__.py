@@ -15,10 +15,15 @@ neither torch nor the model; the first ``pipeline.TransFusionHead`` imports :mod
 is the very object of the module that defines it (the table below). The project's own modules import from those
 modules, never through this one (``tests/test_layers.py``), so this file holds no ``import`` of them: it sits
 above every floor, and no DVC stage depends on it (``tests/test_dvc_deps.py``). A new export is a line in the table
-and one in ``tests/test_public_api.py``'s ``API``.
+and one in ``tests/test_public_api.py``'s ``API``. It also keeps the module paths from before the floors importable
+(``pipeline.model`` & co., :mod:`pipeline.legacy`), so models pickled into MLflow under them still load.
 """
 
 import importlib as _importlib
+
+from pipeline import legacy as _legacy
+
+_legacy.install()
 
 _EXPORTS: dict[str, str] = {
     # the model: blocks, the head for any backbone, backbone + head, and the project's builder

@@ -354,3 +354,24 @@ def test_write_outputs_files_headers_and_metrics(tmp_path, tiny_formula, tiny_ro
 def test_write_outputs_refuses_empty(tmp_path: Path, tiny_formula):
     with pytest.raises(ValueError, match="empirical rows"):
         TR.write_outputs(tiny_formula, [], tmp_path)
+
+
+def test_theory_figure_draws_each_formula_category_it_is_given(tmp_path, tiny_formula, tiny_rows):
+    """The figure alone (``pipeline.theory.figure``): the cells where only the printed γ > 1 holds take their colour
+    (beyond the legend's swatch, there in every figure), and without such cells only the swatch has it."""
+    import matplotlib.image
+
+    from pipeline.theory import figure as TF
+
+    def pixels(path, colour):
+        rgb = (matplotlib.image.imread(path)[..., :3] * 255).round().astype(int)
+        return int((rgb == colour).all(axis=-1).sum())
+
+    gamma_only = (0xF4, 0xA5, 0x82)
+    assert any(r["gamma_gt1"] and not r["meaningful"] for r in tiny_formula)
+    TF.theory_figure(tiny_formula, TR.aggregate(tiny_rows), tiny_rows, tmp_path / "theory.png")
+    assert (tmp_path / "theory.png").read_bytes()[:8] == PNG_SIGNATURE
+    none_gamma = [{**r, "gamma_gt1": False} for r in tiny_formula]
+    TF.theory_figure(none_gamma, TR.aggregate(tiny_rows), tiny_rows, tmp_path / "none.png")
+    swatch = pixels(tmp_path / "none.png", gamma_only)
+    assert 0 < swatch < pixels(tmp_path / "theory.png", gamma_only)
