@@ -62,7 +62,7 @@ def install_faults(monkeypatch):
 
 @pytest.fixture
 def ray_starts(monkeypatch) -> list[str]:
-    """Every call of the stages' one way into Ray (``pipeline.runs.cluster.init_ray``) is recorded and refused: bad input
+    """Every call of the stages' one way into Ray (``runs.cluster.init_ray``) is recorded and refused: bad input
     must fail before it. (Checking ``ray.is_initialized()`` is not enough: another test's session Ray may be up.)"""
     import pipeline.runs.cluster
 

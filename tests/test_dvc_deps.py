@@ -45,7 +45,7 @@ def imported_files(path: Path, root: Path = ROOT) -> set[Path]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            # `from pipeline.evaluation import figures` imports pipeline/evaluation/figures.py; `from pipeline.io import x` pipeline/io.py
+            # `from pipeline.evaluation import figures`: pipeline/evaluation/figures.py; `from pipeline.io import x`: io.py
             names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
         elif isinstance(node, ast.ImportFrom) and node.level:
             raise AssertionError(f"{path.relative_to(root)}:{node.lineno}: relative import; use the absolute form")
@@ -139,42 +139,29 @@ def code_problems(name: str, stage: dict, root: Path = ROOT) -> list[str]:
 
 
 def write_code_deps(path: Path = ROOT / "dvc.yaml", root: Path = ROOT) -> None:
-    """Rewrite each stage's code deps in ``dvc.yaml`` to its import closure (the data deps and the rest kept):
-    ``python -m tests.test_dvc_deps`` after moving code."""
-    commands = command_modules(root)
-    lines, out, stage = path.read_text().splitlines(keepends=True), [], None
-    stages = yaml.safe_load(path.read_text())["stages"]
-    for line in lines:
+    """Rewrite each stage's code deps in ``dvc.yaml`` to its import closure, after its data deps, keeping every other
+    line: ``python -m tests.test_dvc_deps`` after moving code."""
+    commands, stages = command_modules(root), yaml.safe_load(path.read_text())["stages"]
+    out: list[str] = []
+    stage = pending = None  # pending: the code deps to write where the current deps list ends
+    for line in path.read_text().splitlines(keepends=True):
         stripped = line.strip()
-        if line.startswith("  ") and not line.startswith("    ") and stripped.endswith(":"):
+        in_list = pending is not None and stripped.startswith("- ") and not stripped.endswith(":")
+        if pending is not None and not in_list:
+            out += pending
+            pending = None
+        if line.startswith("  ") and not line.startswith("   ") and stripped.endswith(":"):
             stage = stripped[:-1]
-        code = stripped.startswith("- ") and stripped[2:].endswith(".py")
-        if code:
-            continue
+        if in_list and stripped.endswith(".py"):
+            continue  # an old code dep
         out.append(line)
         if stage in stages and stripped == "deps:":
-            command = stage_command(stages[stage])
             indent = line[: len(line) - len(line.lstrip())] + "  "
-            data = [d for d in listed(stages[stage]) if not d.endswith(".py")]
-            needed = sorted(p.relative_to(root).as_posix() for p in closure(commands[command], root))
-            out.append("\x00" + "".join(f"{indent}- {d}\n" for d in needed) + "\x00")
-    text = "".join(out)
-    # the code deps go after the data deps of the same list
-    result, pending = [], None
-    for chunk in text.split("\x00"):
-        if chunk.startswith(" ") and chunk.lstrip().startswith("- ") and chunk.strip().endswith(".py"):
-            pending = chunk
-            continue
-        if pending is not None:
-            rest = chunk.splitlines(keepends=True)
-            i = 0
-            while i < len(rest) and rest[i].lstrip().startswith("- ") and not rest[i].strip().endswith(":"):
-                i += 1
-            result.append("".join(rest[:i]) + pending + "".join(rest[i:]))
-            pending = None
-        else:
-            result.append(chunk)
-    path.write_text("".join(result))
+            needed = sorted(p.relative_to(root).as_posix() for p in closure(commands[stage_command(stages[stage])],
+                                                                            root))
+            pending = [f"{indent}- {d}\n" for d in needed]
+    out += pending or []
+    path.write_text("".join(out))
 
 
 if __name__ == "__main__":

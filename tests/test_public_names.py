@@ -66,7 +66,8 @@ def test_no_module_uses_another_modules_private_names():
 
 def test_the_scan_sees_each_kind_of_private_use(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("from pipeline.runs.sweep import _rows, run_sweep\nimport pipeline.training.step as s\nfrom pipeline.core "
+    f.write_text("from pipeline.runs.sweep import _rows, run_sweep\nimport pipeline.training.step as s\n"
+                 "from pipeline.core "
                  "import batchnorm as bn\ns._hidden = 1\nsetattr(bn, '_world', 2)\npipeline.cluster._x\nself._ok\n"
                  "from stages._common import params_options\n")
     assert sorted(h.split(" ", 1)[1] for h in private_uses(f, tmp_path)) == sorted([

@@ -74,7 +74,7 @@ def test_tables_stage_refuses_bad_rows_and_missing_data_before_ray(project, ray_
     assert not ray_starts and not (project / "reports").exists()
 
 
-# ------------------------------------------------------------------------------------------------ pipeline.evaluation.health
+# ------------------------------------------------------------------------------------------ pipeline.evaluation.health
 def test_health_of_a_dead_and_a_live_block():
     n = 4
     dead = torch.zeros(n, n)

@@ -65,13 +65,13 @@ from torch import Tensor
 from pipeline.config.loss import SELF_SUPERVISED_ONLY
 from pipeline.config.model import AFFINITY_EPS
 from pipeline.core.targets import (
-    row_affinity,
     by_row_blocks,
     check_inputs,
     check_layout_name,
     check_temperature,
     is_two_view,
     positives,
+    row_affinity,
     row_range,
 )
 

@@ -151,7 +151,7 @@ def render(params: Mapping[str, Any], pretrain: Mapping[str, Any], evaluation: M
 
 
 def health_section(health: Mapping[str, Any] | None, depth: int) -> list[str]:
-    """The fusion health of every block on a test batch (``pipeline.evaluation.health``), with a plain-words warning for a
+    """The fusion health of every block on a test batch (``evaluation.health``), with a plain-words warning for a
     dead or mostly uniform block."""
     lines = ["", "## Fusion health", ""]
     if depth == 0:

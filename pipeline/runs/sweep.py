@@ -127,8 +127,6 @@ def sweep_name(params: Params, manifest: dict[str, Any]) -> str:
     return stable_name("sweep", keyed, manifest)
 
 
-
-
 def parent_params(params: Params) -> dict[str, Any]:
     """The parent run's params: the sweep's section and the trials' base (model, loss, augment, train)."""
     return {**flatten(params.sweep, "sweep."),

@@ -94,7 +94,7 @@ class EpochMetrics:
     knn_acc: float | None
     seconds: float
     ended_at: float  # wall clock (time.time()) when the epoch's steps ended, before any evaluation
-    health: dict[str, float | None] = field(default_factory=dict)  # "block_1.positive", ... (pipeline.evaluation.health)
+    health: dict[str, float | None] = field(default_factory=dict)  # "block_1.positive", ... (evaluation.health)
 
     def as_dict(self) -> dict[str, Any]:
         """The fields, with the health numbers as top-level keys."""
@@ -130,7 +130,7 @@ class PretrainLoop:
         loss_fn = make_loss(params.loss.name, temperature=params.loss.temperature,
                             barlow_lambda=params.loss.barlow_lambda)
         cuda = device.type == "cuda"
-        self.precision = for_device(t.precision, device)  # bf16 / fp16 + scaler / fp32 by device (pipeline.training.precision)
+        self.precision = for_device(t.precision, device)  # bf16 / fp16 + scaler / fp32 by device (precision.py)
         self.step = GlobalBatchStep(self.model, loss_fn, grad_cache_chunk=t.grad_cache_chunk,
                                     autocast_dtype=self.precision.autocast,
                                     layout="two_view" if t.mode == "self_supervised" else "labels")
@@ -245,7 +245,7 @@ class PretrainLoop:
 
     @torch.no_grad()
     def health(self, chunk: int = 512) -> dict[str, float | None]:
-        """Per-block health (``pipeline.evaluation.health``) on a fixed global batch of the training set, two views as in
+        """Per-block health (``evaluation.health``) on a fixed global batch of the training set, two views as in
         training, model in eval mode: ``{"block_1.positive": ..., ...}`` ({} at depth 0).
 
         ``other_view`` is None where the other view is not in the fused batch (``fusion_scope: per_view``).

@@ -31,7 +31,7 @@ would be updated in both passes.
 
 Host syncs: ``__call__`` returns the loss as a float after checking it (one sync per step); :meth:`lazy`
 returns it as a 0-d tensor without a sync and without the check, for a caller that checks once per epoch. With a
-``layout`` (``pipeline.core.losses``) nothing inside a lazy step syncs (``tests/training/test_host_syncs.py`` counts it): the
+``layout`` (``core.losses``) nothing inside a lazy step syncs (``tests/training/test_host_syncs.py`` counts it): the
 losses' positive pairs are fixed per batch size, the ids are checked once per batch size, and in the two-view
 layout they are not even gathered after that. The lazy loss's sum over workers rides in a gradient bucket.
 
@@ -184,7 +184,7 @@ class GlobalBatchStep:
 
     Raises ValueError at construction for ``grad_cache_chunk`` with a BatchNorm model (see the module doc).
 
-    ``scaler``: an fp16 ``torch.amp.GradScaler`` (``pipeline.training.precision``) that scales the loss before its backward;
+    ``scaler``: an fp16 ``torch.amp.GradScaler`` (``training.precision``) that scales the loss before its backward;
     None (bf16, fp32) back-propagates the loss as it is.
     """
 
@@ -296,7 +296,7 @@ class GlobalBatchStep:
         return total
 
     def _overlapping_reducer(self) -> GradReducer:
-        """The bucketed all-reduce of the gradients that overlaps the backward (``pipeline.training.comm``), made once."""
+        """The bucketed all-reduce of the gradients that overlaps the backward (``training.comm``), made once."""
         if self.reducer is None:
             self.reducer = GradReducer(self.params)
         return self.reducer

@@ -1,7 +1,7 @@
 """Global BatchNorm in one process: conversion keeps checkpoints, world size 1 is nn.BatchNorm, the math is exact.
 
 The two-worker equality (global statistics, gradients, running statistics) is in tests/training/test_step.py; the fused
-(CUDA) path, run on CPU with reference kernels, and the passes over the activations in tests/core/test_batchnorm_passes.py.
+(CUDA) path, run on CPU with reference kernels, and the passes over the activations in test_batchnorm_passes.py.
 """
 
 from __future__ import annotations

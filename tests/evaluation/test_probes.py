@@ -1,4 +1,4 @@
-"""Tests for pipeline.evaluation.probes: stratified label fractions, probe construction, probe accuracy on easy / noise data."""
+"""pipeline.evaluation.probes: stratified label fractions, probe construction, probe accuracy on easy / noise data."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A rehearsal changes sizes only: every key outside the whitelist (``pipeline.runs.rehearse.SIZE_KEYS``) keeps the shipped
+"""A rehearsal changes sizes only: every key outside the whitelist (``rehearse.SIZE_KEYS``) keeps the shipped
 value, overrides of control keys are refused naming the key, and the default sizes still pass through every control
 (a periodic checkpoint, an epoch without kNN, ASHA's first rung)."""
 

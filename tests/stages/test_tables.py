@@ -23,7 +23,7 @@ SHRINK = ["-S", "data.dataset=digits", "-S", "data.limit_train=256", "-S", "mode
           "-S", "train.checkpoint_every=1", "-S", "ray.use_gpu=false", "-S", "ray.cpus_per_worker=0.5",
           "-S", "ray.storage_path=ray_results", "-S", "ray.max_failures=0", "-S", "train.device=cpu",
           "-S", "probe.device=cpu"]
-# four of the preset's eight rows, as the preset defines them (the eight resolve in tests/runs/test_tables.py): a baseline
+# four of the preset's eight rows, as the preset defines them (all eight: tests/runs/test_tables.py): a baseline
 # and the 9-layer TransFusion of Table 1, SupCon and the 1-layer TransFusion of Table 2 (2 rows at a time on 2 cores)
 PICK = [(1, "BarlowTwins"), (1, "TransFusion 9-Layer"), (2, "SupCon"), (2, "TransFusion 1-Layer")]
 ROWS = [r for r in yaml.safe_load(open(PRESET))["tables"]["rows"] if (r["table"], r["name"]) in PICK]

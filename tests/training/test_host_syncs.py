@@ -26,7 +26,7 @@ LABELS = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])  # supervised: several positives
 
 
 def count(fn) -> list[str]:
-    """The syncing ops ``fn`` runs, by reason (``pipeline.training.measure.OpCounter``, shared with benchmarks/bench_comm.py)."""
+    """The syncing ops ``fn`` runs, by reason (``measure.OpCounter``, shared with benchmarks/bench_comm.py)."""
     return measure.count(fn).syncs
 
 
