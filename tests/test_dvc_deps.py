@@ -45,7 +45,7 @@ def imported_files(path: Path, root: Path = ROOT) -> set[Path]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            # `from pipeline.evaluation import figures`: pipeline/evaluation/figures.py; `from pipeline.io import x`: io.py
+            # `from pipeline.evaluation import figures`: evaluation/figures.py; `from pipeline.io import x`: io.py
             names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
         elif isinstance(node, ast.ImportFrom) and node.level:
             raise AssertionError(f"{path.relative_to(root)}:{node.lineno}: relative import; use the absolute form")
