@@ -3,6 +3,8 @@
 whole file. Each section's allowed names are plain literals here, so that a stage depends only on the sections it
 reads: ``prepare`` reads ``base`` and ``data``, and a new loss name never re-runs it.
 
-Imports nothing from the rest of ``pipeline`` (the implementations import their names from here, and
-``tests/test_config.py`` checks that each registry matches its list). Import from the submodules.
+Imports nothing from the rest of ``pipeline``. The implementations keep their own registries (the loss functions
+by name, the readers, the backbones, the presets, the probes) and ``tests/config/test_registries.py`` checks that
+each matches its list here. Import from the submodules (this file exports nothing, so it adds nothing to a
+stage's deps).
 """

@@ -425,7 +425,7 @@ READERS: dict[str, Callable[[DataConfig, Path], Splits]] = {
     "fashion_mnist": _load_fashion_mnist,
     "image_folder": _load_image_folder,
 }
-DATASET_NAMES = tuple(READERS)  # pipeline.config.data.DATASET_NAMES names the same (tests/test_config.py)
+DATASET_NAMES = tuple(READERS)  # pipeline.config.data.DATASET_NAMES names the same (tests/config/test_params.py)
 
 
 def _resize(x: Tensor, size: int, chunk: int = 4096) -> Tensor:
