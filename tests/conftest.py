@@ -63,7 +63,9 @@ def install_faults(monkeypatch):
 @pytest.fixture
 def ray_starts(monkeypatch) -> list[str]:
     """Every call of the stages' one way into Ray (``runs.cluster.init_ray``) is recorded and refused: bad input
-    must fail before it. (Checking ``ray.is_initialized()`` is not enough: another test's session Ray may be up.)"""
+    must fail before it. (Checking ``ray.is_initialized()`` is not enough: another test's session Ray may be up.)
+    The stage sees no Ray running in its process, as in the fresh process DVC starts it in, whatever Ray this test
+    session runs: its checks before Ray starts are the ones tested."""
     import pipeline.runs.cluster
 
     calls: list[str] = []
@@ -73,4 +75,5 @@ def ray_starts(monkeypatch) -> list[str]:
         raise AssertionError("bad input reached Ray start-up")
 
     monkeypatch.setattr(pipeline.runs.cluster, "init_ray", refuse)
+    monkeypatch.setattr(pipeline.runs.cluster, "ray_up", lambda: False)
     return calls

@@ -26,6 +26,7 @@ def test_each_old_path_is_the_module_that_now_holds_its_code():
         importlib.import_module("pipeline.no_such_module")
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_a_model_pickled_under_the_old_paths_loads_in_a_fresh_interpreter(tmp_path):
     """The model's classes are pickled under their old module paths (as before the move: ``__module__`` set back
     for the dump), then loaded by a new interpreter that knows only the new layout and ``import pipeline``."""

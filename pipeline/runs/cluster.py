@@ -373,7 +373,7 @@ def wait_for_workers(params: Params, *, gpu: bool, pending=pending_nodes, poll_s
         remove_placement_group(group)
 
 
-def _ray_up() -> bool:
+def ray_up() -> bool:
     """This process is connected to a Ray already (e.g. ``transfusion rehearse``'s, which may declare GPUs)."""
     if "ray" not in sys.modules:
         return False
@@ -397,7 +397,7 @@ def connect(params: Params, root: Any = None, *, tracking: bool = True, cpus_per
 
         check_reachable(tracking_uri(root))
     request = {"cpus_per_worker": cpus_per_worker, "trial_cpu": trial_cpu, "what": what}
-    if address_of(params) is None and not _ray_up():  # a Ray this process already runs is checked below, as it is
+    if address_of(params) is None and not ray_up():  # a Ray this process already runs is checked below, as it is
         local = local_nodes()
         check_request(params, gpu=use_gpu(params, cluster_gpus(local)), nodes=local, **request)
     init_ray(params)

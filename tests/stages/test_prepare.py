@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -138,6 +139,7 @@ def peak_growth(how: str, project: Path, root: Path, out: Path) -> int:
     return json.loads(proc.stdout.strip().splitlines()[-1])["growth"]
 
 
+@pytest.mark.slow  # two fresh processes, 500 images each
 def test_an_image_folder_is_prepared_in_bounded_memory(project):
     """500 images of 256 x 256 decode to 98 MB: the stage stays under half of that, loading them does not."""
     n, size = 500, 256

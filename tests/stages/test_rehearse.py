@@ -49,21 +49,30 @@ def check_outputs(work, output):
     return peaks
 
 
+ON_DECLARED_GPUS = "presets/cluster-sweep.yaml"  # rehearsed end to end on declared GPUs, as shipped (use_gpu: true)
+
+
+def check_controls(name, work):
+    """The controls that broke as shipped, kept as shipped in the rehearsal's params."""
+    shipped = yaml.safe_load((ROOT / name).read_text())
+    rehearsed = yaml.safe_load((work / "params.yaml").read_text())
+    for key in ("knn_every", "checkpoint_every"):
+        assert rehearsed["train"][key] == shipped["train"][key]
+    assert rehearsed["sweep"]["asha"] == shipped["sweep"]["asha"]
+    assert rehearsed["ray"]["max_failures"] == shipped["ray"]["max_failures"]
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("name", [f for f in FILES if f != ON_DECLARED_GPUS])
 def test_shipped_file_rehearses_end_to_end(name, tmp_path, ray_session):
-    """params.yaml and every preset (a preset added later is in FILES: the test lists presets/ itself)."""
+    """params.yaml and every preset (a preset added later is in FILES: the test lists presets/ itself), but
+    ON_DECLARED_GPUS, which the next test rehearses end to end on a Ray that declares its GPUs."""
     work = tmp_path / "rehearsal"
     result = invoke("rehearse", "--params", str(ROOT / name), "--dir", str(work))
     assert result.exit_code == 0, result.output
     assert f"[rehearse] {ROOT / name}: prepare, pretrain, evaluate, report, sweep, tables passed" in result.output
     check_outputs(work, result.output)
-    shipped = yaml.safe_load((ROOT / name).read_text())
-    rehearsed = yaml.safe_load((work / "params.yaml").read_text())
-    for key in ("knn_every", "checkpoint_every"):  # the controls that broke as shipped, kept
-        assert rehearsed["train"][key] == shipped["train"][key]
-    assert rehearsed["sweep"]["asha"] == shipped["sweep"]["asha"]
-    assert rehearsed["ray"]["max_failures"] == shipped["ray"]["max_failures"]
+    check_controls(name, work)
 
 
 def run(args, env=None, **kw):
@@ -73,16 +82,22 @@ def run(args, env=None, **kw):
 
 @pytest.mark.timeout(900)
 def test_gpu_preset_on_declared_gpus_schedules_as_computed(tmp_path):
-    """cluster-sweep.yaml on a Ray that declares 4 GPUs (none exist: ray.backend gloo): each worker its own GPU, the
-    sweep and the tables as many trials at once as pipeline.runs.resources computes, probes on a worker's GPU bundle."""
+    """cluster-sweep.yaml end to end (all its jobs, every check of the test above) on a Ray that declares 4 GPUs (none
+    exist: ray.backend gloo), so with ray.use_gpu as shipped: each worker its own GPU, the sweep and the tables as
+    many trials at once as pipeline.runs.resources computes, probes on a worker's GPU bundle."""
     from pipeline.runs.resources import NodeType, TrialShape, trials_at_once
     from pipeline.runs.tune import TRIAL_CPU
 
+    assert ON_DECLARED_GPUS in FILES
     work = tmp_path / "gpu"
-    proc = run(["rehearse", "--params", str(ROOT / "presets/cluster-sweep.yaml"), "--gpus", "4", "--dir", str(work),
-                "--jobs", "prepare,pretrain,sweep,tables"], cwd=tmp_path, timeout=840)
+    proc = run(["rehearse", "--params", str(ROOT / ON_DECLARED_GPUS), "--gpus", "4", "--dir", str(work)],
+               cwd=tmp_path, timeout=840)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
+    assert f"[rehearse] {ROOT / ON_DECLARED_GPUS}: prepare, pretrain, evaluate, report, sweep, tables passed" in out
+    check_outputs(work, out)
+    check_controls(ON_DECLARED_GPUS, work)
+    assert yaml.safe_load((work / "params.yaml").read_text())["ray"]["use_gpu"] is True
     placed = re.search(r"\[pretrain\] 2 worker\(s\) on 1 node\(s\): rank 0 .*GPU (\d)\), rank 1 .*GPU (\d)\)", out)
     assert placed and placed[1] != placed[2], out  # each worker its own GPU
     trials = read_csv(work / "sweeps/results.csv")
