@@ -219,6 +219,7 @@ def test_train_head_keeps_global_rng_and_is_seeded():
         TE.train_head(data.x, data.labels, n=8, depth=1, steps=6, lr=1e-2, seed=3)
 
 
+@pytest.mark.slow  # a spawned process pool
 def test_run_empirical_rows_complete_and_deterministic(tiny_rows):
     """Also across processes: two workers (spawned, the slowest cells first) give the serial rows, in grid order."""
     threads = torch.get_num_threads()
@@ -375,3 +376,38 @@ def test_theory_figure_draws_each_formula_category_it_is_given(tmp_path, tiny_fo
     TF.theory_figure(none_gamma, TR.aggregate(tiny_rows), tiny_rows, tmp_path / "none.png")
     swatch = pixels(tmp_path / "none.png", gamma_only)
     assert 0 < swatch < pixels(tmp_path / "theory.png", gamma_only)
+
+
+def test_a_small_grid_runs_in_this_process_a_large_one_on_the_pool(monkeypatch):
+    """Spawning the pool costs more than a grid of fewer than POOL_MIN_STEPS steps; an explicit ``workers`` wins."""
+    import concurrent.futures
+    import dataclasses
+
+    pools = []
+
+    class Pool:  # runs each cell at once, in this process; records the pool's size
+        def __init__(self, workers, mp_context=None):
+            pools.append(workers)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, fn, *args):
+            future = concurrent.futures.Future()
+            future.set_result(fn(*args))
+            return future
+
+    monkeypatch.setattr(TE, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(TE, "run_cell", lambda grid, seed, n, eps: [({"seed": seed, "n": n, "eps": eps}, "")])
+    small = empirical_grid(**TINY)  # 2 cells x 2 depths x 20 steps
+    assert 2 * 2 * small.steps < TE.POOL_MIN_STEPS
+    rows = TE.run_empirical(small, progress=None)
+    assert pools == [] and [r["n"] for r in rows] == [8, 16]
+    large = dataclasses.replace(small, steps=TE.POOL_MIN_STEPS)
+    assert TE.run_empirical(large, progress=None, workers=2) == rows and pools == [2]
+    monkeypatch.setattr(TE, "usable_cpus", lambda: 2)
+    assert TE.run_empirical(large, progress=None) == rows and pools == [2, 2]
+    assert TE.run_empirical(small, progress=None, workers=2) == rows and pools == [2, 2, 2]
