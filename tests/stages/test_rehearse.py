@@ -112,7 +112,8 @@ def test_gpu_preset_on_declared_gpus_schedules_as_computed(tmp_path):
     rows = read_csv(work / "tables/results.csv")
     assert {(r["hours_unit"], r["gpus"], r["probe_cpus"], r["probe_gpus"]) for r in rows} == {
         ("GPU-hours", "2", "0.25", "1.0")}  # each row's probes on one worker's bundle, not the trial's 0.25 CPU
-    assert not [line for line in out.splitlines() if any(n in line for n in NOISE)]
+    noise = [i for i, line in enumerate(out.splitlines()) if any(n in line for n in NOISE)]
+    assert not noise, "\n".join(out.splitlines()[max(noise[0] - 5, 0):noise[0] + 40])  # the first noise, in context
 
     refused = run(["rehearse", "--params", str(ROOT / "presets/cluster-sweep.yaml"), "--gpus", "1",
                    "--dir", str(tmp_path / "one"), "--jobs", "prepare,pretrain"], cwd=tmp_path, timeout=300)
