@@ -29,13 +29,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.config.model import ACTIVATIONS, AFFINITY_EPS, BLOCK_NORMS, FUSION_SCOPES, QK_INITS, ModelConfig
+from pipeline.config.model import ACTIVATIONS, AFFINITY_EPS, BLOCK_NORMS, FUSION_SCOPES, QK_INITS
 from pipeline.core.backbones import build_backbone
+
+if TYPE_CHECKING:
+    from pipeline.config.model import ModelConfig
 
 EPS = AFFINITY_EPS  # Appendix E's additive constant in the row normalisation
 
