@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.config.model import ACTIVATIONS, AFFINITY_EPS, BLOCK_NORMS, FUSION_SCOPES, QK_INITS
+from pipeline.core.attention import fuse_rows
 from pipeline.core.backbones import build_backbone
 
 if TYPE_CHECKING:
@@ -133,6 +134,27 @@ class TransFusionBlock(nn.Module):
         return fused + x_hat, raw
 
 
+@dataclass(frozen=True)
+class Rows:
+    """The rows of a global batch of ``n`` rows that this process computes, and how it sees all of them.
+
+    index: (r,) the global row of each local row. The rows of one fusion group (a view, with ``per_view``) are
+    contiguous locally and in the global batch, groups in the same order in both.
+    gather: local (r, c) -> global (n, c) in the global order; differentiable, and its backward sums each global
+    row's gradient into the process that holds the row (``pipeline.training.step``'s all-gather on several
+    workers; the identity when one process holds every row, :meth:`whole`).
+    """
+
+    index: Tensor
+    n: int
+    gather: Callable[[Tensor], Tensor]
+
+    @staticmethod
+    def whole(n: int, device: torch.device | str | None = None) -> Rows:
+        """All n rows on this process: the head computes the whole batch (in tiles if asked)."""
+        return Rows(torch.arange(n, device=device), n, lambda t: t)
+
+
 @dataclass
 class HeadOutput:
     """What a head returns for one batch of n samples.
@@ -212,6 +234,41 @@ class TransFusionHead(nn.Module):
         else:
             q = k = x
         return HeadOutput(q=q, k=k, embedding=x, hidden=hidden if collect else [], affinities=affinities)
+
+
+    def forward_rows(self, x: Tensor, rows: Rows, *, views: int = 1, tile: int | None = None) -> HeadOutput:
+        """The head on this process's rows of a global batch: x (r, m) -> :class:`HeadOutput` of these r rows.
+
+        Row-sharded: LayerNorm, the projections and the residuals are row-wise and stay local; each block gathers the
+        keys and values of all n rows (``rows.gather``, one collective a block) and computes its r rows of
+        ``act(Q Kᵀ) V`` against them (:func:`pipeline.core.attention.fuse_rows`; over column tiles of ``tile``
+        keys with ``tile``, never an (r, n) matrix). Compute per process falls as r/n; memory is the gathered
+        (n, 2m) keys and values plus (r, n) dense or (r, tile) tiled per block. Equal to :meth:`forward` on the
+        whole batch, restricted to these rows (``tests/training/test_sharded_head.py``). ``q``, ``k`` and
+        ``embedding`` are the local rows; the loss gathers what it needs. No ``collect`` / ``on_affinity`` here.
+        """
+        r, m = x.shape
+        groups = views if self.fusion_scope == "per_view" else 1
+        if r % groups or rows.n % groups or rows.index.shape != (r,):
+            raise ValueError(f"{r} local rows of {rows.n} do not split into {groups} fusion groups")
+        rg, ng = r // groups, rows.n // groups
+        full = self.blocks[:-1] if self.truncate_last else self.blocks
+        for block in full:
+            x_hat = block.normalize_input(x)  # (r, m)
+            q, k = block.qk(x_hat)  # (r, m) each, unit rows
+            kv = rows.gather(torch.cat([k, block.value(x_hat)], dim=1))  # (n, 2m): every row's keys and values
+            parts = []
+            for g in range(groups):
+                mine, cols = slice(g * rg, (g + 1) * rg), slice(g * ng, (g + 1) * ng)
+                parts.append(fuse_rows(q[mine], kv[cols, :m], kv[cols, m:], rows.index[mine] - g * ng,
+                                       block.activation, tile))  # (r/g, m)
+            x = (parts[0] if groups == 1 else torch.cat(parts)) + x_hat  # (r, m)
+        if self.truncate_last:
+            last = self.blocks[-1]
+            q, k = last.qk(last.normalize_input(x))
+        else:
+            q = k = x
+        return HeadOutput(q=q, k=k, embedding=x)
 
 
 class TransFusion(nn.Module):

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipeline.core.batchnorm import has_batchnorm
-from pipeline.core.model import TransFusion
+from pipeline.core.model import Rows, TransFusion
 from pipeline.core.targets import LAYOUTS, check_layout, self_supervised_ids
 from pipeline.training.comm import GradReducer
 
@@ -67,6 +67,10 @@ class NonFiniteLossError(FloatingPointError):
 def _upcast(t: Tensor) -> Tensor:
     """fp16/bf16 (autocast) -> fp32; fp32/fp64 unchanged."""
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
 
 
 def _distributed() -> tuple[int, int]:
@@ -200,6 +204,7 @@ class GlobalBatchStep:
         grad_cache_chunk: int | None = None,
         autocast_dtype: torch.dtype | None = None,
         layout: str | None = None,
+        tile: int | None = None,
     ) -> None:
         """``layout``: what the gathered ids (2B,) are, passed on to ``loss_fn`` (``pipeline.core.losses``, *Layouts
         and host syncs*): ``"two_view"`` (self-supervised: the image index of ``[view 1; view 2]``) or
@@ -209,6 +214,8 @@ class GlobalBatchStep:
         if layout is not None and layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; allowed: None, {', '.join(map(repr, LAYOUTS))}")
         self.layout = layout
+        self.tile = tile  # column tile of the head's attention and the loss (pipeline.training.plan); None: dense
+        self._rows_cache: dict[tuple, Rows] = {}
         self._layout_checked: set[int] = set()  # global batch sizes whose ids were checked against the layout
         self.model = model
         self.loss_fn = loss_fn
@@ -239,14 +246,40 @@ class GlobalBatchStep:
             self._layout_checked.add(n)
         return ids_all
 
+    def _rows(self, z_local: Tensor, world_size: int, rank: int) -> Rows:
+        """This worker's rows of the global two-view batch and the gather that shows it every row (cached)."""
+        key = (z_local.shape[0], world_size, rank, z_local.device)
+        if key not in self._rows_cache:
+            b, dev = z_local.shape[0] // 2, z_local.device
+            v1, v2 = local_rows(rank, b, world_size)
+            index = torch.cat([torch.arange(v1.start, v1.stop, device=dev), torch.arange(v2.start, v2.stop, device=dev)])
+            if world_size == 1:
+                gather = _identity
+            else:
+                def gather(t: Tensor) -> Tensor:
+                    return gather_views(t, world_size)
+            self._rows_cache[key] = Rows(index, 2 * b * world_size, gather)
+        return self._rows_cache[key]
+
     def _head_loss(self, z_local: Tensor, ids: Tensor, world_size: int, rank: int) -> Tensor:
-        z_all = gather_views(z_local, world_size)  # (2B, m)
         ids_all = self._global_ids(ids, world_size)  # (2B,)
-        with self._autocast(z_local.device):
-            out = self.model.head(z_all, views=2)  # rows [view 1; view 2]
-        q, k = _upcast(out.q), _upcast(out.k)  # the loss in full precision whatever the autocast
         b = z_local.shape[0] // 2
+        if world_size == 1 and self.tile is None:  # one process, dense: the head on the whole batch
+            with self._autocast(z_local.device):
+                out = self.model.head(_upcast(z_local), views=2)  # rows [view 1; view 2]
+            q, k = _upcast(out.q), _upcast(out.k)  # the loss in full precision whatever the autocast
+        else:  # row-sharded (and tiled with a tile): this worker's rows of every block, keys and values gathered
+            rows = self._rows(z_local, world_size, rank)
+            with self._autocast(z_local.device):
+                out = self.model.head.forward_rows(z_local, rows, views=2, tile=self.tile)
+                # the loss's keys: every row, gathered in the compute dtype (bf16 under autocast), then upcast
+                if out.q is out.k:
+                    q = k = _upcast(rows.gather(out.q))  # (2B, d)
+                else:
+                    q, k = _upcast(rows.gather(torch.cat([out.q, out.k], dim=1))).chunk(2, dim=1)
         hint = {} if self.layout is None else {"layout": self.layout}
+        if self.tile is not None:
+            hint["tile"] = self.tile
         return sum(self.loss_fn(q, k, ids_all, rows=r, **hint) for r in local_rows(rank, b, world_size))
 
     def __call__(self, x: Tensor, ids: Tensor) -> float:
@@ -265,7 +298,7 @@ class GlobalBatchStep:
         if self.chunk is None or self.chunk >= x.shape[0]:
             with self._autocast(x.device):
                 z = self.model.backbone(x)  # (2b, m)
-            loss = self._head_loss(_upcast(z), ids, world_size, rank)
+            loss = self._head_loss(z, ids, world_size, rank)
             if world_size == 1 or not self.overlap:
                 total = self._total(loss, world_size, check)
                 self._backward(loss)

@@ -1,0 +1,148 @@
+"""The row-sharded head (``TransFusionHead.forward_rows`` through ``GlobalBatchStep``): 2 gloo workers, each computing
+only its rows of every block with the keys and values of all rows gathered, give the loss and every gradient of one
+process running the dense head on the concatenated batch (fp64).
+
+One spawned process group runs a covering set of cases (every head option, every loss in both modes, gradient
+caching, tiles), so that the suite pays for one group start; the one-process side runs in the test's process.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pipeline.core.backbones import build_backbone
+from pipeline.core.losses import make_loss
+from pipeline.core.model import Rows, TransFusion, TransFusionHead
+from pipeline.training.step import GlobalBatchStep
+
+B, SHAPE = 8, (1, 6, 6)  # 8 images, two views each; 4 a worker
+LABELS = torch.tensor([0, 1, 2, 0, 1, 2, 0, 3])  # class 3 is a singleton: a row without a positive
+
+
+@dataclass(frozen=True)
+class Case:
+    depth: int = 2
+    scope: str = "joint"
+    truncated: bool = False
+    activation: str = "relu"
+    qk_init: str = "default"
+    loss: str = "jsd"
+    mode: str = "self"  # self | sup
+    chunk: int | None = None  # gradient caching
+    tile: int | None = None  # the head's and the loss's column tile
+
+    @property
+    def layout(self) -> str:
+        return "two_view" if self.mode == "self" else "labels"
+
+
+PAIRWISE = ("jsd", "jsd_appendix_e", "kl_softmax", "kl_relu", "kl_squared", "supcon", "dcl")
+CASES = [
+    # every head option
+    Case(depth=0),
+    Case(depth=1, scope="per_view", qk_init="identity"),
+    Case(depth=3, truncated=True, qk_init="tied"),
+    Case(depth=3, scope="per_view", truncated=True),
+    Case(depth=1, activation="softmax"),
+    Case(depth=2, activation="sigmoid", scope="per_view"),
+    Case(depth=2, activation="identity"),
+    # every loss, both modes
+    *[Case(loss=name, mode=mode) for name in PAIRWISE for mode in ("self", "sup")],
+    Case(loss="infonce"),
+    Case(loss="barlow_twins"),
+    # gradient caching
+    Case(chunk=3),
+    Case(chunk=5, truncated=True, loss="supcon", mode="sup"),
+]
+
+
+def make_model(case: Case) -> TransFusion:
+    torch.manual_seed(0)
+    bb, dim = build_backbone("mlp", SHAPE, embed_dim=12, hidden_dim=16)
+    head = TransFusionHead(dim, case.depth, case.activation, truncate_last=case.truncated,
+                           fusion_scope=case.scope, qk_init=case.qk_init)
+    return TransFusion(bb, dim, head).double()
+
+
+def make_batch(mode: str):
+    g = torch.Generator().manual_seed(1)
+    v1 = torch.rand(B, *SHAPE, generator=g, dtype=torch.float64)
+    v2 = (v1 + 0.1 * torch.rand(B, *SHAPE, generator=g, dtype=torch.float64)).clamp(0, 1)
+    return v1, v2, (torch.arange(B) if mode == "self" else LABELS)
+
+
+def run_case(case: Case, rank: int, world: int, tile: int | None = None):
+    """(loss, {name: grad}) of one step on this rank's shard of the batch."""
+    model = make_model(case)
+    v1, v2, ids = make_batch(case.mode)
+    b = B // world
+    mine = slice(rank * b, (rank + 1) * b)
+    step = GlobalBatchStep(model, make_loss(case.loss), grad_cache_chunk=case.chunk, layout=case.layout, tile=tile)
+    loss = step(torch.cat([v1[mine], v2[mine]]), torch.cat([ids[mine], ids[mine]]))
+    return loss, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worker(rank, world, init_file, out_dir, cases):
+    torch.set_num_threads(1)
+    warnings.simplefilter("error", FutureWarning)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = [run_case(c, rank, world, tile=c.tile) for c in cases]
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def assert_same(got, want, rtol=1e-9):
+    loss, grads = got
+    ref_loss, ref_grads = want
+    assert loss == pytest.approx(ref_loss, rel=rtol, abs=1e-12)
+    assert grads.keys() == ref_grads.keys()
+    top = max(float(g.abs().max()) for g in ref_grads.values())
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=rtol, atol=rtol * top, msg=name)
+
+
+@pytest.mark.slow
+def test_two_sharded_workers_equal_one_dense_process(tmp_path):
+    init = tmp_path / "init"
+    mp.spawn(_worker, args=(2, str(init), str(tmp_path), CASES), nprocs=2, join=True)
+    ranks = []
+    for r in range(2):
+        with open(tmp_path / f"rank{r}.pkl", "rb") as f:
+            ranks.append(pickle.load(f))
+    for i, case in enumerate(CASES):
+        want = run_case(case, 0, 1)  # one process, the dense head on the whole batch
+        for r in range(2):
+            assert_same(ranks[r][i], want), (case, r)
+
+
+@pytest.mark.parametrize("case", [Case(depth=0), Case(depth=3, truncated=True, scope="per_view"),
+                                  Case(depth=2, activation="softmax", qk_init="identity"), Case(chunk=3)],
+                         ids=str)
+def test_one_process_through_the_row_path_equals_the_dense_head(case):
+    """world 1 with a tile None through forward_rows (Rows.whole) is the same step as the dense head."""
+    want = run_case(case, 0, 1)
+    step_mod_tile = run_case(case, 0, 1, tile=None)
+    assert_same(step_mod_tile, want, rtol=0)
+    model = make_model(case)
+    z = torch.randn(10, 12, dtype=torch.float64)
+    full = model.head(z, views=2)
+    rows = model.head.forward_rows(z, Rows.whole(10), views=2)
+    torch.testing.assert_close(rows.q, full.q, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(rows.k, full.k, rtol=1e-13, atol=1e-13)
+
+
+def test_rows_that_do_not_split_into_the_views_are_refused():
+    head = TransFusionHead(4, 1, fusion_scope="per_view")
+    with pytest.raises(ValueError, match="fusion groups"):
+        head.forward_rows(torch.randn(3, 4), Rows.whole(3), views=2)
