@@ -72,7 +72,7 @@ DVC_PARAMS = ("sweep", "model.backbone", "model.embed_dim", "model.hidden_dim", 
               "model.head", "model.fusion_scope", "model.qk_init", "model.weights", "loss", "augment.preset",
               "train.mode", "train.lr", "train.optimizer", "train.weight_decay", "train.warmup_epochs", "train.seed",
               "train.device", "train.grad_cache_chunk", "train.knn_k", "train.head_lr_scale", "train.precision",
-              "train.data_budget_mb", "ray.num_workers", "ray.use_gpu")
+              "train.data_budget_mb", "train.head_budget_mb", "ray.num_workers", "ray.use_gpu")
 
 
 # ------------------------------------------------------------------------------------------------- space

@@ -44,6 +44,7 @@ from pipeline.data.split import to_float
 from pipeline.data.types import Dataset
 from pipeline.evaluation.health import block_health, flat
 from pipeline.evaluation.knn import knn_accuracy
+from pipeline.training.plan import HeadPlan, budget_bytes, plan_head
 from pipeline.training.precision import for_device
 from pipeline.training.step import GlobalBatchStep, NonFiniteLossError, broadcast_from_rank0
 
@@ -66,6 +67,17 @@ def data_budget(budget_mb: float | None, device: torch.device) -> int:
     if budget_mb is not None:
         return int(budget_mb * 2**20)
     return int(DATA_BUDGET_SHARE * device_memory(device))
+
+
+def head_plan(params: Params, model: torch.nn.Module, world: int, device: torch.device,
+              autocast: torch.dtype | None) -> HeadPlan:
+    """The head's path on each worker (``pipeline.training.plan``): sharded over ``world``, dense or tiled within
+    ``train.head_budget_mb`` (None: a share of the device's memory)."""
+    head = model.head
+    itemsize = torch.finfo(autocast).bits // 8 if autocast is not None else 4
+    return plan_head(2 * params.train.batch_size, world, head.depth - int(head.truncate_last), model.embed_dim,
+                     budget_bytes(params.train.head_budget_mb, device_memory(device)), itemsize=itemsize,
+                     pairwise_loss=params.loss.name != "barlow_twins")
 
 
 def _view_noise_tensor(v1: torch.Tensor, v2: torch.Tensor) -> torch.Tensor:
@@ -131,9 +143,11 @@ class PretrainLoop:
                             barlow_lambda=params.loss.barlow_lambda)
         cuda = device.type == "cuda"
         self.precision = for_device(t.precision, device)  # bf16 / fp16 + scaler / fp32 by device (precision.py)
+        self.head_plan = head_plan(params, self.model, world_size, device, self.precision.autocast)
         self.step = GlobalBatchStep(self.model, loss_fn, grad_cache_chunk=t.grad_cache_chunk,
                                     autocast_dtype=self.precision.autocast,
-                                    layout="two_view" if t.mode == "self_supervised" else "labels")
+                                    layout="two_view" if t.mode == "self_supervised" else "labels",
+                                    tile=self.head_plan.tile)
         self.scaler = self.step.scaler = self.precision.grad_scaler(device)  # fp16 only
         self.defer_sync = cuda if defer_sync is None else defer_sync
         self.y_train = data.train.y  # (N,) on the host: the kNN monitor's labels
@@ -148,7 +162,8 @@ class PretrainLoop:
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "epoch": self.epoch, "history": self.history}
+                 "scheduler": self.scheduler.state_dict(), "epoch": self.epoch, "history": self.history,
+                 "head_plan": self.head_plan.as_dict()}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         return state
