@@ -27,6 +27,7 @@ from tests.data.test_datasets import mapped_file
 
 DIGITS_TRAIN_MIB = 1437 * 64 * 4 / 2**20  # digits' training set: 1437 float32 images of 8 x 8 (0.35 MiB)
 SMALL_BUDGET = "train.data_budget_mb=0.25"  # below it: streamed
+TILING_BUDGET = "train.head_budget_mb=0"  # the head and the loss in column tiles (pipeline.training.plan)
 COMPARED = ("epoch", "loss", "lr", "view_noise", "knn_acc")  # an epoch's numbers (not its timings)
 
 
@@ -99,11 +100,15 @@ def _two_paths_worker(rank: int, world: int, init_file: str, data_dir: str, out_
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         histories = {}
-        for name, extra, mmap in (("in_memory", [], False), ("streamed", [SMALL_BUDGET], True)):
-            params = load_params(ROOT / "params.yaml", ["train.epochs=2", "train.batch_size=64", *extra])
+        for name, extra, mmap in (("in_memory", ["train.epochs=2"], False),
+                                  ("streamed", ["train.epochs=2", SMALL_BUDGET], True),
+                                  ("dense", ["train.epochs=5"], False),
+                                  ("tiled", ["train.epochs=5", SMALL_BUDGET, TILING_BUDGET], True)):
+            params = load_params(ROOT / "params.yaml", ["train.batch_size=64", *extra])
             loop = PretrainLoop(params, load_prepared(data_dir, mmap=mmap), torch.device("cpu"), rank=rank,
                                 world_size=world)
             assert loop.streaming == mmap
+            assert (loop.head_plan.tile is not None) == (name == "tiled") and loop.head_plan.sharded
             loop.fit(lambda m, ckpt: None)
             histories[name] = numbers(loop.history)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(histories))
@@ -117,6 +122,13 @@ def test_two_gloo_workers_streamed_equal_in_memory(prepared, tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for histories in ranks:
         assert histories["streamed"] == histories["in_memory"] and len(histories["streamed"]) == 2
+    # the head sharded over both workers and tiled (a budget of 0 MiB), streamed, against the dense head: the same
+    # loss curve over 5 epochs, to fp32 rounding (the tiles sum in another order)
+    tiled, dense = ranks[0]["tiled"], ranks[0]["dense"]
+    assert len(tiled) == 5 and [h["epoch"] for h in tiled] == [1, 2, 3, 4, 5]
+    for t, d in zip(tiled, dense, strict=True):
+        assert t["loss"] == pytest.approx(d["loss"], rel=1e-4) and t["lr"] == d["lr"]
+        assert t["knn_acc"] == pytest.approx(d["knn_acc"], abs=0.02)
     # rank 0 alone runs the kNN monitor and the health; the all-reduced losses are the same on both ranks
     assert [h["loss"] for h in ranks[0]["streamed"]] == [h["loss"] for h in ranks[1]["streamed"]]
     assert os.path.exists(tmp_path / "rank1.json")

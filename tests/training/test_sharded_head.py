@@ -90,12 +90,36 @@ def run_case(case: Case, rank: int, world: int, tile: int | None = None):
     return loss, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def gathered_dtypes(rank: int, world: int) -> list[torch.dtype]:
+    """The dtypes the sharded head gathers in one bf16-autocast step of an fp32 model."""
+    import pipeline.training.step as step_mod
+
+    seen, gather = [], step_mod.gather_views
+
+    def recording(t, w):
+        seen.append(t.dtype)
+        return gather(t, w)
+
+    step_mod.gather_views = recording
+    try:
+        case = Case(depth=2)
+        model = make_model(case).float()
+        v1, v2, ids = make_batch("self")
+        b = B // world
+        mine = slice(rank * b, (rank + 1) * b)
+        step = GlobalBatchStep(model, make_loss("jsd"), layout="two_view", autocast_dtype=torch.bfloat16)
+        step(torch.cat([v1[mine], v2[mine]]).float(), torch.cat([ids[mine], ids[mine]]))
+    finally:
+        step_mod.gather_views = gather
+    return seen
+
+
 def _worker(rank, world, init_file, out_dir, cases):
     torch.set_num_threads(1)
     warnings.simplefilter("error", FutureWarning)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        results = [run_case(c, rank, world, tile=c.tile) for c in cases]
+        results = [run_case(c, rank, world, tile=c.tile) for c in cases] + [gathered_dtypes(rank, world)]
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(results, f)
     finally:
@@ -124,6 +148,8 @@ def test_two_sharded_workers_equal_one_dense_process(tmp_path):
         want = run_case(case, 0, 1)  # one process, the dense head on the whole batch
         for r in range(2):
             assert_same(ranks[r][i], want), (case, r)
+    # under bf16 autocast the keys and values (one gather a block) and the loss's embeddings go in bf16, not fp32
+    assert ranks[0][-1] == ranks[1][-1] == [torch.bfloat16] * 3
 
 
 @pytest.mark.parametrize("case", [Case(depth=0), Case(depth=3, truncated=True, scope="per_view"),
