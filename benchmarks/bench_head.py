@@ -13,7 +13,7 @@ measured in this run against its baseline (CPU; peak bytes from ``pipeline.train
 The FLOP line counts one simulated rank with ``torch.utils.flop_counter.FlopCounterMode``: its r = n/8 rows, the
 keys and values of all n rows given; counted at two small sizes and extended by its r·n and r terms, and the
 backbone (``resnet18_cifar``, 32 px, two views per image) counted on 2 images. The last line is computed: the head's
-bytes per worker from ``pipeline.training.plan`` (bf16 head, fp32 loss), the backbone's activation bytes per image
+bytes per worker from ``pipeline.core.plan`` (bf16 head, fp32 loss), the backbone's activation bytes per image
 measured here in fp32 and halved for bf16, plus the parameters, gradients and Adam's state.
 
     python benchmarks/bench_head.py                 # all lines (about 2-3 minutes on 2 cores)
@@ -35,7 +35,7 @@ from pipeline.core.backbones import build_backbone
 from pipeline.core.losses import make_loss
 from pipeline.core.model import Rows, TransFusionHead
 from pipeline.training.measure import peak_bytes
-from pipeline.training.plan import head_bytes, plan_head
+from pipeline.core.plan import head_bytes, plan_head
 from pipeline.training.step import gather_views
 
 WIDTH, DEPTH, TILE = 64, 1, 512

@@ -7,7 +7,7 @@ import click
 from pipeline.config.base import flatten
 from pipeline.config.model import FIXED_DIMS
 from pipeline.config.params import Params, load_params
-from pipeline.training.plan import budget_bytes, largest_batch, plan_head
+from pipeline.core.plan import budget_bytes, largest_batch, plan_head
 from stages._common import params_options
 
 REFERENCE_GPU_GB = 80  # the device assumed for a GPU run when no GPU is visible here

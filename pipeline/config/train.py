@@ -29,7 +29,7 @@ class TrainConfig(Section):
     # MiB the training set may take on a worker's device (above: streamed from memory-mapped files, same results);
     # None: a share of the device's memory (pipeline.training.loop.data_budget); 0 always streams
     data_budget_mb: float | None = Field(None, ge=0.0, le=1e9)
-    # MiB the head and the loss may take on a worker (pipeline.training.plan): the dense path within it, column tiles
+    # MiB the head and the loss may take on a worker (pipeline.core.plan): the dense path within it, column tiles
     # beyond it (same numbers); None: a share of the device's memory; 0 always tiles
     head_budget_mb: float | None = Field(None, ge=0.0, le=1e9)
 

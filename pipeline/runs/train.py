@@ -44,7 +44,7 @@ from pipeline.runs.storage import (
     write_status,
 )
 from pipeline.training.loop import EpochMetrics, PretrainLoop, data_budget
-from pipeline.training.plan import HeadPlan
+from pipeline.core.plan import HeadPlan
 from pipeline.training.step import NonFiniteLossError
 
 EPOCH_METRICS = ("loss", "lr", "samples_per_s", "view_noise", "knn_acc", "seconds")  # per-epoch, in MLflow
@@ -415,7 +415,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
         state = load_torch(Path(d) / STATE_FILE)
     if run_id:  # epochs checkpointed before an interruption but never logged: the run shows every epoch once
         trk.log_missing_epochs(uri, run_id, state["history"], epoch_metric_names(state["history"]))
-        if "head_plan" in state:  # the head's path on the workers (pipeline.training.plan): dense|tiled, sharded
+        if "head_plan" in state:  # the head's path on the workers (pipeline.core.plan): dense|tiled, sharded
             trk.set_tags(run_id, HeadPlan(**state["head_plan"]).tags(), uri=uri)
     return PretrainResult(state=state, run_name=name, mlflow_run_id=run_id, input_shape=data.input_shape,
                           n_classes=len(data.classes), fit_started=fit_started, fit_seconds=fit_seconds)

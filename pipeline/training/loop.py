@@ -44,7 +44,7 @@ from pipeline.data.split import to_float
 from pipeline.data.types import Dataset
 from pipeline.evaluation.health import block_health, flat
 from pipeline.evaluation.knn import knn_accuracy
-from pipeline.training.plan import HeadPlan, budget_bytes, plan_head
+from pipeline.core.plan import HeadPlan, budget_bytes, plan_head
 from pipeline.training.precision import for_device
 from pipeline.training.step import GlobalBatchStep, NonFiniteLossError, broadcast_from_rank0
 
@@ -71,7 +71,7 @@ def data_budget(budget_mb: float | None, device: torch.device) -> int:
 
 def head_plan(params: Params, model: torch.nn.Module, world: int, device: torch.device,
               autocast: torch.dtype | None) -> HeadPlan:
-    """The head's path on each worker (``pipeline.training.plan``): sharded over ``world``, dense or tiled within
+    """The head's path on each worker (``pipeline.core.plan``): sharded over ``world``, dense or tiled within
     ``train.head_budget_mb`` (None: a share of the device's memory)."""
     head = model.head
     itemsize = torch.finfo(autocast).bits // 8 if autocast is not None else 4

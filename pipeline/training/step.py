@@ -214,7 +214,7 @@ class GlobalBatchStep:
         if layout is not None and layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; allowed: None, {', '.join(map(repr, LAYOUTS))}")
         self.layout = layout
-        self.tile = tile  # column tile of the head's attention and the loss (pipeline.training.plan); None: dense
+        self.tile = tile  # column tile of the head's attention and the loss (pipeline.core.plan); None: dense
         self._rows_cache: dict[tuple, Rows] = {}
         self._layout_checked: set[int] = set()  # global batch sizes whose ids were checked against the layout
         self.model = model

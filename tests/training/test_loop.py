@@ -27,7 +27,7 @@ from tests.data.test_datasets import mapped_file
 
 DIGITS_TRAIN_MIB = 1437 * 64 * 4 / 2**20  # digits' training set: 1437 float32 images of 8 x 8 (0.35 MiB)
 SMALL_BUDGET = "train.data_budget_mb=0.25"  # below it: streamed
-TILING_BUDGET = "train.head_budget_mb=0"  # the head and the loss in column tiles (pipeline.training.plan)
+TILING_BUDGET = "train.head_budget_mb=0"  # the head and the loss in column tiles (pipeline.core.plan)
 COMPARED = ("epoch", "loss", "lr", "view_noise", "knn_acc")  # an epoch's numbers (not its timings)
 
 

@@ -1,4 +1,4 @@
-"""The head's plan (``pipeline.training.plan``): dense within the budget, the largest tile beyond it, and estimates
+"""The head's plan (``pipeline.core.plan``): dense within the budget, the largest tile beyond it, and estimates
 that bound what the head and the loss really allocate (measured with ``peak_bytes``)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from pipeline.core.losses import make_loss
 from pipeline.core.model import Rows, TransFusionHead
 from pipeline.training.measure import peak_bytes
-from pipeline.training.plan import HeadPlan, budget_bytes, head_bytes, largest_batch, plan_head
+from pipeline.core.plan import HeadPlan, budget_bytes, head_bytes, largest_batch, plan_head
 
 MiB = 2**20
 
