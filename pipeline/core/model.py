@@ -236,7 +236,8 @@ class TransFusionHead(nn.Module):
         return HeadOutput(q=q, k=k, embedding=x, hidden=hidden if collect else [], affinities=affinities)
 
 
-    def forward_rows(self, x: Tensor, rows: Rows, *, views: int = 1, tile: int | None = None) -> HeadOutput:
+    def forward_rows(self, x: Tensor, rows: Rows, *, views: int = 1, tile: int | None = None, collect: bool = False,
+                     on_block: Callable[[int, Tensor, Tensor], None] | None = None) -> HeadOutput:
         """The head on this process's rows of a global batch: x (r, m) -> :class:`HeadOutput` of these r rows.
 
         Row-sharded: LayerNorm, the projections and the residuals are row-wise and stay local; each block gathers the
@@ -245,7 +246,10 @@ class TransFusionHead(nn.Module):
         keys with ``tile``, never an (r, n) matrix). Compute per process falls as r/n; memory is the gathered
         (n, 2m) keys and values plus (r, n) dense or (r, tile) tiled per block. Equal to :meth:`forward` on the
         whole batch, restricted to these rows (``tests/training/test_sharded_head.py``). ``q``, ``k`` and
-        ``embedding`` are the local rows; the loss gathers what it needs. No ``collect`` / ``on_affinity`` here.
+        ``embedding`` are the local rows; the loss gathers what it needs. ``collect`` keeps the input and every full
+        block's output (r, m) in ``hidden`` (no affinities: they are what this path never holds); ``on_block(i, q, k)``
+        hands block i's unit queries of these rows (r, m) and keys of every row (n, m), detached, so that a caller can
+        compute the block's affinity ``act(q kᵀ)`` a row slice at a time (``pipeline.evaluation.health``).
         """
         r, m = x.shape
         groups = views if self.fusion_scope == "per_view" else 1
@@ -253,22 +257,29 @@ class TransFusionHead(nn.Module):
             raise ValueError(f"{r} local rows of {rows.n} do not split into {groups} fusion groups")
         rg, ng = r // groups, rows.n // groups
         full = self.blocks[:-1] if self.truncate_last else self.blocks
-        for block in full:
+        hidden = [x] if collect else []
+        for i, block in enumerate(full):
             x_hat = block.normalize_input(x)  # (r, m)
             q, k = block.qk(x_hat)  # (r, m) each, unit rows
             kv = rows.gather(torch.cat([k, block.value(x_hat)], dim=1))  # (n, 2m): every row's keys and values
+            if on_block is not None:
+                on_block(i, q.detach(), kv[:, :m].detach())
             parts = []
             for g in range(groups):
                 mine, cols = slice(g * rg, (g + 1) * rg), slice(g * ng, (g + 1) * ng)
                 parts.append(fuse_rows(q[mine], kv[cols, :m], kv[cols, m:], rows.index[mine] - g * ng,
                                        block.activation, tile))  # (r/g, m)
             x = (parts[0] if groups == 1 else torch.cat(parts)) + x_hat  # (r, m)
+            if collect:
+                hidden.append(x)
         if self.truncate_last:
             last = self.blocks[-1]
             q, k = last.qk(last.normalize_input(x))
+            if on_block is not None:
+                on_block(len(full), q.detach(), rows.gather(k).detach())
         else:
             q = k = x
-        return HeadOutput(q=q, k=k, embedding=x)
+        return HeadOutput(q=q, k=k, embedding=x, hidden=hidden)
 
 
 class TransFusion(nn.Module):
@@ -284,9 +295,14 @@ class TransFusion(nn.Module):
         return self.head(self.backbone(x), collect=collect, views=views)
 
     @torch.no_grad()
-    def embed(self, x: Tensor) -> list[Tensor]:
-        """Frozen representations for probes: [backbone output, block 1 output, ...], each (n, m)."""
-        return [h.detach() for h in self.forward(x, collect=True).hidden]
+    def embed(self, x: Tensor, tile: int | None = None) -> list[Tensor]:
+        """Frozen representations for probes: [backbone output, block 1 output, ...], each (n, m). ``tile``: the
+        blocks over column tiles (:meth:`TransFusionHead.forward_rows`), holding no (n, n) matrix; same numbers."""
+        if tile is None:
+            return [h.detach() for h in self.forward(x, collect=True).hidden]
+        z = self.backbone(x)  # (n, m)
+        return [h.detach() for h in self.head.forward_rows(z, Rows.whole(len(z), z.device), tile=tile,
+                                                           collect=True).hidden]
 
 
 def build_model(m: ModelConfig, input_shape: tuple[int, ...]) -> TransFusion:
