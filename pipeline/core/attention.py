@@ -138,13 +138,13 @@ class TiledFuse(torch.autograd.Function):
 
     Backward, by hand (g_i = ∂L/∂out_i; out_i = N_i / D_i up to the ε Σ v term, which does not involve raw):
 
-        ∂L/∂raw_ij = (g_i·v_j − g_i·out_i) / D_i                       = gD_i·v_j − c_i,
-                     gD_i = g_i / D_i,  c_i = gD_i·out_i
+        ∂L/∂raw_ij = (g_i·v_j − g_i·out_i) / D_i                       = gD_i·v_j − b_i,
+                     gD_i = g_i / D_i,  b_i = gD_i·out_i
         ∂L/∂v_j    = Σ_i raw_ij gD_i + ε Σ_i gD_i
-        ∂L/∂a_ij   = act'(a_ij) ∂L/∂raw_ij, 0 at j = c(i)            (relu: 1[a >= 0] as clamp_min's
+        ∂L/∂a_ij   = act'(a_ij) ∂L/∂raw_ij, 0 at j = c(i)            (relu: 1[a > 0], as clamp_min's
                                                                         backward; sigmoid: s(1 − s); identity: 1)
         softmax:     ∂L/∂a_ij = p_ij (∂L/∂p_ij − ρ_i),  ∂L/∂p_ij = ∂L/∂raw_ij for j ≠ c(i), 0 at c(i),
-                     ρ_i = Σ_j p_ij ∂L/∂p_ij = Σ_j raw_ij ∂L/∂raw_ij = gD_i·N_i − c_i S_i
+                     ρ_i = Σ_j p_ij ∂L/∂p_ij = Σ_j raw_ij ∂L/∂raw_ij = gD_i·N_i − b_i S_i
                          = ε gD_i·(n out_i − Σ_j v_j)               (N_i = D_i out_i − ε Σ v, S_i = D_i − nε)
                      so no extra pass: the diagonal's a_ii gets −p_ii ρ_i, not 0.
         dq = dA k,  dk = dAᵀ q                                        (dA the (r, n) ∂L/∂a, one tile at a time)
@@ -180,7 +180,6 @@ class TiledFuse(torch.autograd.Function):
             out = (num + EPS * v.to(cd).sum(dim=0)) / denom[:, None]  # (r, m)
         ctx.activation, ctx.tile = activation, tile
         ctx.save_for_backward(q, k, v, diag, out, denom, *(stats or ()))
-        ctx.mark_non_differentiable(diag)
         return out.to(q.dtype)
 
     @staticmethod
@@ -191,7 +190,7 @@ class TiledFuse(torch.autograd.Function):
         n, cd = k.shape[0], out.dtype
         with torch.autocast(q.device.type, enabled=False):
             gd = grad.to(cd) / denom[:, None]  # gD (r, m)
-            c = (gd * out).sum(dim=1, keepdim=True)  # (r, 1)
+            b = (gd * out).sum(dim=1, keepdim=True)  # (r, 1)
             if activation == "softmax":
                 rho = EPS * (gd * (n * out - v.to(cd).sum(dim=0))).sum(dim=1, keepdim=True)  # (r, 1)
             qc = q.to(cd)
@@ -201,7 +200,7 @@ class TiledFuse(torch.autograd.Function):
             for j0 in range(0, n, tile):
                 kj, vj = k[j0:j0 + tile], v[j0:j0 + tile].to(cd)  # (T, h), (T, m)
                 raw = _tile_raw_(_scores(q, kj, cd), activation, stats or None)  # (r, T), own column not yet 0
-                da = (gd @ vj.T).sub_(c)  # ∂L/∂raw (r, T), becomes ∂L/∂a in place
+                da = (gd @ vj.T).sub_(b)  # ∂L/∂raw (r, T), becomes ∂L/∂a in place
                 if activation == "softmax":  # raw is p here, own column included
                     _tile_zero_diag_(da, diag, j0)  # ∂L/∂p: the own column does not reach out
                     da.sub_(rho).mul_(raw)
@@ -225,7 +224,8 @@ def fuse_rows(q: Tensor, k: Tensor, v: Tensor, diag: Tensor | int = 0, activatio
 
     q (r, h) unit queries, k (n, h) unit keys and v (n, m) values of all n rows -> (r, m). ``diag``: each query
     row's own column, a LongTensor (r,) (any columns, e.g. two separate slices) or an int ``start`` for columns
-    start .. start+r-1. ``tile=None``: dense, one (r, n) score matrix, plain autograd (leading batch dims allowed
+    start .. start+r-1 (an int is range-checked; a tensor's entries are not, which would cost a host sync).
+    ``tile=None``: dense, one (r, n) score matrix, plain autograd (leading batch dims allowed
     with an int ``diag``: (..., r, h) etc.); ``return_raw=True`` then also returns ``raw`` (..., r, n) (fp32 for
     half scores), as ``model.fuse`` needs. ``tile=T``: :class:`TiledFuse`, T columns at a time (every activation;
     softmax with one more forward pass over the tiles), no ``raw`` to return.
