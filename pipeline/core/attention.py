@@ -13,7 +13,10 @@ all n rows, with ``c(i)`` row i's own column (``diag``) and ε = ``AFFINITY_EPS`
 ``diag=0`` the very ops of ``model.fuse`` before this module, so the same bits); with ``tile=T`` a
 :class:`TiledFuse` that visits the keys and values T columns at a time, forward and backward, and so never holds
 more than a few (r, T) tiles: its memory grows with r·T + (r + n)(h + m), not r·n. The row sharding of a head
-(each worker its r rows against all n gathered keys and values) calls this.
+(each worker its r rows against all n gathered keys and values) calls this. Measured at r = n = 4096, h = m = 64,
+T = 256, fp32 relu, forward + backward on one CPU thread (``pytest -s -k tenth tests/core/test_attention.py``
+prints it): peak 14.7 MB tiled vs 220 MB dense (0.067); time tiled / dense 0.49 - 0.66 over five runs on a busy
+2-core machine (0.34 s vs 0.52 s, medians): fewer passes over memory than the dense path's (r, n) matrices.
 
 Half precision (fp16, bf16 inputs, or fp32 inputs under a half autocast): the scores ``q kᵀ`` are one matmul in
 the half dtype, as autocast would run it; everything after them (act, sums, N, D, the division, and the backward

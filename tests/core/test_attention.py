@@ -263,15 +263,19 @@ def test_bytes_estimate_is_within_a_quarter_of_the_measured_peak(tile):
 
 @pytest.mark.slow
 def test_tiled_peak_is_a_tenth_of_dense_at_4096():
-    """r = n = 4096, h = m = 64, T = 256, fp32 relu, forward + backward."""
+    """r = n = 4096, h = m = 64, T = 256, fp32 relu, forward + backward; prints the peak and time ratios (one thread,
+    the median of 3 runs) that pipeline.core.attention's docstring quotes."""
     n, h, tile = 4096, 64, 256
     peaks, seconds = {}, {}
     for name, t in (("dense", None), ("tiled", tile)):
         step = fwd_bwd(n, n, h, h, t)
         peaks[name] = peak_bytes(step)
-        start = time.perf_counter()
-        step()
-        seconds[name] = time.perf_counter() - start
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        seconds[name] = sorted(times)[1]  # the median of 3
         assert abs(fuse_rows_bytes(n, n, h, h, t, 4) / peaks[name] - 1) < 0.25, name
     print(f"peak tiled/dense {peaks['tiled'] / peaks['dense']:.4f} ({peaks['tiled']} / {peaks['dense']} bytes), "
           f"time tiled/dense {seconds['tiled'] / seconds['dense']:.2f}")
