@@ -32,6 +32,8 @@ _EXPORTS: dict[str, str] = {
     "HeadOutput": "pipeline.core.model",
     "TransFusion": "pipeline.core.model",
     "build_model": "pipeline.core.model",
+    # one block's fusion for a subset of its rows, dense or in column tiles (a row-sharded head calls it)
+    "fuse_rows": "pipeline.core.attention",
     # the losses: by name, and each one; all take (q, k, ids, *, rows=None, layout=None)
     "make_loss": "pipeline.core.losses",
     "LOSS_NAMES": "pipeline.core.losses",

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 API = {
     **dict.fromkeys(("TransFusionBlock", "TransFusionHead", "HeadOutput", "TransFusion", "build_model"),
                     "pipeline.core.model"),
+    "fuse_rows": "pipeline.core.attention",
     **dict.fromkeys(("make_loss", "LOSS_NAMES", "jsd", "jsd_appendix_e", "kl_softmax", "kl_relu", "kl_squared",
                      "infonce", "supcon", "dcl", "barlow_twins"), "pipeline.core.losses"),
     **dict.fromkeys(("target_affinity", "self_supervised_ids"), "pipeline.core.targets"),

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.config.model import ACTIVATIONS, AFFINITY_EPS, BLOCK_NORMS, FUSION_SCOPES, QK_INITS
-from pipeline.core.attention import fuse_rows
+from pipeline.core.attention import activate, fuse_rows
 from pipeline.core.backbones import build_backbone
 
 if TYPE_CHECKING:
@@ -45,25 +45,13 @@ if TYPE_CHECKING:
 EPS = AFFINITY_EPS  # Appendix E's additive constant in the row normalisation
 
 
-def _activate(a: Tensor, activation: str) -> Tensor:
-    if activation == "relu":
-        return F.relu(a)
-    if activation == "softmax":
-        return torch.softmax(a, dim=-1)
-    if activation == "sigmoid":
-        return torch.sigmoid(a)
-    if activation == "identity":
-        return a
-    raise ValueError(f"unknown activation {activation!r}; allowed: {', '.join(ACTIVATIONS)}")
-
-
 def _affinity(q: Tensor, k: Tensor, activation: str) -> Tensor:
     """``act(Q Kᵀ)`` with a zero diagonal, allocating one (n, n) matrix where autograd allows."""
     a = q @ k.transpose(-2, -1)  # (n, n)
     if activation == "relu":
         raw = a.clamp_min(0.0)  # its backward needs a, not raw, so raw may be edited in place
     else:
-        raw = _activate(a, activation).clone()
+        raw = activate(a, activation).clone()
     raw.diagonal(dim1=-2, dim2=-1).zero_()
     return raw
 
@@ -84,12 +72,11 @@ def fuse(q: Tensor, k: Tensor, v: Tensor, activation: str = "relu") -> tuple[Ten
     """``weights @ V`` of :func:`fuse_weights` without materialising the normalised weights.
 
     ``(raw + ε) V / (Σ_j raw_ij + nε) = (raw V + ε Σ_j v_j) / (Σ_j raw_ij + nε)`` row by row: the same
-    numbers, two fewer (n, n) passes forward and backward. q, k: (n, h), v: (n, m) -> (n, m), raw (n, n).
+    numbers, two fewer (n, n) passes forward and backward. q, k: (..., n, h), v: (..., n, m) -> (..., n, m),
+    raw (..., n, n): :func:`pipeline.core.attention.fuse_rows`'s dense path with all n rows (half scores: the
+    sums and the division in fp32, ``raw`` fp32).
     """
-    raw = _affinity(q, k, activation)  # (n, n)
-    n = raw.shape[-1]
-    denom = raw.sum(dim=-1, keepdim=True) + n * EPS  # (n, 1)
-    return (raw @ v + EPS * v.sum(dim=-2, keepdim=True)) / denom, raw
+    return fuse_rows(q, k, v, 0, activation, return_raw=True)
 
 
 class TransFusionBlock(nn.Module):
