@@ -152,20 +152,36 @@ def test_two_sharded_workers_equal_one_dense_process(tmp_path):
     assert ranks[0][-1] == ranks[1][-1] == [torch.bfloat16] * 3
 
 
-@pytest.mark.parametrize("case", [Case(depth=0), Case(depth=3, truncated=True, scope="per_view"),
-                                  Case(depth=2, activation="softmax", qk_init="identity"), Case(chunk=3)],
-                         ids=str)
-def test_one_process_through_the_row_path_equals_the_dense_head(case):
-    """world 1 with a tile None through forward_rows (Rows.whole) is the same step as the dense head."""
-    want = run_case(case, 0, 1)
-    step_mod_tile = run_case(case, 0, 1, tile=None)
-    assert_same(step_mod_tile, want, rtol=0)
+HEAD_OPTIONS = [Case(depth=0), Case(depth=1, scope="per_view", qk_init="identity"),
+                Case(depth=3, truncated=True, qk_init="tied"), Case(depth=2, activation="softmax"),
+                Case(depth=2, activation="sigmoid", scope="per_view", truncated=True),
+                Case(depth=2, activation="identity")]
+
+
+@pytest.mark.parametrize("tile", [None, 1, 3, 64])
+@pytest.mark.parametrize("case", HEAD_OPTIONS, ids=str)
+def test_the_row_path_on_one_process_equals_the_dense_head(case, tile):
+    """forward_rows over all rows (Rows.whole), dense or in tiles: the dense head's q and k and their gradients."""
     model = make_model(case)
-    z = torch.randn(10, 12, dtype=torch.float64)
+    z = torch.randn(10, 12, dtype=torch.float64, requires_grad=True)
     full = model.head(z, views=2)
-    rows = model.head.forward_rows(z, Rows.whole(10), views=2)
-    torch.testing.assert_close(rows.q, full.q, rtol=1e-13, atol=1e-13)
-    torch.testing.assert_close(rows.k, full.k, rtol=1e-13, atol=1e-13)
+    rows = model.head.forward_rows(z, Rows.whole(10), views=2, tile=tile)
+    for got, want in ((rows.q, full.q), (rows.k, full.k)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    w = torch.randn_like(full.q)
+    grads = [torch.autograd.grad(((o.q + 2 * o.k) * w).sum(), [z, *model.head.parameters()], allow_unused=True)
+             for o in (full, rows)]
+    for a, b in zip(*grads, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+def test_embed_over_tiles_equals_the_dense_embed():
+    model = make_model(Case(depth=3))
+    x = torch.rand(9, *SHAPE, dtype=torch.float64)
+    for a, b in zip(model.embed(x), model.embed(x, tile=4), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
 
 
 def test_rows_that_do_not_split_into_the_views_are_refused():
