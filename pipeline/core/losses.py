@@ -74,6 +74,12 @@ from pipeline.core.targets import (
     row_affinity,
     row_range,
 )
+from pipeline.core.tiled_losses import (
+    TiledNormalizedAffinityLoss,
+    TiledSoftmaxAffinityLoss,
+    tile_positives,
+    use_tiles,
+)
 
 EPS = AFFINITY_EPS  # the normalisation epsilon of Appendix E
 BN_EPS = 1e-5  # Barlow Twins standardisation epsilon (as in BatchNorm1d)
@@ -94,45 +100,6 @@ __all__ = [
     "make_loss",
     "supcon",
 ]
-
-
-# --------------------------------------------------------------------------------------------------
-# helpers
-# --------------------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,18 +208,21 @@ class _NormalizedAffinityLoss(torch.autograd.Function):
 
 
 def _normalized_loss(
-    kind: str, q: Tensor, k: Tensor, ids: Tensor, rows: slice | None, layout: str | None
+    kind: str, q: Tensor, k: Tensor, ids: Tensor, rows: slice | None, layout: str | None, tile: int | None
 ) -> Tensor:
     n = check_inputs(q, k, ids)
     start, stop = row_range(rows, n)
-    pos = positives(ids, start, stop, layout)
+    tiled = use_tiles(tile, n)
+    pos = (tile_positives if tiled else positives)(ids, start, stop, layout)
     qn = F.normalize(q[start:stop], dim=1)  # (r, d)
     kn = F.normalize(k, dim=1)  # (n, d)
+    if tiled:
+        return TiledNormalizedAffinityLoss.apply(qn, kn, pos, n, kind, tile)
     return _NormalizedAffinityLoss.apply(qn, kn, pos, start, n, kind)
 
 
 def jsd(
-    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None
+    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None, tile: int | None = None
 ) -> Tensor:
     """TransFusion loss, eqs. (4)-(5) with their logs (Appendix B's JSD-Squared): a scalar.
 
@@ -271,11 +241,11 @@ def jsd(
     j contributes P_ij log 2, so ``L_i = sum_pos [...] + log 2 · (1 - sum_pos P_ij)``. ``layout``: None (ids
     read, one host sync), ``"two_view"`` or ``"labels"`` (no host sync), see the module docstring.
     """
-    return _normalized_loss("jsd", q, k, ids, rows, layout)
+    return _normalized_loss("jsd", q, k, ids, rows, layout, tile)
 
 
 def jsd_appendix_e(
-    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None
+    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None, tile: int | None = None
 ) -> Tensor:
     """The loss exactly as Appendix E.2's ``Loss.forward`` computes it: a scalar.
 
@@ -294,7 +264,7 @@ def jsd_appendix_e(
     Computed by the fused :class:`_NormalizedAffinityLoss`: where Y = 0 both terms vanish, so only the
     positives and the row sums of S enter. ``layout``: as :func:`jsd`.
     """
-    return _normalized_loss("jsd_appendix_e", q, k, ids, rows, layout)
+    return _normalized_loss("jsd_appendix_e", q, k, ids, rows, layout, tile)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -303,7 +273,7 @@ def jsd_appendix_e(
 
 
 def kl_relu(
-    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None
+    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None, tile: int | None = None
 ) -> Tensor:
     """KL-ReLU of Appendix B: ``L_i = D(Ŷ_i || Normalize(A_+)_i)``, a scalar.
 
@@ -311,18 +281,18 @@ def kl_relu(
     A_ij <= 0 costs about log(1e10) instead of infinity). Rows without a positive contribute 0.
     Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_NormalizedAffinityLoss`. ``layout``: as :func:`jsd`.
     """
-    return _normalized_loss("kl_relu", q, k, ids, rows, layout)
+    return _normalized_loss("kl_relu", q, k, ids, rows, layout, tile)
 
 
 def kl_squared(
-    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None
+    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None, tile: int | None = None
 ) -> Tensor:
     """KL-Squared of Appendix B: ``L_i = D(Ŷ_i || Normalize(A ∘ A)_i)``, a scalar.
 
     Same conventions as :func:`kl_relu`. Rows without a positive contribute 0.
     Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_NormalizedAffinityLoss`. ``layout``: as :func:`jsd`.
     """
-    return _normalized_loss("kl_squared", q, k, ids, rows, layout)
+    return _normalized_loss("kl_squared", q, k, ids, rows, layout, tile)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -387,13 +357,23 @@ class _SoftmaxAffinityLoss(torch.autograd.Function):
 
 
 def _softmax_loss(
-    kind: str, q: Tensor, k: Tensor, ids: Tensor, rows: slice | None, layout: str | None, temperature: float
+    kind: str,
+    q: Tensor,
+    k: Tensor,
+    ids: Tensor,
+    rows: slice | None,
+    layout: str | None,
+    temperature: float,
+    tile: int | None,
 ) -> Tensor:
     n = check_inputs(q, k, ids)
     start, stop = row_range(rows, n)
-    pos = positives(ids, start, stop, layout)
+    tiled = use_tiles(tile, n)
+    pos = (tile_positives if tiled else positives)(ids, start, stop, layout)
     qn = F.normalize(q[start:stop], dim=1)  # (r, d)
     kn = F.normalize(k, dim=1)  # (n, d)
+    if tiled:
+        return TiledSoftmaxAffinityLoss.apply(qn, kn, pos, n, kind, tile, temperature)
     return _SoftmaxAffinityLoss.apply(qn, kn, pos, start, n, kind, temperature)
 
 
@@ -405,6 +385,7 @@ def kl_softmax(
     rows: slice | None = None,
     layout: str | None = None,
     temperature: float = 0.1,
+    tile: int | None = None,
 ) -> Tensor:
     """KL-Softmax of Appendices A/B: ``L_i = D(Ŷ_i || σ(A_i / τ))``, a scalar.
 
@@ -413,7 +394,7 @@ def kl_softmax(
     Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`. ``layout``: as :func:`jsd`.
     """
     check_temperature(temperature)
-    return _softmax_loss("kl_softmax", q, k, ids, rows, layout, temperature)
+    return _softmax_loss("kl_softmax", q, k, ids, rows, layout, temperature, tile)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -429,6 +410,7 @@ def infonce(
     rows: slice | None = None,
     layout: str | None = None,
     temperature: float = 0.1,
+    tile: int | None = None,
 ) -> Tensor:
     """NT-Xent / InfoNCE, eq. (9): ``L_i = -log( exp(A_ip/τ) / sum_{a != i} exp(A_ia/τ) )``, a scalar.
 
@@ -453,7 +435,7 @@ def infonce(
                 "infonce needs exactly one positive per row (self-supervised two-view ids); got rows with "
                 f"{sorted(set(counts.tolist()))} positives — use supcon for supervised batches"
             )
-    return _softmax_loss("infonce", q, k, ids, rows, layout, temperature)
+    return _softmax_loss("infonce", q, k, ids, rows, layout, temperature, tile)
 
 
 def supcon(
@@ -464,6 +446,7 @@ def supcon(
     rows: slice | None = None,
     layout: str | None = None,
     temperature: float = 0.1,
+    tile: int | None = None,
 ) -> Tensor:
     """SupCon L_out (Khosla et al.), eq. (10), a scalar::
 
@@ -473,7 +456,7 @@ def supcon(
     Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`. ``layout``: as :func:`jsd`.
     """
     check_temperature(temperature)
-    return _softmax_loss("supcon", q, k, ids, rows, layout, temperature)
+    return _softmax_loss("supcon", q, k, ids, rows, layout, temperature, tile)
 
 
 def dcl(
@@ -484,6 +467,7 @@ def dcl(
     rows: slice | None = None,
     layout: str | None = None,
     temperature: float = 0.1,
+    tile: int | None = None,
 ) -> Tensor:
     """Decoupled contrastive loss (Yeh et al.), a scalar::
 
@@ -499,7 +483,7 @@ def dcl(
     check_temperature(temperature)
     if layout is None and ids.dim() == 1 and ids.numel() > 0 and ids.unique().numel() < 2:
         raise ValueError("dcl needs at least one negative per row: the batch holds a single id")
-    return _softmax_loss("dcl", q, k, ids, rows, layout, temperature)
+    return _softmax_loss("dcl", q, k, ids, rows, layout, temperature, tile)
 
 
 def barlow_twins(
@@ -510,6 +494,7 @@ def barlow_twins(
     rows: slice | None = None,
     layout: str | None = None,
     barlow_lambda: float = 5e-3,
+    tile: int | None = None,
 ) -> Tensor:
     """Barlow Twins (Zbontar et al.) on the two views of q (k is ignored; q is used raw, not normalised).
 
