@@ -18,7 +18,7 @@ Every loss has the uniform signature::
   *Layouts and host syncs* below. None (the default) reads them from ``ids`` and validates the batch.
 - ``tile``: None (the default) or T >= 1 columns. With T < n the pairwise losses run in column tiles
   (:mod:`pipeline.core.tiled_losses`): the same value and gradients up to rounding, in O((r + n) d + r T) memory
-  instead of the fused path's two (r, n) buffers, for about 1-3x the time (its docstring has the numbers); the
+  instead of the fused path's two (r, n) buffers, for about 1-2x the time (its docstring has the numbers); the
   positives are found per tile with no host sync in any layout (None keeps only the infonce / dcl checks).
   T >= n runs the fused path unchanged. ``barlow_twins`` takes and ignores it (its (d, d) matrix is not pairwise).
 

@@ -210,7 +210,7 @@ def test_the_sync_count_can_fail():
                                          ("infonce", None)])
 def test_tiled_peak_memory(name, layout):
     """r = n = 4096, d = 128, tile 256: the tiled forward + backward peaks below 0.15 of the fused one's (fp32).
-    Measured (measure.peak_bytes, CPU): jsd 10.1 MB / 132.1 MB (two_view), 15.1 / 132.2 (None); infonce 12.1 /
+    Measured (measure.peak_bytes, CPU): jsd 10.1 MB / 132.1 MB (two_view), 14.1 / 132.2 (None); infonce 12.1 /
     132.1 (two_view), 15.1 / 132.2 (None)."""
     n, d = 4096, 128
     q, k = make_qk(seed=10, n=n, d=d, dtype=torch.float32)
