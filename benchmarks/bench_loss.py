@@ -12,6 +12,7 @@ before and not counted, its gradient is.
 
     python benchmarks/bench_loss.py                          # n = 2 x 2048 and 2 x 8192, d = 128, 2 threads
     python benchmarks/bench_loss.py --n 4096 --reference     # also the pre-fusion jsd / jsd_appendix_e
+    python benchmarks/bench_loss.py --n 4096 --tile 256 --layout two_view --threads 1   # also column-tiled
 """
 
 from __future__ import annotations
@@ -49,11 +50,15 @@ def nt_xent_baseline(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, labels)
 
 
-def loss_fns(reference: bool) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+def loss_fns(
+    reference: bool, tile: int | None = None, layout: str | None = None
+) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     fns: dict[str, Callable] = {"nt_xent (baseline)": nt_xent_baseline}
     for name in LOSS_NAMES:
         fn = make_loss(name, temperature=TEMPERATURE)
-        fns[name] = lambda z, ids, fn=fn: fn(z, z, ids)
+        fns[name] = lambda z, ids, fn=fn: fn(z, z, ids, layout=layout)
+        if tile is not None and name != "barlow_twins":  # each pairwise loss also in tiles of `tile` columns
+            fns[f"{name} (tile {tile})"] = lambda z, ids, fn=fn: fn(z, z, ids, layout=layout, tile=tile)
     if reference:  # the implementation before fusion, kept as the tests' reference
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from tests.core.test_losses import reference_jsd, reference_jsd_appendix_e
@@ -89,18 +94,18 @@ def peak_bytes(fn: Callable, z: torch.Tensor, ids: torch.Tensor) -> int:
     return measure.peak_bytes(lambda: step(fn, z, ids))
 
 
-def run(n: int, d: int, repeats: int, reference: bool) -> None:
+def run(n: int, d: int, repeats: int, reference: bool, tile: int | None = None, layout: str | None = None) -> None:
     torch.manual_seed(0)
     z = torch.randn(n, d, requires_grad=True)
     ids = self_supervised_ids(n // 2)
-    fns = loss_fns(reference and n <= REFERENCE_MAX_N)  # the pre-fusion jsd needs ~14 n x n buffers
+    fns = loss_fns(reference and n <= REFERENCE_MAX_N, tile, layout)  # the pre-fusion jsd needs ~14 n x n buffers
     ours = make_loss("infonce", temperature=TEMPERATURE)(z, z, ids)
     torch.testing.assert_close(ours, nt_xent_baseline(z, ids), rtol=1e-5, atol=1e-5)  # the same loss
     buffer = n * n * 4
     times = time_rounds(fns, z, ids, repeats)
     base = times[next(iter(fns))]
     print(f"\nforward + backward, n = {n} rows (2 x {n // 2}), d = {d}, {torch.get_num_threads()} threads, "
-          f"{repeats} interleaved rounds (median; min); peak memory in n x n fp32 buffers "
+          f"layout {layout}, {repeats} interleaved rounds (median; min); peak memory in n x n fp32 buffers "
           f"({buffer / 2**20:,.0f} MiB each)")
     print(f"  {'loss':<28} {'ms':>9} {'vs NT-Xent':>11}   {'min ms':>9} {'min vs min':>11} {'peak mem':>9}")
     for name, fn in fns.items():
@@ -118,10 +123,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reference", action="store_true", help="also time the pre-fusion jsd (slow; n <= 8192 only)")
+    ap.add_argument("--tile", type=int, default=None, help="also every pairwise loss in column tiles of this size")
+    ap.add_argument("--layout", choices=["two_view"], default=None, help="the losses' layout (default: None)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     for n in args.n:
-        run(n, args.d, args.repeats, args.reference)
+        run(n, args.d, args.repeats, args.reference, args.tile, args.layout)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Every loss has the uniform signature::
 
-    loss(q, k, ids, *, rows=None, layout=None, **hyper) -> scalar Tensor
+    loss(q, k, ids, *, rows=None, layout=None, tile=None, **hyper) -> scalar Tensor
 
 - ``q``, ``k``: (n, d). The affinity is the cosine matrix ``A = normalize(q) @ normalize(k).T`` (n, n); the
   normalisation happens inside the loss (idempotent on unit rows). With the default head q = k = the fused
@@ -16,6 +16,11 @@ Every loss has the uniform signature::
   loss, which is what a distributed trainer that owns a slice of a global batch needs.
 - ``layout``: None, ``"two_view"`` or ``"labels"``, how the positives of eq. (1) are found from ``ids``; see
   *Layouts and host syncs* below. None (the default) reads them from ``ids`` and validates the batch.
+- ``tile``: None (the default) or T >= 1 columns. With T < n the pairwise losses run in column tiles
+  (:mod:`pipeline.core.tiled_losses`): the same value and gradients up to rounding, in O((r + n) d + r T) memory
+  instead of the fused path's two (r, n) buffers, for about 1-2x the time (its docstring has the numbers); the
+  positives are found per tile with no host sync in any layout (None keeps only the infonce / dcl checks).
+  T >= n runs the fused path unchanged. ``barlow_twins`` takes and ignores it (its (d, d) matrix is not pairwise).
 
 Conventions shared by all row-wise losses:
 
@@ -74,6 +79,12 @@ from pipeline.core.targets import (
     row_affinity,
     row_range,
 )
+from pipeline.core.tiled_losses import (
+    TiledNormalizedAffinityLoss,
+    TiledSoftmaxAffinityLoss,
+    tile_positives,
+    use_tiles,
+)
 
 EPS = AFFINITY_EPS  # the normalisation epsilon of Appendix E
 BN_EPS = 1e-5  # Barlow Twins standardisation epsilon (as in BatchNorm1d)
@@ -94,45 +105,6 @@ __all__ = [
     "make_loss",
     "supcon",
 ]
-
-
-# --------------------------------------------------------------------------------------------------
-# helpers
-# --------------------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,18 +213,21 @@ class _NormalizedAffinityLoss(torch.autograd.Function):
 
 
 def _normalized_loss(
-    kind: str, q: Tensor, k: Tensor, ids: Tensor, rows: slice | None, layout: str | None
+    kind: str, q: Tensor, k: Tensor, ids: Tensor, rows: slice | None, layout: str | None, tile: int | None
 ) -> Tensor:
     n = check_inputs(q, k, ids)
     start, stop = row_range(rows, n)
-    pos = positives(ids, start, stop, layout)
+    tiled = use_tiles(tile, n)
+    pos = (tile_positives if tiled else positives)(ids, start, stop, layout)
     qn = F.normalize(q[start:stop], dim=1)  # (r, d)
     kn = F.normalize(k, dim=1)  # (n, d)
+    if tiled:
+        return TiledNormalizedAffinityLoss.apply(qn, kn, pos, n, kind, tile)
     return _NormalizedAffinityLoss.apply(qn, kn, pos, start, n, kind)
 
 
 def jsd(
-    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None
+    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None, tile: int | None = None
 ) -> Tensor:
     """TransFusion loss, eqs. (4)-(5) with their logs (Appendix B's JSD-Squared): a scalar.
 
@@ -269,13 +244,14 @@ def jsd(
 
     Computed by the fused :class:`_NormalizedAffinityLoss` (analytic gradient, two n×n buffers): a negative
     j contributes P_ij log 2, so ``L_i = sum_pos [...] + log 2 · (1 - sum_pos P_ij)``. ``layout``: None (ids
-    read, one host sync), ``"two_view"`` or ``"labels"`` (no host sync), see the module docstring.
+    read, one host sync), ``"two_view"`` or ``"labels"`` (no host sync), see the module docstring. ``tile``:
+    T < n runs :class:`~pipeline.core.tiled_losses.TiledNormalizedAffinityLoss` over tiles of T columns instead.
     """
-    return _normalized_loss("jsd", q, k, ids, rows, layout)
+    return _normalized_loss("jsd", q, k, ids, rows, layout, tile)
 
 
 def jsd_appendix_e(
-    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None
+    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None, tile: int | None = None
 ) -> Tensor:
     """The loss exactly as Appendix E.2's ``Loss.forward`` computes it: a scalar.
 
@@ -292,9 +268,9 @@ def jsd_appendix_e(
     each) gives ``-m log(1 + 1/m) - log(1 + m)`` (-2 log 2 for m = 1).
 
     Computed by the fused :class:`_NormalizedAffinityLoss`: where Y = 0 both terms vanish, so only the
-    positives and the row sums of S enter. ``layout``: as :func:`jsd`.
+    positives and the row sums of S enter. ``layout``, ``tile``: as :func:`jsd`.
     """
-    return _normalized_loss("jsd_appendix_e", q, k, ids, rows, layout)
+    return _normalized_loss("jsd_appendix_e", q, k, ids, rows, layout, tile)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -303,26 +279,26 @@ def jsd_appendix_e(
 
 
 def kl_relu(
-    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None
+    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None, tile: int | None = None
 ) -> Tensor:
     """KL-ReLU of Appendix B: ``L_i = D(Ŷ_i || Normalize(A_+)_i)``, a scalar.
 
     A_+ = max(A, 0); Normalize excludes the diagonal and uses the 1e-10 of Appendix E (so a positive with
     A_ij <= 0 costs about log(1e10) instead of infinity). Rows without a positive contribute 0.
-    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_NormalizedAffinityLoss`. ``layout``: as :func:`jsd`.
+    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_NormalizedAffinityLoss`. ``layout``, ``tile``: as :func:`jsd`.
     """
-    return _normalized_loss("kl_relu", q, k, ids, rows, layout)
+    return _normalized_loss("kl_relu", q, k, ids, rows, layout, tile)
 
 
 def kl_squared(
-    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None
+    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None, tile: int | None = None
 ) -> Tensor:
     """KL-Squared of Appendix B: ``L_i = D(Ŷ_i || Normalize(A ∘ A)_i)``, a scalar.
 
     Same conventions as :func:`kl_relu`. Rows without a positive contribute 0.
-    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_NormalizedAffinityLoss`. ``layout``: as :func:`jsd`.
+    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_NormalizedAffinityLoss`. ``layout``, ``tile``: as :func:`jsd`.
     """
-    return _normalized_loss("kl_squared", q, k, ids, rows, layout)
+    return _normalized_loss("kl_squared", q, k, ids, rows, layout, tile)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -387,13 +363,23 @@ class _SoftmaxAffinityLoss(torch.autograd.Function):
 
 
 def _softmax_loss(
-    kind: str, q: Tensor, k: Tensor, ids: Tensor, rows: slice | None, layout: str | None, temperature: float
+    kind: str,
+    q: Tensor,
+    k: Tensor,
+    ids: Tensor,
+    rows: slice | None,
+    layout: str | None,
+    temperature: float,
+    tile: int | None,
 ) -> Tensor:
     n = check_inputs(q, k, ids)
     start, stop = row_range(rows, n)
-    pos = positives(ids, start, stop, layout)
+    tiled = use_tiles(tile, n)
+    pos = (tile_positives if tiled else positives)(ids, start, stop, layout)
     qn = F.normalize(q[start:stop], dim=1)  # (r, d)
     kn = F.normalize(k, dim=1)  # (n, d)
+    if tiled:
+        return TiledSoftmaxAffinityLoss.apply(qn, kn, pos, n, kind, tile, temperature)
     return _SoftmaxAffinityLoss.apply(qn, kn, pos, start, n, kind, temperature)
 
 
@@ -405,15 +391,16 @@ def kl_softmax(
     rows: slice | None = None,
     layout: str | None = None,
     temperature: float = 0.1,
+    tile: int | None = None,
 ) -> Tensor:
     """KL-Softmax of Appendices A/B: ``L_i = D(Ŷ_i || σ(A_i / τ))``, a scalar.
 
     σ is the softmax over j != i (diagonal excluded), Ŷ the row-normalised target. Equals SupCon (eq. 10)
     minus the entropy constant ``log |P(i)|`` per row (Appendix A). Rows without a positive contribute 0.
-    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`. ``layout``: as :func:`jsd`.
+    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`. ``layout``, ``tile``: as :func:`jsd`.
     """
     check_temperature(temperature)
-    return _softmax_loss("kl_softmax", q, k, ids, rows, layout, temperature)
+    return _softmax_loss("kl_softmax", q, k, ids, rows, layout, temperature, tile)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -429,12 +416,13 @@ def infonce(
     rows: slice | None = None,
     layout: str | None = None,
     temperature: float = 0.1,
+    tile: int | None = None,
 ) -> Tensor:
     """NT-Xent / InfoNCE, eq. (9): ``L_i = -log( exp(A_ip/τ) / sum_{a != i} exp(A_ia/τ) )``, a scalar.
 
     p = the unique positive of row i. Requires exactly one positive per row (the self-supervised two-view
     layout), checked on the whole batch; raises ValueError otherwise. Returns ``sum_{i in rows} L_i / n``.
-    Fused: :class:`_SoftmaxAffinityLoss`.
+    Fused: :class:`_SoftmaxAffinityLoss`; ``tile``: T < n runs ``TiledSoftmaxAffinityLoss`` (see :func:`jsd`).
 
     ``layout``: None checks the batch (host syncs); ``"two_view"`` guarantees one positive per row and skips
     the check (no host sync); ``"labels"`` does not, so it raises ValueError.
@@ -453,7 +441,7 @@ def infonce(
                 "infonce needs exactly one positive per row (self-supervised two-view ids); got rows with "
                 f"{sorted(set(counts.tolist()))} positives — use supcon for supervised batches"
             )
-    return _softmax_loss("infonce", q, k, ids, rows, layout, temperature)
+    return _softmax_loss("infonce", q, k, ids, rows, layout, temperature, tile)
 
 
 def supcon(
@@ -464,16 +452,17 @@ def supcon(
     rows: slice | None = None,
     layout: str | None = None,
     temperature: float = 0.1,
+    tile: int | None = None,
 ) -> Tensor:
     """SupCon L_out (Khosla et al.), eq. (10), a scalar::
 
         L_i = -1/|P(i)| sum_{p in P(i)} log( exp(A_ip/τ) / sum_{a != i} exp(A_ia/τ) )
 
     P(i) = {j != i : ids[j] == ids[i]}. Rows with empty P(i) contribute 0.
-    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`. ``layout``: as :func:`jsd`.
+    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`. ``layout``, ``tile``: as :func:`jsd`.
     """
     check_temperature(temperature)
-    return _softmax_loss("supcon", q, k, ids, rows, layout, temperature)
+    return _softmax_loss("supcon", q, k, ids, rows, layout, temperature, tile)
 
 
 def dcl(
@@ -484,6 +473,7 @@ def dcl(
     rows: slice | None = None,
     layout: str | None = None,
     temperature: float = 0.1,
+    tile: int | None = None,
 ) -> Tensor:
     """Decoupled contrastive loss (Yeh et al.), a scalar::
 
@@ -491,7 +481,7 @@ def dcl(
 
     (the positives are removed from the denominator). Rows with empty P(i) contribute 0. Every row needs at
     least one negative, i.e. the batch must hold at least two distinct ids (ValueError otherwise).
-    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`.
+    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`; ``tile``: as :func:`infonce`.
 
     ``layout``: None checks the batch (host syncs); ``"two_view"`` has a negative in every row (n >= 4) and
     ``"labels"`` skips the check (no host sync): a batch with a single id then gives NaN, not a ValueError.
@@ -499,7 +489,7 @@ def dcl(
     check_temperature(temperature)
     if layout is None and ids.dim() == 1 and ids.numel() > 0 and ids.unique().numel() < 2:
         raise ValueError("dcl needs at least one negative per row: the batch holds a single id")
-    return _softmax_loss("dcl", q, k, ids, rows, layout, temperature)
+    return _softmax_loss("dcl", q, k, ids, rows, layout, temperature, tile)
 
 
 def barlow_twins(
@@ -510,6 +500,7 @@ def barlow_twins(
     rows: slice | None = None,
     layout: str | None = None,
     barlow_lambda: float = 5e-3,
+    tile: int | None = None,
 ) -> Tensor:
     """Barlow Twins (Zbontar et al.) on the two views of q (k is ignored; q is used raw, not normalised).
 
@@ -523,8 +514,10 @@ def barlow_twins(
     Not row-separable: with ``rows`` of r rows it returns ``L * r / n`` so that row slices still add up to L.
 
     ``layout``: None checks the ids (host syncs); ``"two_view"`` guarantees the layout and skips reading them
-    (no host sync; n must still be even); ``"labels"`` does not, so it raises ValueError.
+    (no host sync; n must still be even); ``"labels"`` does not, so it raises ValueError. ``tile`` is accepted
+    for the uniform signature and ignored: C is (d, d), there is no (n, n) matrix across samples to tile.
     """
+    del tile  # see above
     if q.dim() != 2:
         raise ValueError(f"q must be (n, d), got {tuple(q.shape)}")
     n = q.shape[0]
@@ -574,7 +567,7 @@ LOSS_NAMES: tuple[str, ...] = tuple(LOSSES)
 
 
 def make_loss(name: str, *, temperature: float = 0.1, barlow_lambda: float = 5e-3) -> Callable[..., Tensor]:
-    """The loss ``name`` with its hyper-parameters bound: ``f(q, k, ids, *, rows=None, layout=None) -> scalar``.
+    """The loss ``name`` with its hyper-parameters bound: ``f(q, k, ids, *, rows=None, layout=None, tile=None)``.
 
     Only the hyper-parameters the loss takes are bound (``temperature`` for kl_softmax / infonce / supcon /
     dcl, ``barlow_lambda`` for barlow_twins). Unknown names raise ValueError listing the allowed ones.
