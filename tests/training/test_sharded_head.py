@@ -61,6 +61,12 @@ CASES = [
     # gradient caching
     Case(chunk=3),
     Case(chunk=5, truncated=True, loss="supcon", mode="sup"),
+    # the head's attention and the loss over column tiles (16 rows: tiles of 3, 4, 5 leave ragged ends)
+    Case(tile=5),
+    Case(tile=3, depth=3, truncated=True, scope="per_view", loss="supcon", mode="sup"),
+    Case(tile=4, activation="softmax", loss="kl_softmax", mode="sup"),
+    Case(tile=4, activation="sigmoid", loss="infonce"),
+    Case(tile=5, chunk=3, loss="dcl"),
 ]
 
 
