@@ -34,8 +34,8 @@ import torch.multiprocessing as mp
 from pipeline.core.backbones import build_backbone
 from pipeline.core.losses import make_loss
 from pipeline.core.model import Rows, TransFusionHead
-from pipeline.training.measure import peak_bytes
 from pipeline.core.plan import head_bytes, plan_head
+from pipeline.training.measure import peak_bytes
 from pipeline.training.step import gather_views
 
 WIDTH, DEPTH, TILE = 64, 1, 512
@@ -176,24 +176,28 @@ def main() -> None:
     n_params = sum(p.numel() for p in build_backbone("resnet18_cifar", (3, 32, 32))[0].parameters())
     n_params += sum(p.numel() for p in TransFusionHead(512, 9).parameters())
     fixed = n_params * 4 * 4  # fp32 weights, gradients, Adam's two moments
-    best, limit, head_gb = 0, "backbone", 0.0
-    b = world
-    while True:
-        bb_bytes = act_bf16 * 2 * b / world
-        left = gpu - fixed - bb_bytes
-        if left <= 0:
-            break
-        plan = plan_head(2 * b, world, 9, 512, int(left), itemsize=2)
-        if plan.bytes > left:
-            limit = "head"
-            break
-        best, head_gb = b, plan.bytes / 1e9
-        limit = "backbone"
-        b += 1024 if b >= 1024 else world
+
+    def largest(with_backbone: bool, with_head: bool) -> tuple[int, float]:
+        """The largest global batch (a multiple of 1,024 images) whose worker fits 80 GB, and its head's GB."""
+        best, head_gb, b = 0, 0.0, 1024
+        while b <= 2**22:
+            left = gpu - fixed - (act_bf16 * 2 * b / world if with_backbone else 0)
+            plan = plan_head(2 * b, world, 9, 512, int(max(left, 0)), itemsize=2) if with_head else None
+            if left <= 0 or (plan is not None and plan.bytes > left):
+                break
+            best, head_gb = b, (plan.bytes / 1e9 if plan else 0.0)
+            b += 1024
+        return best, head_gb
+
+    best, head_gb = largest(True, True)
+    backbone_only, _ = largest(True, False)
+    head_only, _ = largest(False, True)
+    limit = "backbone" if backbone_only <= head_only else "head"
     print(f"largest global batch on {world} x 80 GB, depth 9, embed 512, resnet18_cifar, bf16: {best:,} images "
-          f"(limited by: {limit}; head {head_gb:.1f} GB per worker, backbone {act_bf16 / 2**20:.1f} MiB per view"
-          f"; head dense at B={best:,} would need {head_bytes(2 * best, world, 9, 512, None, 2) / 1e9:,.0f} GB)"
-          f"  goal: backbone, >= 32,768")
+          f"(limited by: {limit}; head {head_gb:.1f} GB per worker; the backbone alone would allow {backbone_only:,}, "
+          f"the head alone {head_only:,}; backbone {act_bf16 / 2**20:.1f} MiB per view; a dense head at "
+          f"B={best:,} would need {head_bytes(2 * best, world, 9, 512, None, 2) / 1e9:,.0f} GB)  goal: backbone, "
+          f">= 32,768")
 
 
 if __name__ == "__main__":
