@@ -67,7 +67,7 @@ class HeadPlan:
                 f"MiB; budget {self.budget / 2**20:,.0f} MiB{fits})")
 
     def tags(self) -> dict[str, str]:
-        """MLflow tags of the run: ``head.path`` dense|tiled, ``head.sharded``, ``head.tile``, ``head.mib_per_worker``."""
+        """MLflow tags: ``head.path`` (dense|tiled), ``head.sharded``, ``head.tile``, ``head.mib_per_worker``."""
         return {"head.path": self.path, "head.sharded": str(self.sharded).lower(),
                 "head.tile": "none" if self.tile is None else str(self.tile),
                 "head.mib_per_worker": f"{self.bytes / 2**20:.1f}"}

@@ -29,6 +29,7 @@ import torch
 from pipeline import faults
 from pipeline.config.base import ParamsError, flatten
 from pipeline.config.params import Params
+from pipeline.core.plan import HeadPlan
 from pipeline.data.prepared import load_prepared, prepared_nbytes
 from pipeline.evaluation.health import unflat
 from pipeline.io import load_torch
@@ -44,7 +45,6 @@ from pipeline.runs.storage import (
     write_status,
 )
 from pipeline.training.loop import EpochMetrics, PretrainLoop, data_budget
-from pipeline.core.plan import HeadPlan
 from pipeline.training.step import NonFiniteLossError
 
 EPOCH_METRICS = ("loss", "lr", "samples_per_s", "view_noise", "knn_acc", "seconds")  # per-epoch, in MLflow

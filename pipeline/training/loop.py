@@ -38,13 +38,13 @@ from pipeline.core.batchnorm import convert_batchnorm
 from pipeline.core.losses import make_loss
 from pipeline.core.model import build_model
 from pipeline.core.optim import build_optimizer, warmup_cosine
+from pipeline.core.plan import HeadPlan, budget_bytes, plan_head
 from pipeline.data.augment import BatchAugment, view_noise
 from pipeline.data.prepared import gather_rows
 from pipeline.data.split import to_float
 from pipeline.data.types import Dataset
 from pipeline.evaluation.health import block_health, flat
 from pipeline.evaluation.knn import knn_accuracy
-from pipeline.core.plan import HeadPlan, budget_bytes, plan_head
 from pipeline.training.precision import for_device
 from pipeline.training.step import GlobalBatchStep, NonFiniteLossError, broadcast_from_rank0
 

@@ -252,7 +252,7 @@ class GlobalBatchStep:
         if key not in self._rows_cache:
             b, dev = z_local.shape[0] // 2, z_local.device
             v1, v2 = local_rows(rank, b, world_size)
-            index = torch.cat([torch.arange(v1.start, v1.stop, device=dev), torch.arange(v2.start, v2.stop, device=dev)])
+            index = torch.cat([torch.arange(v.start, v.stop, device=dev) for v in (v1, v2)])  # (2b,)
             if world_size == 1:
                 gather = _identity
             else:

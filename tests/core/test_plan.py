@@ -8,8 +8,8 @@ import torch
 
 from pipeline.core.losses import make_loss
 from pipeline.core.model import Rows, TransFusionHead
-from pipeline.training.measure import peak_bytes
 from pipeline.core.plan import HeadPlan, budget_bytes, head_bytes, largest_batch, plan_head
+from pipeline.training.measure import peak_bytes
 
 MiB = 2**20
 
