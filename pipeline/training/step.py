@@ -4,15 +4,20 @@ TransFusion lets the samples of a batch attend to each other, so with W workers 
 must see the *global* batch, not each worker's shard. Each worker:
 
 1. embeds its own views with the backbone: z_w (2b, m);
-2. all-gathers the embeddings with a differentiable all-gather into the global batch laid out
-   ``[view 1 of all B images; view 2 of all B images]`` (2B, m), and the ids likewise;
-3. runs the head on the global batch (replicated; it is cheap next to the backbone) and computes the loss
-   for *its own rows* only: ``L_w = Σ_{i ∈ rows(w)} ℓ_i / 2B``, so that ``Σ_w L_w = L`` (the full loss);
-4. back-propagates ``L_w``. The all-gather's backward sums, into each z_w, the gradients of every
+2. runs the head on *its own rows* of the global batch, laid out ``[view 1 of all B images; view 2 of all B
+   images]`` (2B rows): each block all-gathers the keys and values of every row with a differentiable all-gather and
+   computes only this worker's rows (``TransFusionHead.forward_rows``; the head's compute falls as 1/W, and over
+   column tiles when ``tile`` is set its memory grows with 2B, not (2B)²: ``pipeline.core.plan``). One process with
+   no tile runs the plain dense head on the whole batch instead, as it always did;
+3. gathers the head's last embeddings (2B, d) for the loss and computes the loss of its own rows only:
+   ``L_w = Σ_{i ∈ rows(w)} ℓ_i / 2B``, so that ``Σ_w L_w = L`` (the full loss);
+4. back-propagates ``L_w``. Each all-gather's backward sums, into the rows' owner, the gradients of every
    worker's share; summing the parameter gradients over workers then gives exactly ``∂L/∂θ`` of one
    process on the concatenated batch. The sum travels in buckets that start as soon as their gradients are
    ready, during the backward (``pipeline.training.comm.GradReducer``); gradient caching sums once after its last
    backward (:func:`allreduce_grads`, one coalesced all-reduce).
+
+The gathers run in the compute dtype (bf16 under bf16 autocast: half the bytes of fp32); the loss upcasts after.
 
 No DistributedDataParallel: its gradient *averaging* and forward hooks fit a per-sample loss, not a loss
 over the gathered batch; explicit sums are simpler and exact.
