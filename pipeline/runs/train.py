@@ -211,7 +211,7 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
         checkpoint = ray.train.Checkpoint.from_directory(spec.resume_dir)
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            loop.load_state_dict(torch.load(Path(d) / STATE_FILE, map_location=device, weights_only=True))
+            restore(loop, Path(d))
         if rank == 0 and not spec.quiet:
             _progress(f"[pretrain] resumed from the checkpoint after epoch {loop.epoch}")
 
@@ -237,6 +237,18 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
             write_status(spec.run_dir, {"error": "non_finite", "message": str(exc), "epoch": loop.epoch})
         return None
     return loop
+
+
+def restore(loop: PretrainLoop, directory: Path) -> None:
+    """Restore ``loop`` from the checkpoint in ``directory`` (its ``STATE_FILE``), each tensor where its owner keeps it.
+
+    Loaded on the host, not on the loop's device: the model's ``load_state_dict`` copies into its (device) tensors,
+    the optimizer's moves its moment buffers to each parameter's device and keeps ``state["step"]`` where it was
+    loaded (torch does, unless the optimizer is capturable or fused), which must be the host: non-capturable Adam
+    reads every parameter's step with ``.item()``, one host sync per parameter and step had it been loaded on a GPU
+    (tests/runs/test_resume.py counts them at 0).
+    """
+    loop.load_state_dict(torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True))
 
 
 def status_reason(status: dict[str, Any]) -> str:
