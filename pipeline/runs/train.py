@@ -113,14 +113,24 @@ def _placement(rank: int, world: int, device: torch.device) -> list[dict[str, An
 
 
 def worker_device(use_gpu: bool, backend: str, *, ray_train: bool = True) -> torch.device:
-    """The device a worker trains on: its GPU when it was scheduled on one and CUDA sees it; the CPU when it was not.
+    """The device a worker trains on: its GPU when it was scheduled on one, CUDA sees it and the backend is a GPU
+    one; the CPU otherwise.
 
-    A worker scheduled on a GPU (``use_gpu``) that CUDA cannot see (a node that declares GPUs it does not have, as
-    the rehearsals of GPU presets do: ``ray start --num-gpus N``) trains on the CPU only when ``ray.backend`` is
-    ``gloo``, which asks for exactly that; otherwise that is an error, not a silent fall-back to the CPU.
+    ``ray.backend: gloo`` trains on the CPU, whether CUDA sees a GPU or not: gloo is the CPU backend, and the step's
+    collectives (global BN's, the embeddings' gathers, the gradient buckets) on CUDA tensors over gloo would each go
+    through the host. Where CUDA sees a GPU that is said once in the log (``ray.backend: auto`` or ``nccl`` trains on
+    it). This is also what lets a worker scheduled on a GPU that CUDA cannot see (a node that declares GPUs it
+    does not have, as the rehearsals of GPU presets do: ``ray start --num-gpus N``) train on the CPU. With another
+    backend that worker is an error, not a silent fall-back to the CPU.
     ``ray_train``: inside a Ray Train worker (its device from Ray Train), else a one-worker trial (the first GPU).
     """
     if not use_gpu:
+        return torch.device("cpu")
+    if backend == "gloo":
+        if torch.cuda.is_available():
+            logging.getLogger(__name__).warning(
+                "ray.backend: gloo trains on the CPU although CUDA sees %d GPU(s) here; set ray.backend: auto (or "
+                "nccl) to train on them", torch.cuda.device_count())
         return torch.device("cpu")
     if torch.cuda.is_available():
         if ray_train:
@@ -128,8 +138,6 @@ def worker_device(use_gpu: bool, backend: str, *, ray_train: bool = True) -> tor
 
             return ray.train.torch.get_device()
         return torch.device("cuda")
-    if backend == "gloo":
-        return torch.device("cpu")
     import ray
 
     raise RuntimeError(f"this worker was scheduled on GPU {', '.join(map(str, ray.get_gpu_ids())) or '?'} but CUDA "
