@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -48,9 +49,10 @@ from pipeline.training.step import GlobalBatchStep  # noqa: E402
 BACKBONE, IMAGE = "resnet18_cifar", 32
 
 
-def build(world: int, device: torch.device) -> GlobalBatchStep:
+def build(world: int, device: torch.device, backbone: str = BACKBONE) -> GlobalBatchStep:
     torch.manual_seed(0)
-    model = build_model(ModelConfig(backbone=BACKBONE, depth=1, embed_dim=None), (3, IMAGE, IMAGE)).to(device)
+    embed = None if backbone.startswith("resnet") else 64
+    model = build_model(ModelConfig(backbone=backbone, depth=1, embed_dim=embed), (3, IMAGE, IMAGE)).to(device)
     if world > 1:
         convert_batchnorm(model)
     return GlobalBatchStep(model, make_loss("jsd"), layout="two_view")
@@ -112,6 +114,53 @@ def worker(rank: int, world: int, args: argparse.Namespace, init: str, out: str)
         dist.destroy_process_group()
 
 
+class _BackwardTrace(TorchDispatchMode):
+    """Inside a ``FlopCounterMode``: the FLOPs done so far at each BatchNorm backward (where global BN issues its
+    all-reduce) and at each gradient bucket's readiness (``marks``, filled by the buckets' hooks)."""
+
+    def __init__(self, flops) -> None:
+        super().__init__()
+        self.flops = flops
+        self.bn_backward: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("native_batch_norm_backward", "cudnn_batch_norm_backward"):
+            self.bn_backward.append(self.flops.get_total_flops())
+        return func(*args, **(kwargs or {}))
+
+
+def backward_trace(images_per_gpu: int, backbone: str = BACKBONE) -> tuple[int, int, list[int], list[int], int]:
+    """One step of the recipe's model on this CPU: (total FLOPs, FLOPs at the start of the backward, FLOPs done when
+    each gradient bucket of ``comm.BUCKET_MB`` is ready, FLOPs done at each BatchNorm backward, gradient bytes)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pipeline.training.comm import buckets_of
+
+    step = build(1, torch.device("cpu"), backbone)
+    x, ids = batch(images_per_gpu, 0, 1, torch.device("cpu"))
+    ready: list[int] = []
+    handles = []
+    with FlopCounterMode(display=False) as flops:
+        for bucket in buckets_of(step.params):
+            left = {id(p) for p in bucket}
+
+            def hook(p, left=left):
+                left.discard(id(p))
+                if not left:
+                    ready.append(flops.get_total_flops())
+
+            handles += [p.register_post_accumulate_grad_hook(hook) for p in bucket]
+        with _BackwardTrace(flops) as trace:
+            z = step.model.backbone(x)
+            loss = step._head_loss(z, ids, 1, 0)
+            start = flops.get_total_flops()
+            loss.backward()
+    for h in handles:
+        h.remove()
+    grads = sum(p.numel() * 4 for p in step.params)  # fp32 gradients
+    return flops.get_total_flops(), start, ready, trace.bn_backward, grads
+
+
 def cost_model(workers: int = 4, images_per_gpu: int = 128, tflops: float = 70.0, utilisation: float = 0.4,
                latency_ms: float = 0.1, collectives: int = 44) -> None:
     """The network time of a step on the AWS recipe (one A10G per g5.xlarge node, ``workers`` nodes; 10 Gbps burst,
@@ -119,33 +168,44 @@ def cost_model(workers: int = 4, images_per_gpu: int = 128, tflops: float = 70.0
     ring all-reduce of S bytes sends 2 (W - 1) / W S (the gradients, fp32, and the gather's backward), an
     all-gather of s bytes from each rank sends (W - 1) s (the embeddings); ``collectives`` x ``latency_ms`` for the
     small ones. Compute: the step's FLOPs (``torch.utils.flop_counter`` on this CPU) at ``tflops`` x
-    ``utilisation``; the backward is 2/3 of it, and what the bucketed all-reduce can hide the gradients behind."""
-    from torch.utils.flop_counter import FlopCounterMode
+    ``utilisation``.
 
-    step = build(1, torch.device("cpu"))
-    x, ids = batch(images_per_gpu, 0, 1, torch.device("cpu"))
-    with FlopCounterMode(display=False) as flops:
-        step.lazy(x, ids)
-    grads = sum(p.numel() * 4 for p in step.params)  # fp32 gradients
-    rows, dim = 2 * images_per_gpu, step.model.embed_dim
+    What the gradient buckets can hide, two ways:
+
+    - one stream per kind (gloo, whose collectives of one group do not wait for each other; the old model's
+      assumption): the backward compute after the first bucket is ready;
+    - NCCL: global BN's collectives, the embeddings' gathers and the gradient buckets use one communicator, so one
+      stream, and run in the order they were issued. Each BN layer's backward all-reduce waits for the buckets
+      launched before it, and the backward waits for that all-reduce. A bucket hides only the backward compute
+      between its launch and the next BatchNorm backward (counted in FLOPs on this CPU); the forward's BN
+      gathers and the embeddings' gather and its backward come before any bucket is launched, and wait for none.
+    """
+    total, start, ready, bn_backward, grads = backward_trace(images_per_gpu)
+    rows, dim = 2 * images_per_gpu, build(1, torch.device("cpu")).model.embed_dim
     w = workers
     wire = 2 * (w - 1) / w * grads + (w - 1) * rows * dim * 4 + 2 * (w - 1) / w * w * rows * dim * 4  # bytes
-    compute = flops.get_total_flops() / (tflops * 1e12 * utilisation)  # s
-    backward = 2 / 3 * compute
+    rate = tflops * 1e12 * utilisation  # FLOP/s
+    compute = total / rate  # s
+    backward = (total - start) / rate
+    gloo_hidden = (total - min(ready)) / rate  # behind the buckets, collectives not waiting for one another
+    nccl_hidden = sum(min([b for b in bn_backward if b >= r] + [total]) - r for r in ready) / rate
     print(f"AWS recipe, {w} x g5.xlarge (1 A10G each), {BACKBONE} {IMAGE} px, {images_per_gpu} images "
-          f"({rows} rows) per GPU; {flops.get_total_flops() / 1e9:.0f} GFLOP per GPU step, gradients "
-          f"{grads / 1e6:.1f} MB, {wire / 1e6:.1f} MB on the wire per rank, {collectives} collectives x "
-          f"{latency_ms} ms")
-    print(f"compute at {tflops:g} TFLOPS x {utilisation:.0%}: {compute * 1e3:.0f} ms "
-          f"(backward {backward * 1e3:.0f} ms)")
+          f"({rows} rows) per GPU; {total / 1e9:.0f} GFLOP per GPU step, gradients "
+          f"{grads / 1e6:.1f} MB in {len(ready)} buckets, {wire / 1e6:.1f} MB on the wire per rank, {collectives} "
+          f"collectives x {latency_ms} ms")
+    print(f"compute at {tflops:g} TFLOPS x {utilisation:.0%}: {compute * 1e3:.0f} ms (backward {backward * 1e3:.0f} "
+          f"ms; after the first bucket is ready {gloo_hidden * 1e3:.1f} ms; between a bucket's launch and the next "
+          f"BatchNorm backward {nccl_hidden * 1e3:.2f} ms, over {len(bn_backward)} BatchNorm backwards)")
     for gbps in (10.0, 2.5):
         net = wire / (gbps * 1e9 / 8) + collectives * latency_ms / 1e3
         coalesced = compute + net
-        overlapped = compute - backward + max(backward, net)
-        hides = images_per_gpu * net / backward  # the backward grows with the batch, the gradients do not
+        gloo = compute + net - min(gloo_hidden, net)
+        nccl = compute + net - min(nccl_hidden, net)
+        hides = images_per_gpu * net / gloo_hidden  # the backward grows with the batch, the gradients do not
         print(f"{gbps:g} Gbps: network {net * 1e3:.0f} ms; step {coalesced * 1e3:.0f} ms coalesced, "
-              f"{overlapped * 1e3:.0f} ms overlapped; GPU busy {compute / overlapped:.0%}; the backward hides "
-              f"the network from about {hides:.0f} images per GPU")
+              f"{gloo * 1e3:.0f} ms overlapped with one stream per kind (GPU busy {compute / gloo:.0%}; the backward "
+              f"hides the network from about {hides:.0f} images per GPU), {nccl * 1e3:.0f} ms on NCCL (GPU busy "
+              f"{compute / nccl:.0%})")
 
 
 def main() -> None:

@@ -14,8 +14,12 @@ point              called by                                    under a plan
 labels)                                                         point, or its row) in this process's plan, which its
                                                                 Ray Train workers inherit
 ``step``           every rank, each step before the views       True, the caller feeds NaN inputs: every step of
-(epoch, step,      (``pipeline.training.loop``)                 ``nan_at_epoch``, the step ``nan_at_step``
-rank)
+(epoch, step,      (``pipeline.training.loop``)                 ``nan_at_epoch``, the step ``nan_at_step``; rank
+rank)                                                           ``slow_rank[0]`` first sleeps ``slow_rank[1]`` s (the
+                                                                other ranks wait for it inside the step's collectives);
+                                                                at ``abort_at`` (epoch, step, rank) that rank calls
+                                                                ``os.abort()``: a worker dying by SIGABRT mid-epoch,
+                                                                with its native dump, as one killed in a collective
 ``checkpoint``     rank 0, before it reports an epoch with      True, the caller uploads the checkpoint before
 (epoch, rank)      a checkpoint (``pipeline.runs.train``)       returning: a crash follows this epoch
 ``epoch_end``      every rank, after an epoch's report          rank 0 raises ``RuntimeError("injected crash after
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -50,6 +55,8 @@ class FaultPlan:
     crash_at_epoch: int | None = None  # rank 0 raises after this epoch's report (its checkpoint uploaded first)
     nan_at_epoch: int | None = None  # every step of this epoch gets NaN inputs (the non-finite guard)
     nan_at_step: tuple[int, int] | None = None  # (epoch, step): that one step gets NaN inputs
+    slow_rank: tuple[int, float] | None = None  # (rank, seconds): that rank sleeps before each step
+    abort_at: tuple[int, int, int] | None = None  # (epoch, step, rank): that rank aborts (SIGABRT) before that step
     trial: dict[str, Any] | None = None  # the training faults only in the Tune trials with these labels
     count_file: str | None = None  # each trial start appends "<trial_id> <labels>" here
     labels: dict[str, Any] | None = None  # set by the trial_start hook: the labels of the trial running here
@@ -63,8 +70,10 @@ class FaultPlan:
         unknown = sorted(set(plan) - set(known))
         if unknown:
             raise ValueError(f"{ENV}: unknown keys {unknown}; a fault plan has {known}")
-        step = plan.get("nan_at_step")
-        return cls(**{**plan, "nan_at_step": None if step is None else (int(step[0]), int(step[1]))})
+        step, slow, abort = plan.get("nan_at_step"), plan.get("slow_rank"), plan.get("abort_at")
+        return cls(**{**plan, "nan_at_step": None if step is None else (int(step[0]), int(step[1])),
+                      "slow_rank": None if slow is None else (int(slow[0]), float(slow[1])),
+                      "abort_at": None if abort is None else (int(abort[0]), int(abort[1]), int(abort[2]))})
 
     def to_json(self) -> str:
         return json.dumps({k: v for k, v in asdict(self).items() if v is not None}, sort_keys=True)
@@ -114,7 +123,13 @@ def _trial_start(plan: FaultPlan, *, trial_id: str, labels: dict[str, Any]) -> b
 
 
 def _step(plan: FaultPlan, *, epoch: int, step: int, rank: int) -> bool:
-    return plan.in_scope() and (plan.nan_at_epoch == epoch or plan.nan_at_step == (epoch, step))
+    if not plan.in_scope():
+        return False
+    if plan.slow_rank is not None and plan.slow_rank[0] == rank:
+        time.sleep(plan.slow_rank[1])
+    if plan.abort_at == (epoch, step, rank):
+        os.abort()
+    return plan.nan_at_epoch == epoch or plan.nan_at_step == (epoch, step)
 
 
 def _checkpoint(plan: FaultPlan, *, epoch: int, rank: int) -> bool:

@@ -58,3 +58,18 @@ def test_trial_start_counts_and_scopes_the_trial_and_the_plan_crosses_processes(
     assert faults.installed() is None
     assert [line.split(" ", 1) for line in log.read_text().splitlines()] == [
         ["a_00000", '{"row": "SupCon", "table": 2}'], ["a_00001", '{"row": "SimCLR", "table": 1}']]
+
+
+def test_a_slow_rank_sleeps_and_an_abort_aborts(install_faults, monkeypatch):
+    import time
+
+    slept, aborted = [], []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    monkeypatch.setattr(os, "abort", lambda: aborted.append(1))
+    install_faults(slow_rank=[1, 0.25], abort_at=[2, 3, 0], trial={"augment.strength": 1.0})
+    assert faults.hit("step", epoch=1, step=1, rank=1) is False and slept == []  # out of scope: outside a trial
+    faults.hit("trial_start", trial_id="t", labels={"augment.strength": 1.0})
+    for epoch, step, rank in [(1, 1, 0), (1, 1, 1), (2, 3, 1), (2, 3, 0)]:
+        assert faults.hit("step", epoch=epoch, step=step, rank=rank) is False
+    assert slept == [0.25, 0.25] and aborted == [1]  # rank 1 at each step; rank 0 at epoch 2, step 3
+    assert json.loads(faults.environment(abort_at=(2, 3, 0))[faults.ENV]) == {"abort_at": [2, 3, 0]}

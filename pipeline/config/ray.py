@@ -20,7 +20,8 @@ class RayConfig(Section):
     connect_timeout_s: float = Field(30.0, gt=0.0, le=86_400.0)  # wait for ray.address / RAY_ADDRESS to answer
     resources_timeout_s: float = Field(300.0, gt=0.0, le=604_800.0)  # wait for the workers' resources to be free
     # torch.distributed backend of Ray Train's workers: auto = Ray's choice (nccl on GPUs, gloo otherwise); gloo
-    # also lets a GPU-scheduled worker on a node that declares GPUs it does not have train on its CPU (rehearsals)
+    # trains on the CPU even where CUDA sees GPUs (pipeline.runs.train.worker_device), which also lets a
+    # GPU-scheduled worker on a node that declares GPUs it does not have train there (rehearsals)
     backend: Literal["auto", "nccl", "gloo"] = "auto"
 
 

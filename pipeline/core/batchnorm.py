@@ -22,7 +22,7 @@ gradients over workers with one all-reduce (``pipeline.training.step.allreduce_g
 must be the gradient of the *total* loss w.r.t. this rank's outputs, which the step's all-gather backward
 gives. Running statistics (training, ``track_running_stats``) are updated with the global μ and the global
 unbiased variance σ²·N/(N−1), so they are identical on every rank; momentum ``None`` gives the cumulative
-average as in ``nn.BatchNorm``. In eval mode, or when torch.distributed is not initialised or has one
+average as in ``nn.BatchNorm``, its factor 1/num_batches_tracked a device tensor (no host read of the count). In eval mode, or when torch.distributed is not initialised or has one
 process, the module is exactly ``nn.BatchNorm`` (same code path, ``F.batch_norm``). Output dtype = input
 dtype. One collective per layer and direction on both paths: forward one all-gather of a (2C + 1,) vector
 per rank (W (2C + 1) values in all), backward one all-reduce of a (2C,) vector; any backend with both
@@ -275,23 +275,40 @@ class GlobalBatchNorm(_BatchNorm):
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
-                factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
                 unbiased = var * (count / (count - 1))  # (C,)
-                self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
-                self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+                if self.momentum is None:  # the cumulative average, its factor a device tensor: no host read
+                    self._average(mean, unbiased)
+                else:
+                    factor = self.momentum
+                    self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+                    self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
         return y
+
+    def _average(self, mean: Tensor, unbiased: Tensor) -> None:
+        """Momentum None, after the count's increment: running ← running + (batch − running) / num_batches_tracked,
+        i.e. (1 − f) running + f batch with f = 1 / num_batches_tracked, a 0-d tensor on the buffers' device
+        (``nn.BatchNorm`` reads the count on the host: ``float(num_batches_tracked)``, a sync per layer and step).
+        mean, unbiased: (C,) the batch's mean and unbiased variance."""
+        for running, batch in ((self.running_mean, mean), (self.running_var, unbiased)):
+            f = self.num_batches_tracked.to(running.dtype).reciprocal()  # 0-d
+            running.mul_(1 - f).add_(batch.to(running.dtype) * f)
 
     def _fused_forward(self, input: Tensor) -> Tensor:
         """The fused path; the running statistics are updated by the gather kernel with the resolved factor."""
         factor, running_mean, running_var = 0.0, None, None
         if self.track_running_stats:
             running_mean, running_var = self.running_mean, self.running_var
-            # nn.BatchNorm's factor after its increment; the count itself moves only once the step succeeded
-            factor = 1.0 / (float(self.num_batches_tracked) + 1.0) if self.momentum is None else self.momentum
+            factor = self.momentum
+            if self.momentum is None:  # the kernel takes a float: it writes the batch's statistics (factor 1) to
+                # (C,) zeros, averaged in below with a device-tensor factor (no host read of the count)
+                running_mean, running_var, factor = torch.zeros_like(running_mean), torch.zeros_like(running_var), 1.0
         y = FusedGlobalBatchNormFn.apply(input, self.weight, self.bias, running_mean, running_var, factor,
                                          self.eps, self.process_group)
-        if self.track_running_stats:
+        if self.track_running_stats:  # the count moves only once the step succeeded
             self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                with torch.no_grad():
+                    self._average(running_mean, running_var)
         return y
 
 

@@ -44,9 +44,10 @@ def attention_weights(raw: Tensor) -> Tensor:
 ROWS = 128  # rows per slice of the fp64 statistics: (ROWS, n) temporaries instead of (n, n)
 
 
-def block_health(raw: Tensor, labels: Tensor | None = None, other: Tensor | None = None,
-                 rows: int = ROWS) -> dict[str, float | None]:
-    """The health numbers of one block (module docstring).
+def block_stats(raw: Tensor, labels: Tensor | None = None, other: Tensor | None = None,
+                rows: int = ROWS) -> dict[str, Tensor | None]:
+    """The health numbers of one block (module docstring) as 0-d fp64 tensors on ``raw``'s device, read by nobody:
+    no host sync (on a GPU the epoch's health costs one read at the end, :func:`read_health`).
 
     raw: (n, n) or (g, n, n) raw affinity act(QKᵀ) with a zero diagonal; labels: (n,) or (g, n) class ids or
     None; other: (n,) or (g, n) the index, within the same group, of each row's other view, or None.
@@ -64,8 +65,9 @@ def block_health(raw: Tensor, labels: Tensor | None = None, other: Tensor | None
         raise ValueError(f"block_health needs at least 2 rows, got {n}")
     y = None if labels is None else labels.to(raw.device).reshape(g, n)
     pi = None if other is None else other.to(raw.device).reshape(g, n, 1).long()
-    positive = uniform = same_pairs = 0
-    entropy, same_class, other_view = (raw.new_zeros((), dtype=torch.float64) for _ in range(3))  # 3 tensors
+    # 0-d counts (int64) and sums (fp64) on the device, added to in place: 6 tensors
+    positive, uniform, same_pairs = (raw.new_zeros((), dtype=torch.int64) for _ in range(3))
+    entropy, same_class, other_view = (raw.new_zeros((), dtype=torch.float64) for _ in range(3))
     for gi in range(g):
         for start in range(0, n, rows):
             stop = min(start + rows, n)
@@ -74,25 +76,42 @@ def block_health(raw: Tensor, labels: Tensor | None = None, other: Tensor | None
             off = torch.ones_like(r, dtype=torch.bool)
             off[local, start + local] = False  # (r, n): the diagonal of these rows
             pos = (r > 0) & off
-            positive += int(pos.sum())
-            uniform += int((~pos.any(-1)).sum())
+            positive += pos.sum()
+            uniform += (~pos.any(-1)).sum()
             w = attention_weights(r)  # (r, n)
             entropy += -(w * w.clamp_min(1e-300).log()).sum()
             if y is not None:
                 same = (y[gi, start:stop, None] == y[gi, None, :]) & off  # (r, n)
                 same_class += (w * same).sum()
-                same_pairs += int(same.sum())
+                same_pairs += same.sum()
             if pi is not None:
                 other_view += w.gather(-1, pi[gi, start:stop]).sum()
     rows_total = g * n
     return {
-        "positive": positive / (g * n * (n - 1)),
-        "uniform_rows": uniform / rows_total,
-        "entropy": float(entropy) / math.log(n) / rows_total,
-        "same_class": None if y is None else float(same_class) / rows_total,
-        "same_class_chance": None if y is None else same_pairs / rows_total / n,
-        "other_view": None if pi is None else float(other_view) / rows_total,
+        "positive": positive.double() / (g * n * (n - 1)),
+        "uniform_rows": uniform.double() / rows_total,
+        "entropy": entropy / math.log(n) / rows_total,
+        "same_class": None if y is None else same_class / rows_total,
+        "same_class_chance": None if y is None else same_pairs.double() / rows_total / n,
+        "other_view": None if pi is None else other_view / rows_total,
     }
+
+
+def read_health(stats: Mapping[str, Mapping[str, Tensor | None]]) -> dict[str, dict[str, float | None]]:
+    """``{"block_1": {name: tensor or None}, ...}`` (:func:`block_stats`) -> the same with floats, read in one
+    transfer (one host sync on a GPU, whatever the number of blocks)."""
+    names = [(block, k) for block, h in stats.items() for k, v in h.items() if v is not None]
+    values = torch.stack([stats[b][k].double() for b, k in names]).cpu().tolist() if names else []
+    out: dict[str, dict[str, float | None]] = {block: dict.fromkeys(h) for block, h in stats.items()}
+    for (block, k), v in zip(names, values, strict=True):
+        out[block][k] = v
+    return out
+
+
+def block_health(raw: Tensor, labels: Tensor | None = None, other: Tensor | None = None,
+                 rows: int = ROWS) -> dict[str, float | None]:
+    """The health numbers of one block (module docstring) as floats: :func:`block_stats`, read once."""
+    return read_health({"block": block_stats(raw, labels, other, rows)})["block"]
 
 
 def verdict(h: Mapping[str, Any]) -> str | None:
@@ -106,8 +125,8 @@ def verdict(h: Mapping[str, Any]) -> str | None:
 
 def head_health(affinities: Sequence[Tensor], labels: Tensor | None = None,
                 other: Tensor | None = None) -> dict[str, dict[str, float | None]]:
-    """``{"block_1": block_health(...), ...}`` for the affinities a head collected (see ``HeadOutput``)."""
-    return {f"block_{i + 1}": block_health(a, labels, other) for i, a in enumerate(affinities)}
+    """``{"block_1": block_health(...), ...}`` for the affinities a head collected (see ``HeadOutput``), read once."""
+    return read_health({f"block_{i + 1}": block_stats(a, labels, other) for i, a in enumerate(affinities)})
 
 
 def flat(health: Mapping[str, Mapping[str, float | None]], keys: Sequence[str] = KEYS) -> dict[str, float | None]:

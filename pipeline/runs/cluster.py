@@ -50,7 +50,19 @@ RAY_CONSOLE_ENV = {
                                  r"|^Failed to query Ray Train Controller actor state\. "
                                  # the raylet, when trials start their worker processes at once (several per CPU):
                                  # Ray's hint about its start-up concurrency, not a fault of the run
-                                 r"|^WARNING: \d+ PYTHON worker processes have been started on node",
+                                 r"|^WARNING: \d+ PYTHON worker processes have been started on node"
+                                 # the native dump of a worker that dies by a signal: Ray's failure-signal handler
+                                 # ("*** SIGABRT received at time=... ***" and its "@ 0x..." frames) and Python's
+                                 # faulthandler ("Fatal Python error: Aborted", "Stack/Thread ... (most recent call
+                                 # first):", frames '  File "...", line N in f' (a traceback's have ", in"),
+                                 # "Extension modules: ..."), C++'s "terminate called ...". ASHA stopping a
+                                 # multi-worker trial kills its workers inside a collective (~60 lines each). It stays
+                                 # in the worker's ``worker-*.err``; a run that fails by it still ends in an error.
+                                 r"|^\*\*\* SIG[A-Z]+ received at time=|^PC: @ +0x[0-9a-f]+ |^ +@ +0x[0-9a-f]+ "
+                                 r"|^Fatal Python error: |^(Stack|(Current thread|Thread) 0x[0-9a-f]+) \(most recent "
+                                 r"call first\):|^  File \".*\", line \d+ in |^Extension modules: "
+                                 r"|^terminate called |^  what\(\): "
+                                 r"|^\s*$",  # and the blank lines between its parts (a blank line of a worker's)
     # Ray Tune's output engine: the default one prints an experiment box, the results path and a TensorBoard hint even
     # at ``verbose=0``; the legacy one is silent at ``verbose=0`` (the sweep prints its own lines per trial event).
     "RAY_AIR_NEW_OUTPUT": "0",

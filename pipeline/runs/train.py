@@ -114,14 +114,24 @@ def _placement(rank: int, world: int, device: torch.device) -> list[dict[str, An
 
 
 def worker_device(use_gpu: bool, backend: str, *, ray_train: bool = True) -> torch.device:
-    """The device a worker trains on: its GPU when it was scheduled on one and CUDA sees it; the CPU when it was not.
+    """The device a worker trains on: its GPU when it was scheduled on one, CUDA sees it and the backend is a GPU
+    one; the CPU otherwise.
 
-    A worker scheduled on a GPU (``use_gpu``) that CUDA cannot see (a node that declares GPUs it does not have, as
-    the rehearsals of GPU presets do: ``ray start --num-gpus N``) trains on the CPU only when ``ray.backend`` is
-    ``gloo``, which asks for exactly that; otherwise that is an error, not a silent fall-back to the CPU.
+    ``ray.backend: gloo`` trains on the CPU, whether CUDA sees a GPU or not: gloo is the CPU backend, and the step's
+    collectives (global BN's, the embeddings' gathers, the gradient buckets) on CUDA tensors over gloo would each go
+    through the host. Where CUDA sees a GPU that is said once in the log (``ray.backend: auto`` or ``nccl`` trains on
+    it). This is also what lets a worker scheduled on a GPU that CUDA cannot see (a node that declares GPUs it
+    does not have, as the rehearsals of GPU presets do: ``ray start --num-gpus N``) train on the CPU. With another
+    backend that worker is an error, not a silent fall-back to the CPU.
     ``ray_train``: inside a Ray Train worker (its device from Ray Train), else a one-worker trial (the first GPU).
     """
     if not use_gpu:
+        return torch.device("cpu")
+    if backend == "gloo":
+        if torch.cuda.is_available():
+            logging.getLogger(__name__).warning(
+                "ray.backend: gloo trains on the CPU although CUDA sees %d GPU(s) here; set ray.backend: auto (or "
+                "nccl) to train on them", torch.cuda.device_count())
         return torch.device("cpu")
     if torch.cuda.is_available():
         if ray_train:
@@ -129,8 +139,6 @@ def worker_device(use_gpu: bool, backend: str, *, ray_train: bool = True) -> tor
 
             return ray.train.torch.get_device()
         return torch.device("cuda")
-    if backend == "gloo":
-        return torch.device("cpu")
     import ray
 
     raise RuntimeError(f"this worker was scheduled on GPU {', '.join(map(str, ray.get_gpu_ids())) or '?'} but CUDA "
@@ -213,7 +221,7 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
         checkpoint = ray.train.Checkpoint.from_directory(spec.resume_dir)
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            loop.load_state_dict(torch.load(Path(d) / STATE_FILE, map_location=device, weights_only=True))
+            restore(loop, Path(d))
         if rank == 0 and not spec.quiet:
             _progress(f"[pretrain] resumed from the checkpoint after epoch {loop.epoch}")
 
@@ -239,6 +247,18 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
             write_status(spec.run_dir, {"error": "non_finite", "message": str(exc), "epoch": loop.epoch})
         return None
     return loop
+
+
+def restore(loop: PretrainLoop, directory: Path) -> None:
+    """Restore ``loop`` from the checkpoint in ``directory`` (its ``STATE_FILE``), each tensor where its owner keeps it.
+
+    Loaded on the host, not on the loop's device: the model's ``load_state_dict`` copies into its (device) tensors,
+    the optimizer's moves its moment buffers to each parameter's device and keeps ``state["step"]`` where it was
+    loaded (torch does, unless the optimizer is capturable or fused), which must be the host: non-capturable Adam
+    reads every parameter's step with ``.item()``, one host sync per parameter and step had it been loaded on a GPU
+    (tests/runs/test_resume.py counts them at 0).
+    """
+    loop.load_state_dict(torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True))
 
 
 def status_reason(status: dict[str, Any]) -> str:

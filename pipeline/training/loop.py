@@ -43,7 +43,7 @@ from pipeline.data.augment import BatchAugment, view_noise
 from pipeline.data.prepared import gather_rows
 from pipeline.data.split import to_float
 from pipeline.data.types import Dataset
-from pipeline.evaluation.health import block_health, flat
+from pipeline.evaluation.health import block_stats, flat, read_health
 from pipeline.evaluation.knn import knn_accuracy
 from pipeline.training.precision import for_device
 from pipeline.training.step import GlobalBatchStep, NonFiniteLossError, broadcast_from_rank0
@@ -293,11 +293,11 @@ class PretrainLoop:
         blocks = {}
 
         def take(i: int, a: torch.Tensor) -> None:  # (2b, 2b) fused jointly, or (2, b, b) per view
-            blocks[f"block_{i + 1}"] = block_health(a, labels.reshape(a.shape[:-1]), None if a.ndim == 3 else other)
+            blocks[f"block_{i + 1}"] = block_stats(a, labels.reshape(a.shape[:-1]), None if a.ndim == 3 else other)
 
         self.model.head(z, views=2, on_affinity=take)
         self.model.train()
-        return flat(blocks)
+        return flat(read_health(blocks))  # the one read of the numbers (0-d device tensors until here)
 
     @torch.no_grad()
     def embed(self, x: torch.Tensor, chunk: int = 512, index: torch.Tensor | None = None) -> torch.Tensor:

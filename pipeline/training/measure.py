@@ -61,10 +61,16 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 class OpCounter(TorchDispatchMode):
     """``with OpCounter() as c: ...``; then ``c.syncs`` lists the syncing ops run inside (by reason),
     ``c.collectives`` the collectives (``allreduce_``, ``_allgather_base_``, ...) and ``c.collective_bytes`` the
-    bytes of the tensors they were given (for an all-gather: its input, what this rank sends)."""
+    bytes of the tensors they were given (for an all-gather: its input, what this rank sends).
 
-    def __init__(self) -> None:
+    ``device``: the device the run stands for. None (a CPU run standing in for a GPU run): every read counts.
+    Given (a test puts the model on ``meta`` to stand for a GPU), a read whose tensors are all on the CPU is a read
+    of host memory and does not wait for the device, so it is not counted.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
         super().__init__()
+        self.device = None if device is None else torch.device(device)
         self.syncs: list[str] = []
         self.collectives: list[str] = []
         self.collective_bytes = 0
@@ -78,14 +84,18 @@ class OpCounter(TorchDispatchMode):
             self.collective_bytes += sum(t.numel() * t.element_size() for t in _tensors(sent))
         else:
             why = sync_reason(func, args, kwargs)
+            if why is not None and self.device is not None and self.device.type != "cpu" and all(
+                t.device.type == "cpu" for t in _tensors(list(args))
+            ):
+                why = None  # a read of host memory while the run is on a device
             if why is not None:
                 self.syncs.append(why)
         return func(*args, **kwargs)
 
 
-def count(fn: Callable[[], Any]) -> OpCounter:
-    """Run ``fn`` under an :class:`OpCounter` and return the counter."""
-    with OpCounter() as counter:
+def count(fn: Callable[[], Any], device: torch.device | str | None = None) -> OpCounter:
+    """Run ``fn`` under an :class:`OpCounter` (standing for ``device``) and return the counter."""
+    with OpCounter(device) as counter:
         fn()
     return counter
 

@@ -476,3 +476,29 @@ def test_two_gloo_workers_fused_equals_exact_and_one_process(two_workers, case):
                 assert_near(a, b, tol, f"rank {r}: fused vs exact {what}")
         for a, b in zip(fbuf[:2], ebuf[:2], strict=True):
             assert_near(a, b, tol, f"rank {r}: fused vs exact running stats")
+
+
+# --------------------------------------------------------------------------------------------- host syncs
+@pytest.mark.parametrize("path", ["exact", "fused"])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_global_batchnorm_reads_nothing_on_the_host(world_of_one, monkeypatch, path, momentum):
+    """Forward and backward of 3 training steps, the cumulative average (momentum None) included: 0 host syncs
+    (``measure.OpCounter``; before, momentum None read ``float(num_batches_tracked)`` once per layer and step), and
+    the running statistics still those of ``F.batch_norm`` with the factor 1/step."""
+    from pipeline.training import measure
+
+    ctx = contextlib.nullcontext()
+    if path == "fused":
+        monkeypatch.setattr(bn, "use_fused_kernels", lambda x: True)
+        ctx = cpu_fused_kernels()
+    g = torch.Generator().manual_seed(4)
+    m = GlobalBatchNorm(3, momentum=momentum).double().train()
+    rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    with ctx:
+        for step in range(3):
+            x = (torch.randn(6, 3, 4, generator=g, dtype=torch.float64) * 2 + 1).requires_grad_()
+            assert measure.count(lambda x=x: m(x).square().sum().backward()).syncs == []
+            F.batch_norm(x.detach(), rm, rv, None, None, True, 0.1 if momentum is not None else 1.0 / (step + 1))
+    torch.testing.assert_close(m.running_mean, rm, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m.running_var, rv, rtol=1e-12, atol=1e-12)
+    assert int(m.num_batches_tracked) == 3

@@ -235,3 +235,30 @@ def test_health_at_a_large_batch_needs_no_more_memory_than_a_training_step(depth
     training, health, naive = peak_bytes(step), peak_bytes(loop.health), peak_bytes(whole_matrix)
     assert health <= training < naive, (health, training, naive)
     assert health >= 2048 * 2048 * 4  # it does hold one fp32 (2B)² affinity: the meter sees the tensors
+
+
+# ------------------------------------------------------------------------------------- host syncs
+@pytest.mark.parametrize("n,rows", [(5, 128), (40, 16), (70, 7)])
+def test_the_numbers_stay_on_the_device_until_one_read(n, rows):
+    """``block_stats`` reads nothing on the host (``measure.OpCounter``: before, 2-3 ``int()`` per slice of rows);
+    ``read_health`` reads every block's numbers in one transfer, and gives ``block_health``'s floats exactly."""
+    from pipeline.evaluation.health import block_stats, read_health
+    from pipeline.training import measure
+
+    g = torch.Generator().manual_seed(n)
+    raw = torch.relu(torch.randn(2, n, n, generator=g))
+    raw[:, torch.arange(n), torch.arange(n)] = 0
+    labels = torch.randint(0, 3, (2, n), generator=g)
+    other = torch.stack([torch.randperm(n, generator=g) for _ in range(2)])
+    stats = {}
+    counter = measure.count(lambda: stats.update(block_1=block_stats(raw, labels, other, rows),
+                                                 block_2=block_stats(raw[0], None, None, rows)))
+    assert counter.syncs == []
+    assert all(v is None or (v.ndim == 0 and v.dtype == torch.float64) for h in stats.values() for v in h.values())
+    read = read_health(stats)
+    assert read == {"block_1": block_health(raw, labels, other, rows), "block_2": block_health(raw[0], rows=rows)}
+    assert read["block_2"]["same_class"] is None and isinstance(read["block_1"]["same_class"], float)
+    for i in range(2):  # and against the loops
+        ref = naive_health(raw[i].tolist(), labels[i].tolist(), other[i].tolist())
+        for k in ("positive", "uniform_rows", "same_class_chance"):
+            assert block_health(raw[i], labels[i], other[i], rows)[k] == pytest.approx(ref[k], rel=1e-12)

@@ -48,11 +48,16 @@ def sandbox(project):
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def pretrain(project: Path, tmp: str, home: Path, **env: str) -> tuple[int, list[str]]:
+def pretrain(project: Path, tmp: str, home: Path, *args: str, **env: str) -> tuple[int, list[str]]:
     """Run `transfusion pretrain` as a user would (no Ray settings of ours in the environment); its console lines."""
+    return stage(project, tmp, home, "pretrain", *RUN, *args, **env)
+
+
+def stage(project: Path, tmp: str, home: Path, *args: str, **env: str) -> tuple[int, list[str]]:
+    """Run `transfusion *args` as a user would (see :func:`pretrain`); its console lines."""
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("RAY_AUTH", "RAY_DEDUP", "RAY_BACKEND")) and k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-m", "stages.cli", "pretrain", *RUN], cwd=project, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "stages.cli", *args], cwd=project, capture_output=True,
                          text=True, timeout=480, env={**base, "RAY_TMPDIR": tmp, "HOME": str(home), **env})
     return out.returncode, (out.stdout + out.stderr).splitlines()
 
@@ -109,4 +114,45 @@ def test_a_worker_error_still_reaches_the_console(sandbox):
     assert len(error) == 1 and "rank 0: injected crash after epoch 1 (TRANSFUSION_FAULT)" in error[0], console
     assert "rerun the stage to resume" in error[0], console
     assert any("[pretrain] epoch 1/2 loss" in line for line in lines), console
+    assert not ray_chatter(lines), console
+
+
+# A worker's native crash dump (Ray's failure-signal handler, Python's faulthandler): ~60 lines a worker
+DUMP = ("Fatal Python error", "SIGABRT received", "(most recent call first)", "Extension modules: ")
+TWO_WORKERS = ["-S", "ray.num_workers=2", "-S", "ray.cpus_per_worker=0.5"]
+
+
+def dump_lines(lines: list[str]) -> list[str]:
+    return [line for line in lines if any(word in line for word in DUMP) or re.search(r"@ +0x[0-9a-f]+ ", line)]
+
+
+def test_a_worker_aborting_mid_epoch_keeps_its_native_dump_in_rays_logs(sandbox):
+    """Rank 1 of 2 aborts (SIGABRT) at the second step of epoch 1 while rank 0 waits for it in a collective: the run
+    fails with its error line; the dump is in the worker's ``worker-*.err``, not on the console."""
+    project, tmp, home = sandbox
+    code, lines = pretrain(project, tmp, home, *TWO_WORKERS, **faults.environment(abort_at=(1, 2, 1)))
+    console = "\n".join(lines)
+    assert code == 1, console
+    assert sum(line.startswith("Error: ") for line in lines) == 1, console
+    assert not dump_lines(lines), console  # Ray's one "(raylet) A worker died ..." notice stays: a real crash
+    errs = {p.name: p.read_text(errors="replace") for p in session_logs(tmp).glob("worker-*.err")}
+    assert any("Fatal Python error: Aborted" in e and "SIGABRT received" in e for e in errs.values()), (console, errs)
+
+
+def test_asha_stopping_a_two_worker_trial_mid_epoch_prints_no_crash_dump(sandbox):
+    """Two trials of 2 workers; the augmented one is slowed (its rank 1 sleeps before each step, rank 0 waits in the
+    step's collectives), so it reaches ASHA's first rung second, and is the worse one there (measured: kNN 0.71 vs
+    0.74 on this data): ASHA stops it while its workers are mid-epoch, inside a collective."""
+    project, tmp, home = sandbox
+    code, lines = stage(project, tmp, home, "prepare", "-S", "data.limit_train=256")
+    assert code == 0, "\n".join(lines)
+    code, lines = stage(project, tmp, home, "sweep", "-S", "model.embed_dim=16", "-S", "ray.num_workers=2",
+                        "-S", "sweep.depth=[1]", "-S", "sweep.batch_size=[32]", "-S", "sweep.strength=[0.0,1.0]",
+                        "-S", "sweep.epochs=3", "-S", "sweep.asha=true", "-S", "sweep.grace_period=1",
+                        "-S", "sweep.cpus_per_worker=0.25",
+                        **faults.environment(slow_rank=(1, 0.3), trial={"augment.strength": 1.0}))
+    console = "\n".join(lines)
+    assert code == 0, console
+    assert any(" stopped early at epoch 1 " in line for line in lines), console
+    assert not dump_lines(lines), console
     assert not ray_chatter(lines), console

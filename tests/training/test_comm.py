@@ -84,3 +84,115 @@ def test_overlapped_sums_equal_the_coalesced_all_reduce_bit_for_bit(tmp_path):
             assert early == buckets >= least, (backbone, early, buckets)  # every bucket started mid-backward
         for name, g in ranks[0][backbone][0].items():  # and every rank holds the same sums
             assert torch.equal(g, ranks[1][backbone][0][name]), (backbone, name)
+
+
+# ------------------------------------------------------------------------------------- one fixed launch order
+@pytest.fixture()
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_buckets_launch_in_index_order_whatever_order_the_hooks_fire(one_rank, seed):
+    layers = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+    reducer = GradReducer(list(layers.parameters()), bucket_mb=300 / 2**20)  # 300 bytes: a bucket per layer or so
+    n = len(reducer.buckets)
+    assert n >= 4
+    params = [p for b in reducer.buckets for p in b.params]
+    order = torch.randperm(len(params), generator=torch.Generator().manual_seed(seed)).tolist()
+    reducer.start()
+    for i in order:  # the hooks, fired in a scrambled order (as another rank's autograd might)
+        params[i].grad = torch.full_like(params[i], float(i))
+        reducer._ready(params[i])
+        # a bucket is launched only once every bucket before it is
+        assert reducer.launched == list(range(len(reducer.launched)))
+    reducer.finish()
+    assert reducer.launched == list(range(n)) and reducer.launched_early == n
+    for i, p in enumerate(params):
+        assert torch.equal(p.grad, torch.full_like(p, float(i)))  # one rank: the sum is the gradient
+    reducer.remove()
+
+
+def test_parameters_without_a_gradient_in_the_first_step_are_dropped(one_rank):
+    model = make_model(truncated=True)  # the last block's value projection is never used
+    reducer = GradReducer([p for p in model.parameters()], bucket_mb=0.05)
+    names = {id(p): n for n, p in model.named_parameters()}
+    x = torch.rand(2 * B, 1, 8, 8, dtype=torch.float64)
+
+    def loss() -> torch.Tensor:
+        out = model(x)
+        return (out.q * out.k).sum()
+
+    for step in range(3):
+        for p in model.parameters():
+            p.grad = None
+        reducer.start()
+        loss().backward()
+        reducer.finish()
+        if step == 0:  # the head's bucket waited for the unused projection until finish()
+            assert sorted(names[id(p)] for p in reducer.unused) == ["head.blocks.1.value.bias",
+                                                                    "head.blocks.1.value.weight"]
+            assert reducer.launched_early < len(reducer.buckets)
+        else:  # dropped: every bucket starts during the backward, in order
+            assert reducer.launched == list(range(len(reducer.buckets))) == list(range(reducer.launched_early))
+    assert all(id(p) not in reducer._bucket_of for p in reducer.unused)
+    # the graph changes: a dropped parameter gets a gradient -> refused, not silently left out of the sum
+    reducer.start()
+    value = model.head.blocks[1].value
+    with pytest.raises(RuntimeError, match="the step's graph changed"):
+        (loss() + value(torch.ones(1, value.in_features, dtype=torch.float64)).sum()).backward()
+    reducer.remove()
+
+
+def _order_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from pipeline.core.batchnorm import convert_batchnorm
+        from pipeline.core.losses import make_loss
+        from pipeline.training.step import GlobalBatchStep, allreduce_grads
+
+        model = convert_batchnorm(make_model(truncated=True, dtype=torch.float32))
+        names = {id(p): n for n, p in model.named_parameters()}
+        v1, v2, ids = make_batch("self", dtype=torch.float32)
+        b = B // world
+        mine = slice(rank * b, (rank + 1) * b)
+        x, i = torch.cat([v1[mine], v2[mine]]), torch.cat([ids[mine], ids[mine]])
+        step = GlobalBatchStep(model, make_loss("jsd"), layout="two_view")
+        step.reducer = GradReducer(step.params, bucket_mb=0.01)
+        steps = []
+        for _ in range(3):
+            total = step.lazy(x, i)
+            r = step.reducer
+            steps.append((list(r.launched), r.launched_early, [[names[id(p)] for p in bk.params] for bk in r.buckets]))
+        overlapped = _grads(model)
+        unused = sorted(names[id(p)] for p in step.reducer.unused)
+        step.reducer.remove()
+        for p in step.params:
+            p.grad = None
+        loss = step._head_loss(model.backbone(x), i, world, rank)
+        loss.backward()
+        allreduce_grads(step.params)
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump((steps, unused, overlapped, _grads(model), total), f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_ranks_launch_in_the_same_fixed_order_with_a_truncated_head(tmp_path):
+    mp.spawn(_order_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    assert ranks[0][0] == ranks[1][0]  # the same buckets, launched in the same order, in every step
+    for steps, unused, overlapped, coalesced, _ in ranks:
+        assert unused == ["head.blocks.1.value.bias", "head.blocks.1.value.weight"]
+        for launched, early, buckets in steps[1:]:
+            assert launched == list(range(len(buckets))) and early == len(buckets) >= 2
+            assert "head.blocks.1.key.weight" in buckets[0]  # the head's bucket, launched during the backward
+            assert all(n not in unused for bk in buckets for n in bk)
+        assert overlapped.keys() == coalesced.keys() and overlapped
+        for name in coalesced:
+            assert torch.equal(overlapped[name], coalesced[name]), name

@@ -156,3 +156,27 @@ def test_the_loops_step_has_no_host_sync(mode, loss):
     x, ids = torch.cat([x, x.flip(-1)]), torch.cat([ids, ids])
     loop.step.lazy(x, ids)
     assert count(lambda: loop.step.lazy(x, ids)) == []
+
+
+# ------------------------------------------------------------------------------------- the epoch's health: one read
+@pytest.mark.parametrize("depth", [2])
+def test_the_loops_health_reads_its_numbers_once(monkeypatch, depth):
+    """Rank 0's per-epoch health (other ranks wait at the report meanwhile): no syncing op, and one
+    ``read_health`` of every block's numbers (on CPU its ``.cpu().tolist()`` is the counter's blind spot; on a GPU
+    it is the one device -> host copy). Before, each slice of rows of each block read 2-3 ``int()``."""
+    from pipeline.config.data import DataConfig
+    from pipeline.config.params import load_params
+    from pipeline.data.sources import load_dataset
+    from pipeline.training import loop as loop_module
+    from tests.conftest import ROOT
+
+    params = load_params(ROOT / "params.yaml", ["train.batch_size=16", "model.embed_dim=16", f"model.depth={depth}"])
+    data = load_dataset(DataConfig(dataset="digits", root="data/raw", limit_train=64, limit_test=16))
+    loop = loop_module.PretrainLoop(params, data, torch.device("cpu"))
+    reads = []
+    real = loop_module.read_health
+    monkeypatch.setattr(loop_module, "read_health", lambda stats: reads.append(len(stats)) or real(stats))
+    health = {}
+    assert count(lambda: health.update(loop.health(chunk=8))) == []
+    assert reads == [depth] and len(health) == depth * 5
+    assert all(isinstance(v, float) for k, v in health.items() if not k.endswith(("same_class", "other_view")))

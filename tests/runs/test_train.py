@@ -1,0 +1,51 @@
+"""pipeline/runs/train.py's device choice: ``ray.backend: gloo`` trains on the CPU, also where CUDA sees GPUs.
+
+No GPU here: "CUDA visible" is faked by monkeypatching ``torch.cuda.is_available`` (and ``device_count``) where
+:func:`pipeline.runs.train.worker_device` reads them, and Ray Train's ``get_device`` stands in for the worker's GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+from pipeline.runs.train import worker_device
+
+
+@pytest.fixture()
+def cuda_visible(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    import ray.train.torch  # noqa: F401 the module exists; its get_device is Ray Train's worker's GPU
+
+    monkeypatch.setattr(sys.modules["ray.train.torch"], "get_device", lambda: torch.device("cuda", 1))
+
+
+@pytest.mark.parametrize("ray_train", [True, False])
+def test_gloo_with_cuda_visible_trains_on_the_cpu_and_says_so(cuda_visible, caplog, ray_train):
+    with caplog.at_level(logging.WARNING, logger="pipeline.runs.train"):
+        assert worker_device(True, "gloo", ray_train=ray_train) == torch.device("cpu")
+    assert "ray.backend: gloo trains on the CPU although CUDA sees 2 GPU(s)" in caplog.text
+
+
+@pytest.mark.parametrize("backend", ["auto", "nccl"])
+def test_a_gpu_backend_with_cuda_visible_trains_on_the_gpu(cuda_visible, backend):
+    assert worker_device(True, backend) == torch.device("cuda", 1)  # Ray Train's device for this worker
+    assert worker_device(True, backend, ray_train=False) == torch.device("cuda")
+
+
+@pytest.mark.parametrize("backend", ["auto", "nccl", "gloo"])
+def test_not_scheduled_on_a_gpu_is_the_cpu(cuda_visible, backend):
+    assert worker_device(False, backend) == torch.device("cpu")
+
+
+def test_declared_gpus_that_cuda_cannot_see(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert worker_device(True, "gloo") == torch.device("cpu")  # the rehearsals' case
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(get_gpu_ids=lambda: [0]))
+    with pytest.raises(RuntimeError, match="CUDA sees no GPU here"):
+        worker_device(True, "nccl")
