@@ -1,4 +1,5 @@
-"""The ground floor's view of this machine: the CPUs this process may use. Imports nothing from ``pipeline``."""
+"""The ground floor's view of this machine: the CPUs this process may use, a device's memory. Imports nothing from
+``pipeline``."""
 
 from __future__ import annotations
 
@@ -8,3 +9,15 @@ import os
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity mask, else the machine's count)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def device_memory(device) -> int:
+    """Bytes of memory of ``device`` (a ``torch.device``): a GPU's total memory; elsewhere the host RAM available now.
+    torch and psutil are imported on first use (the ground floor stays cheap to import)."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    import psutil
+
+    return int(psutil.virtual_memory().available)

@@ -22,9 +22,9 @@ gradients over workers with one all-reduce (``pipeline.training.step.allreduce_g
 must be the gradient of the *total* loss w.r.t. this rank's outputs, which the step's all-gather backward
 gives. Running statistics (training, ``track_running_stats``) are updated with the global μ and the global
 unbiased variance σ²·N/(N−1), so they are identical on every rank; momentum ``None`` gives the cumulative
-average as in ``nn.BatchNorm``, its factor 1/num_batches_tracked a device tensor (no host read of the count). In eval mode, or when torch.distributed is not initialised or has one
-process, the module is exactly ``nn.BatchNorm`` (same code path, ``F.batch_norm``). Output dtype = input
-dtype. One collective per layer and direction on both paths: forward one all-gather of a (2C + 1,) vector
+average as in ``nn.BatchNorm``, its factor 1/num_batches_tracked a device tensor (no host read of the count). In
+eval mode, or when torch.distributed is not initialised or has one process, the module is exactly ``nn.BatchNorm``
+(same code path, ``F.batch_norm``). Output dtype = input dtype. One collective per layer and direction on both paths: forward one all-gather of a (2C + 1,) vector
 per rank (W (2C + 1) values in all), backward one all-reduce of a (2C,) vector; any backend with both
 collectives works (gloo on CPU, NCCL on CUDA).
 

@@ -24,12 +24,14 @@ import torch
 from pipeline.config.model import ModelConfig
 from pipeline.config.params import Params
 from pipeline.core.clustering import cosine_affinity, spectral_scores, symmetric_affinity
-from pipeline.core.model import TransFusion, build_model
+from pipeline.core.model import Rows, TransFusion, build_model
+from pipeline.core.plan import budget_bytes, plan_head
 from pipeline.data.prepared import load_prepared
 from pipeline.data.split import stratified_subset, to_float
 from pipeline.data.types import Dataset
-from pipeline.evaluation.health import head_health
+from pipeline.evaluation.health import QKAffinity, block_stats, head_health, read_health
 from pipeline.evaluation.probes import run_probes
+from pipeline.host import device_memory
 from pipeline.io import load_torch
 from pipeline.theory.measures import affinity_contrast, quantile_sharpness, sharpness
 
@@ -49,16 +51,26 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+def eval_tile(model: TransFusion, n: int, device: torch.device) -> int | None:
+    """The column tile for fusing ``n`` rows at once on ``device``, or None (dense): the training plan's choice
+    (``pipeline.core.plan``, its default budget) for a global batch of n rows on one worker."""
+    head = model.head
+    budget = budget_bytes(None, device_memory(device))
+    return plan_head(n, 1, head.depth - int(head.truncate_last), model.embed_dim, budget).tile
+
+
 @torch.no_grad()
 def layer_embeddings(model: TransFusion, x: torch.Tensor, batch_size: int, device: torch.device,
                      seed: int = 0) -> list[np.ndarray]:
-    """[backbone, block_1, ..., block_D] embeddings of x, each (N, m), on batches of ~batch_size."""
+    """[backbone, block_1, ..., block_D] embeddings of x, each (N, m), on batches of ~batch_size (fused over
+    column tiles where a dense batch of that size would not fit: :func:`eval_tile`)."""
     n = x.shape[0]
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     chunks = torch.tensor_split(perm, max(1, round(n / batch_size)))
     parts: list[list[torch.Tensor]] = []
+    tile = eval_tile(model, max(len(c) for c in chunks), device)
     for idx in chunks:
-        reps = model.embed(to_float(x[idx]).to(device))
+        reps = model.embed(to_float(x[idx]).to(device), tile=tile)
         parts.append([r.float().cpu() for r in reps])
     out = []
     inverse = torch.argsort(torch.cat(chunks))
@@ -87,8 +99,21 @@ def test_health(model: TransFusion, x: torch.Tensor, y: torch.Tensor, batch_size
         return {}
     k = min(batch_size, len(y))
     sub = stratified_subset(y, k, seed=seed) if k < len(y) else torch.arange(len(y))
-    out = model(to_float(x[sub]).to(device), collect=True)
-    return head_health([a.float().cpu() for a in out.affinities], y[sub])
+    tile = eval_tile(model, k, device)
+    if tile is None:
+        out = model(to_float(x[sub]).to(device), collect=True)
+        return head_health([a.float().cpu() for a in out.affinities], y[sub])
+    # the (k, k) affinities would not fit: the blocks over tiles, each affinity a row slice at a time
+    stats = {}
+    labels = y[sub].to(device)
+
+    def take(i: int, q: torch.Tensor, keys: torch.Tensor) -> None:
+        a = QKAffinity(q[None], keys[None], model.head.blocks[i].activation)
+        stats[f"block_{i + 1}"] = block_stats(a, labels)
+
+    z = model.backbone(to_float(x[sub]).to(device))
+    model.head.forward_rows(z, Rows.whole(len(z), z.device), tile=tile, on_block=take)
+    return read_health(stats)
 
 
 @dataclass

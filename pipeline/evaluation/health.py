@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from pipeline.config.model import AFFINITY_EPS as EPS
+from pipeline.core.attention import activate
 
 DEAD_POSITIVE = 0.01  # a block with fewer positive pairs than this is dead
 MOSTLY_UNIFORM = 0.5  # a block with more uniform rows than this is mostly uniform
@@ -44,35 +46,73 @@ def attention_weights(raw: Tensor) -> Tensor:
 ROWS = 128  # rows per slice of the fp64 statistics: (ROWS, n) temporaries instead of (n, n)
 
 
-def block_stats(raw: Tensor, labels: Tensor | None = None, other: Tensor | None = None,
+@dataclass(frozen=True)
+class QKAffinity:
+    """A block's raw affinity ``act(q kᵀ)`` with a zero diagonal, never held whole: :func:`block_stats` asks for
+    ``ROWS`` rows at a time (``TransFusionHead.forward_rows``'s ``on_block`` gives q and k; the tiled path).
+
+    q, k: (g, n, m) unit queries and keys of g fusion groups (g = 1: joint; the affinity then reads as (n, n)).
+    """
+
+    q: Tensor
+    k: Tensor
+    activation: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        g, n, _ = self.q.shape
+        return (n, n) if g == 1 else (g, n, n)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def rows(self, group: int, start: int, stop: int) -> Tensor:
+        """Rows ``start:stop`` of group ``group``'s affinity: (stop - start, n), the diagonal 0."""
+        raw = activate(self.q[group, start:stop] @ self.k[group].T, self.activation)  # (r, n)
+        local = torch.arange(stop - start, device=raw.device)
+        return raw.index_put((local, start + local), raw.new_zeros(()))
+
+
+def block_stats(raw: Tensor | QKAffinity, labels: Tensor | None = None, other: Tensor | None = None,
                 rows: int = ROWS) -> dict[str, Tensor | None]:
     """The health numbers of one block (module docstring) as 0-d fp64 tensors on ``raw``'s device, read by nobody:
     no host sync (on a GPU the epoch's health costs one read at the end, :func:`read_health`).
 
-    raw: (n, n) or (g, n, n) raw affinity act(QKᵀ) with a zero diagonal; labels: (n,) or (g, n) class ids or
-    None; other: (n,) or (g, n) the index, within the same group, of each row's other view, or None.
+    raw: (n, n) or (g, n, n) raw affinity act(QKᵀ) with a zero diagonal, or a :class:`QKAffinity` that computes
+    its rows on demand; labels: (n,) or (g, n) class ids or None; other: (n,) or (g, n) the index, within the same
+    group, of each row's other view, or None.
 
     Every number is a mean over rows, so they are computed ``rows`` rows at a time, in fp64: the temporaries are
-    (rows, n) whatever the batch, never an fp64 copy of the whole (n, n) affinity.
+    (rows, n) whatever the batch, never an fp64 copy of the whole (n, n) affinity (nor, from a
+    :class:`QKAffinity`, the affinity itself).
     """
-    raw = raw.detach()
     if raw.ndim == 2:
-        raw = raw[None]  # (g, n, n)
         labels = None if labels is None else labels[None]
         other = None if other is None else other[None]
-    g, n, _ = raw.shape
+    if isinstance(raw, QKAffinity):
+        g, n = raw.q.shape[:2]
+        device, part = raw.q.device, raw.rows
+    else:
+        raw = raw.detach()
+        raw = raw[None] if raw.ndim == 2 else raw  # (g, n, n)
+        g, n, _ = raw.shape
+        device = raw.device
+
+        def part(gi: int, start: int, stop: int) -> Tensor:
+            return raw[gi, start:stop]
     if n < 2:
         raise ValueError(f"block_health needs at least 2 rows, got {n}")
-    y = None if labels is None else labels.to(raw.device).reshape(g, n)
-    pi = None if other is None else other.to(raw.device).reshape(g, n, 1).long()
+    y = None if labels is None else labels.to(device).reshape(g, n)
+    pi = None if other is None else other.to(device).reshape(g, n, 1).long()
     # 0-d counts (int64) and sums (fp64) on the device, added to in place: 6 tensors
-    positive, uniform, same_pairs = (raw.new_zeros((), dtype=torch.int64) for _ in range(3))
-    entropy, same_class, other_view = (raw.new_zeros((), dtype=torch.float64) for _ in range(3))
+    positive, uniform, same_pairs = (torch.zeros((), dtype=torch.int64, device=device) for _ in range(3))
+    entropy, same_class, other_view = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(3))
     for gi in range(g):
         for start in range(0, n, rows):
             stop = min(start + rows, n)
-            r = raw[gi, start:stop].double()  # (r, n)
-            local = torch.arange(stop - start, device=raw.device)
+            r = part(gi, start, stop).double()  # (r, n)
+            local = torch.arange(stop - start, device=device)
             off = torch.ones_like(r, dtype=torch.bool)
             off[local, start + local] = False  # (r, n): the diagonal of these rows
             pos = (r > 0) & off

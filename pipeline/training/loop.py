@@ -36,29 +36,21 @@ from pipeline import faults
 from pipeline.config.params import Params
 from pipeline.core.batchnorm import convert_batchnorm
 from pipeline.core.losses import make_loss
-from pipeline.core.model import build_model
+from pipeline.core.model import Rows, build_model
 from pipeline.core.optim import build_optimizer, warmup_cosine
 from pipeline.core.plan import HeadPlan, budget_bytes, plan_head
 from pipeline.data.augment import BatchAugment, view_noise
 from pipeline.data.prepared import gather_rows
 from pipeline.data.split import to_float
 from pipeline.data.types import Dataset
-from pipeline.evaluation.health import block_stats, flat, read_health
+from pipeline.evaluation.health import QKAffinity, block_stats, flat, read_health
 from pipeline.evaluation.knn import knn_accuracy
+from pipeline.host import device_memory
 from pipeline.training.precision import for_device
 from pipeline.training.step import GlobalBatchStep, NonFiniteLossError, broadcast_from_rank0
 
 KNN_BANK, KNN_QUERIES = 5000, 2000
 DATA_BUDGET_SHARE = 0.25  # train.data_budget_mb: null -> this share of the device's memory (device_memory)
-
-
-def device_memory(device: torch.device) -> int:
-    """Bytes of memory of ``device``: a GPU's total memory; elsewhere the host RAM available now."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    import psutil
-
-    return int(psutil.virtual_memory().available)
 
 
 def data_budget(budget_mb: float | None, device: torch.device) -> int:
@@ -268,8 +260,10 @@ class PretrainLoop:
         In bounded memory at any batch size: images are loaded, augmented and embedded ``chunk`` at a time (the
         backbone in eval mode is row-wise), the head fuses the (2b, m) embeddings in one piece as in training but
         without a graph, and each block's numbers are taken as soon as its affinity exists (``on_affinity``), in
-        row slices, so one block's (2b, 2b) affinity is alive at a time. A batch within one chunk is computed
-        exactly as one forward of the two views.
+        row slices, so one block's (2b, 2b) affinity is alive at a time. Where training tiles the head
+        (``head_plan``), so does this: the blocks run over column tiles and each block's affinity is computed a row
+        slice at a time from its queries and keys (``QKAffinity``), never whole. A batch within one chunk is
+        computed exactly as one forward of the two views.
         """
         if self.model.head.depth == 0:
             return {}
@@ -292,10 +286,20 @@ class PretrainLoop:
         labels, other = torch.cat([y, y]), torch.cat([torch.arange(b, 2 * b), torch.arange(b)]).to(self.device)
         blocks = {}
 
-        def take(i: int, a: torch.Tensor) -> None:  # (2b, 2b) fused jointly, or (2, b, b) per view
+        def take(i: int, a: torch.Tensor | QKAffinity) -> None:  # (2b, 2b) fused jointly, or (2, b, b) per view
             blocks[f"block_{i + 1}"] = block_stats(a, labels.reshape(a.shape[:-1]), None if a.ndim == 3 else other)
 
-        self.model.head(z, views=2, on_affinity=take)
+        head = self.model.head
+        if self.head_plan.tile is None:
+            head(z, views=2, on_affinity=take)
+        else:  # the dense (2b, 2b) would not fit: the blocks over tiles, each affinity a row slice at a time
+            groups = 2 if head.fusion_scope == "per_view" else 1
+
+            def take_qk(i: int, q: torch.Tensor, k: torch.Tensor) -> None:  # (2b, m) each
+                act = head.blocks[i].activation
+                take(i, QKAffinity(q.reshape(groups, -1, q.shape[-1]), k.reshape(groups, -1, k.shape[-1]), act))
+
+            head.forward_rows(z, Rows.whole(len(z), z.device), views=2, tile=self.head_plan.tile, on_block=take_qk)
         self.model.train()
         return flat(read_health(blocks))  # the one read of the numbers (0-d device tensors until here)
 

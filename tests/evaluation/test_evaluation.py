@@ -47,3 +47,26 @@ def test_affinity_layers(depth, truncated, names):
     assert [n for n, _ in named] == names
     for _, a in named:
         assert a.shape == (9, 9) and np.all(np.diag(a) == 0) and np.all(a >= 0)
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+def test_a_batch_too_large_for_the_dense_head_is_fused_over_tiles_with_the_same_numbers(monkeypatch, truncated):
+    """Where the dense head of the trained batch would not fit (``eval_tile``), embeddings and health run over column
+    tiles: the same numbers as dense."""
+    import pipeline.evaluation.evaluate as ev
+
+    m = model(2, truncated)
+    x, y = torch.rand(30, 12), torch.arange(30) % 3
+    dense = ev.layer_embeddings(m, x, 10, torch.device("cpu")), ev.test_health(m, x, y, 12, torch.device("cpu"))
+    assert ev.eval_tile(m, 12, torch.device("cpu")) is None  # 12 rows: dense
+    monkeypatch.setattr(ev, "eval_tile", lambda model, n, device: 4)
+    tiled = ev.layer_embeddings(m, x, 10, torch.device("cpu")), ev.test_health(m, x, y, 12, torch.device("cpu"))
+    for a, b in zip(dense[0], tiled[0], strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert dense[1].keys() == tiled[1].keys() and len(dense[1]) == 2
+    for block, h in dense[1].items():
+        assert tiled[1][block].keys() == h.keys()
+        for key, value in h.items():  # None (no other view here) stays None; no pytest.approx of a None
+            got = tiled[1][block][key]
+            assert (got is None) == (value is None) and (value is None or got == pytest.approx(value, rel=1e-5,
+                                                                                                abs=1e-7)), key

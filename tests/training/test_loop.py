@@ -135,3 +135,20 @@ def test_two_gloo_workers_streamed_equal_in_memory(prepared, tmp_path):
     # rank 0 alone runs the kNN monitor and the health; the all-reduced losses are the same on both ranks
     assert [h["loss"] for h in ranks[0]["streamed"]] == [h["loss"] for h in ranks[1]["streamed"]]
     assert os.path.exists(tmp_path / "rank1.json")
+
+
+@pytest.mark.parametrize("extra", [[], ["model.fusion_scope=per_view"], ["model.head=truncated", "model.depth=2"],
+                                   ["model.activation=softmax"]], ids=str)
+def test_health_over_tiles_equals_the_dense_health(prepared, extra):
+    """Where training tiles the head, the health check does too (each affinity a row slice at a time): same numbers."""
+    overrides = ["train.batch_size=96", "model.depth=2", *extra]
+    dense = PretrainLoop(load_params(ROOT / "params.yaml", overrides), load_prepared(prepared), torch.device("cpu"))
+    tiled = PretrainLoop(load_params(ROOT / "params.yaml", [*overrides, TILING_BUDGET]), load_prepared(prepared),
+                         torch.device("cpu"))
+    assert dense.head_plan.tile is None and tiled.head_plan.tile is not None
+    want, got = dense.health(), tiled.health()
+    assert want.keys() == got.keys() and len(want) == 2 * 5
+    for key, value in want.items():
+        assert (got[key] is None) == (value is None), key
+        if value is not None:
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
