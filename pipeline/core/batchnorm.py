@@ -15,17 +15,17 @@ Semantics (x (n, C, *) on rank w, per channel, g = ∂L/∂y on this rank):
     ∂L/∂x = γ / sqrt(σ² + eps) · (g − Σ_all g / N − x̂ · Σ_all g·x̂ / N)          # (n, C, *)
     ∂L/∂γ = Σ_local g·x̂,  ∂L/∂β = Σ_local g                                       # (C,), local shares
 
-Centred per-rank moments, not the sums form (an all-reduce of Σx, Σx², count; σ² = Σx²/N − μ²): equal in
-exact arithmetic, but the sums form cancels catastrophically in fp32/bf16 when |μ| ≫ σ (post-ReLU
-activations). The parameter gradients are this rank's shares on purpose: the training step sums parameter
-gradients over workers with one all-reduce (``pipeline.training.step.allreduce_grads``), which completes them. ``g``
-must be the gradient of the *total* loss w.r.t. this rank's outputs, which the step's all-gather backward
-gives. Running statistics (training, ``track_running_stats``) are updated with the global μ and the global
-unbiased variance σ²·N/(N−1), so they are identical on every rank; momentum ``None`` gives the cumulative
-average as in ``nn.BatchNorm``, its factor 1/num_batches_tracked a device tensor (no host read of the count). In
-eval mode, or when torch.distributed is not initialised or has one process, the module is exactly ``nn.BatchNorm``
-(same code path, ``F.batch_norm``). Output dtype = input dtype. One collective per layer and direction on both paths: forward one all-gather of a (2C + 1,) vector
-per rank (W (2C + 1) values in all), backward one all-reduce of a (2C,) vector; any backend with both
+Centred per-rank moments, not the sums form (an all-reduce of Σx, Σx², count; σ² = Σx²/N − μ²): equal in exact
+arithmetic, but the sums form cancels catastrophically in fp32/bf16 when |μ| ≫ σ (post-ReLU activations). The
+parameter gradients are this rank's shares on purpose: the training step sums parameter gradients over workers with
+one all-reduce (``pipeline.training.step.allreduce_grads``), which completes them. ``g`` must be the gradient of the
+*total* loss w.r.t. this rank's outputs, which the step's all-gather backward gives. Running statistics (training,
+``track_running_stats``) are updated with the global μ and the global unbiased variance σ²·N/(N−1), so they are
+identical on every rank; momentum ``None`` gives the cumulative average as in ``nn.BatchNorm``, its factor
+1/num_batches_tracked a device tensor (no host read of the count). In eval mode, or when torch.distributed is not
+initialised or has one process, the module is exactly ``nn.BatchNorm`` (same code path, ``F.batch_norm``). Output
+dtype = input dtype. One collective per layer and direction on both paths: forward one all-gather of a (2C + 1,)
+vector per rank (W (2C + 1) values in all), backward one all-reduce of a (2C,) vector; any backend with both
 collectives works (gloo on CPU, NCCL on CUDA).
 
 **Fused path** (CUDA tensors, :func:`use_fused_kernels`; :class:`FusedGlobalBatchNormFn`): torch's
