@@ -1,6 +1,7 @@
 """The pure core: TransFusion's blocks and head (``model``), one block's fusion for some of its rows, dense or over
-column tiles (``attention``), the backbones, exact global BatchNorm, the losses and their target affinities, the
-optimizers and spectral clustering.
+column tiles (``attention``), the losses (``losses``; over column tiles: ``tiled_losses``) and their target
+affinities, the head's path by memory (``plan``: dense or tiled, per worker), the backbones, exact global BatchNorm,
+the optimizers and spectral clustering.
 
 Plain torch, NumPy and scikit-learn: nothing here imports Ray, MLflow, DVC or matplotlib, nor any other package of
 ``pipeline`` but the ground floor (``pipeline.config``, ``pipeline.io``, ``pipeline.host``).
