@@ -51,7 +51,7 @@ from torch import Tensor, nn
 COMPATIBILITIES = ("multiplicative", "additive")
 KERNELS = ("logits", "paper")
 ATTENTION_SCALES = ("width", "head")
-TILE_ELEMENTS = 1 << 22  # default additive tile: rows such that tile * n * width <= 4M numbers (16 MiB in fp32)
+TILE_ELEMENTS = 1 << 24  # default additive tile: rows such that tile * n * width <= 16M numbers (64 MiB in fp32)
 
 
 def _check(value: str, allowed: tuple[str, ...], what: str) -> None:
@@ -108,7 +108,9 @@ class AdditiveCompat(torch.autograd.Function):
 
     Forward keeps only a, b, w; backward recomputes each tile's T = tanh(a_i + b_j) (tile, n, H) and with
     G_ij = dE_ij · w ⊙ (1 − T_ij²):  dw = Σ_ij dE_ij T_ij,  da_i = Σ_j G_ij,  db_j = Σ_i G_ij.
-    Peak extra memory: two (tile, n, H) buffers, forward or backward. Not twice differentiable.
+    Peak extra memory: one (tile, n, H) buffer, forward or backward (the tanh and G are computed in place;
+    tests/core/test_abc.py measures it).
+    Not twice differentiable.
     """
 
     @staticmethod
@@ -117,7 +119,7 @@ class AdditiveCompat(torch.autograd.Function):
         ctx.tile = tile
         out = a.new_empty(a.shape[0], b.shape[0])  # (m, n)
         for s in range(0, a.shape[0], tile):
-            out[s : s + tile] = torch.tanh(a[s : s + tile, None, :] + b[None]) @ w  # (t, n, H) @ (H,) -> (t, n)
+            out[s : s + tile] = (a[s : s + tile, None, :] + b[None]).tanh_() @ w  # (t, n, H) @ (H,) -> (t, n)
         return out
 
     @staticmethod
@@ -126,12 +128,13 @@ class AdditiveCompat(torch.autograd.Function):
         a, b, w = ctx.saved_tensors
         ga, gb, gw = torch.zeros_like(a), torch.zeros_like(b), torch.zeros_like(w)
         for s in range(0, a.shape[0], ctx.tile):
-            t = torch.tanh(a[s : s + ctx.tile, None, :] + b[None])  # (t, n, H)
-            g = grad[s : s + ctx.tile, :, None]  # (t, n, 1)
-            gw += (g * t).sum((0, 1))
-            t = t.square_().neg_().add_(1.0).mul_(g).mul_(w)  # G = dE w (1 - T²), (t, n, H), in place
+            t = (a[s : s + ctx.tile, None, :] + b[None]).tanh_()  # T (t, n, H), the tile's one buffer
+            g = grad[s : s + ctx.tile]  # (t, n)
+            gw += t.flatten(0, 1).T @ g.flatten()  # Σ_ij dE_ij T_ij, a matrix-vector product (no copy of T)
+            t = t.square_().neg_().add_(1.0).mul_(g[..., None]).mul_(w)  # G = dE w (1 - T²), in place
             ga[s : s + ctx.tile] = t.sum(1)
             gb += t.sum(0)
+            del t  # freed before the next tile is allocated
         return ga, gb, gw, None
 
 
@@ -296,8 +299,8 @@ def bce(
         raise ValueError(f"x has {x.shape[0]} rows, neither n = {n} nor the {len(range(*rows.indices(n)))} of {rows}")
     target = (ids[rows, None] == ids[None, :]).to(x.dtype)  # (r, n)
     if pos_weight == "balanced":
-        pos = _positive_count(ids).to(x.dtype)
-        p = (n * n - pos) / pos
+        pos = _positive_count(ids).double()
+        p = ((n * n - pos) / pos).to(x.dtype)  # n² in fp64: exact, and no fp16 overflow
     elif isinstance(pos_weight, str):
         raise ValueError(f"pos_weight must be a number or 'balanced', got {pos_weight!r}")
     else:

@@ -224,7 +224,8 @@ def test_additive_tiles_equal_the_untiled_product(m, n, tile):
 
 
 def test_additive_tiles_bound_the_peak_memory():
-    """Forward + backward at n = 256, H = 32, fp32: an (n, n, H) tensor is 8 MiB; 16-row tiles stay under 2 MiB."""
+    """Forward + backward at n = 256, H = 32, fp32: an (n, n, H) tensor is 8 MiB. Measured: 16-row tiles peak at
+    0.80 MB (one 0.52 MB tile + E, 0.26 MB), untiled 8.9 MB."""
     n, hdim, tile = 256, 32, 16
     a, b = torch.randn(n, hdim, requires_grad=True), torch.randn(n, hdim, requires_grad=True)
     w = torch.randn(hdim, requires_grad=True)
@@ -235,7 +236,7 @@ def test_additive_tiles_bound_the_peak_memory():
     cube = n * n * hdim * 4
     tiled, untiled = peak_bytes(run(tile)), peak_bytes(run(n))
     assert untiled >= cube
-    assert tiled <= 3 * tile * n * hdim * 4 + 2 * n * n * 4 + 4 * n * hdim * 4  # tiles, E and its gradient, a/b grads
+    assert tiled <= tile * n * hdim * 4 + 2 * n * n * 4 + 4 * n * hdim * 4  # one tile, E and its gradient, a/b grads
     assert tiled < cube / 4
 
 
