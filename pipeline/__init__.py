@@ -46,6 +46,9 @@ _EXPORTS: dict[str, str] = {
     "supcon": "pipeline.core.losses",
     "dcl": "pipeline.core.losses",
     "barlow_twins": "pipeline.core.losses",
+    # ABC (attention-based clustering): the head and its BCE on the kernel, diagonal included
+    "ABCHead": "pipeline.core.abc",
+    "bce": "pipeline.core.abc",
     # the targets of eq. (1)
     "target_affinity": "pipeline.core.targets",
     "self_supervised_ids": "pipeline.core.targets",
