@@ -46,6 +46,9 @@ _EXPORTS: dict[str, str] = {
     "supcon": "pipeline.core.losses",
     "dcl": "pipeline.core.losses",
     "barlow_twins": "pipeline.core.losses",
+    # clustering a kernel of unseen classes: k given or by the eigengap (ABC's inference)
+    "cluster_kernel": "pipeline.core.clustering",
+    "eigengap_k": "pipeline.core.clustering",
     # the targets of eq. (1)
     "target_affinity": "pipeline.core.targets",
     "self_supervised_ids": "pipeline.core.targets",
