@@ -49,6 +49,9 @@ _EXPORTS: dict[str, str] = {
     # ABC (attention-based clustering): the head and its BCE on the kernel, diagonal included
     "ABCHead": "pipeline.core.abc",
     "bce": "pipeline.core.abc",
+    # clustering a kernel of unseen classes: k given or by the eigengap (ABC's inference)
+    "cluster_kernel": "pipeline.core.clustering",
+    "eigengap_k": "pipeline.core.clustering",
     # the targets of eq. (1)
     "target_affinity": "pipeline.core.targets",
     "self_supervised_ids": "pipeline.core.targets",

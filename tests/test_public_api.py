@@ -22,6 +22,7 @@ API = {
     **dict.fromkeys(("make_loss", "LOSS_NAMES", "jsd", "jsd_appendix_e", "kl_softmax", "kl_relu", "kl_squared",
                      "infonce", "supcon", "dcl", "barlow_twins"), "pipeline.core.losses"),
     **dict.fromkeys(("ABCHead", "bce"), "pipeline.core.abc"),
+    **dict.fromkeys(("cluster_kernel", "eigengap_k"), "pipeline.core.clustering"),
     **dict.fromkeys(("target_affinity", "self_supervised_ids"), "pipeline.core.targets"),
     **dict.fromkeys(("GlobalBatchStep", "NonFiniteLossError", "broadcast_from_rank0"), "pipeline.training.step"),
     **dict.fromkeys(("Params", "load_params", "validate_params"), "pipeline.config.params"),

@@ -1,9 +1,13 @@
 """The data model of the paper's section 3: K subspaces U_k of rank r in R^m with (K-1) r < m, samples on the
 unit sphere of their subspace, and noisy copies with x_i^T x~_i >= 1 - ε (eq. 8). The ``synthetic`` dataset and
-the theory stage both draw from it."""
+the theory stage both draw from it.
+
+Also the circles toy problem of attention-based clustering (ABC, Coward et al., section 6.1): sets of points on a
+few random, likely overlapping circles, to be clustered by circle (``four_circles``)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -72,3 +76,68 @@ def union_of_subspaces(
     return SubspaceData(
         x=x.float(), labels=labels.to(torch.int64), bases=bases.float(), clean=clean.float()
     )
+
+
+# ------------------------------------------------------------------------------- the circles toy problem (ABC)
+@dataclass(frozen=True)
+class CircleSets:
+    """Sets of points on circles (``four_circles``).
+
+    points: (S, P, 2) float32; labels: (S, P) int64, the circle of each point, in [0, C); centres: (S, C, 2)
+    float32; radii: (S, C) float32. Point p of set s lies on its circle:
+    ``|points[s, p] - centres[s, labels[s, p]]| = radii[s, labels[s, p]]`` (to float32 rounding).
+    """
+
+    points: torch.Tensor
+    labels: torch.Tensor
+    centres: torch.Tensor
+    radii: torch.Tensor
+
+
+def four_circles(n_sets: int, points: int = 20, circles: int = 4, seed: int = 0) -> CircleSets:
+    """ABC's circles problem: each set has ``circles`` random circles and ``points`` points on them.
+
+    Per set, independently (as ABC's code, ``lib/utils/data/circles.py`` of github.com/DramaCow/ABC, with 20
+    points per set in its experiments):
+
+        centre_c = 0.5 sqrt(u_c) (cos phi_c, sin phi_c),   u_c ~ U[0, 1), phi_c ~ U[0, 2 pi)
+                   (uniform in the disk of radius 0.5: P(|centre| <= rho) = (rho / 0.5)^2)
+        r_c      = clip(0.3 + 0.1 g_c, 0.2, 0.4),           g_c ~ N(0, 1)
+        counts   = 1 + Multinomial(P - C, (1/C, ..., 1/C))  (every circle gets a point, then each further point
+                   picks a circle uniformly), the points in random order within the set
+        point_p  = centre_{c_p} + r_{c_p} (cos theta_p, sin theta_p),   theta_p ~ U[0, 2 pi) i.i.d.
+
+    The angles are i.i.d. uniform on the circle, as section 6.1 states; ABC's code instead spreads a circle's m
+    points over m equal arcs (one uniform angle per arc). The paper also says every circle overlaps another; ABC's
+    code does not enforce it and neither does this function: in 17.6 % of 20 000 sets (seed 1, 4 circles) some
+    circle crosses no other (circles cross iff |r_a - r_b| <= |centre_a - centre_b| <= r_a + r_b). Not
+    scikit-learn's ``make_circles`` (two concentric circles). Computed in float64, returned in float32;
+    deterministic given ``seed`` (a private torch.Generator).
+
+    Args:
+        n_sets: S >= 1, the number of sets.
+        points: P >= circles, points per set.
+        circles: C >= 1, circles per set.
+        seed: the seed.
+
+    Returns:
+        ``CircleSets`` (points (S, P, 2), labels (S, P), centres (S, C, 2), radii (S, C)).
+    """
+    for name, value, low in (("n_sets", n_sets, 1), ("circles", circles, 1), ("points", points, circles)):
+        if isinstance(value, bool) or int(value) != value or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    n_sets, points, circles = int(n_sets), int(points), int(circles)
+    g = torch.Generator().manual_seed(int(seed))
+    f64 = torch.float64
+    rho = 0.5 * torch.sqrt(torch.rand(n_sets, circles, generator=g, dtype=f64))  # (S, C)
+    phi = 2.0 * math.pi * torch.rand(n_sets, circles, generator=g, dtype=f64)  # (S, C)
+    centres = rho[..., None] * torch.stack((phi.cos(), phi.sin()), dim=-1)  # (S, C, 2)
+    radii = (0.3 + 0.1 * torch.randn(n_sets, circles, generator=g, dtype=f64)).clamp(0.2, 0.4)  # (S, C)
+    first = torch.arange(circles).expand(n_sets, circles)  # (S, C) one point per circle
+    rest = torch.randint(0, circles, (n_sets, points - circles), generator=g)  # (S, P - C)
+    order = torch.rand(n_sets, points, generator=g).argsort(dim=1)  # (S, P) a random permutation per set
+    labels = torch.cat((first, rest), dim=1).gather(1, order)  # (S, P)
+    theta = 2.0 * math.pi * torch.rand(n_sets, points, generator=g, dtype=f64)  # (S, P)
+    on = centres.gather(1, labels[..., None].expand(-1, -1, 2))  # (S, P, 2) each point's centre
+    xy = on + radii.gather(1, labels)[..., None] * torch.stack((theta.cos(), theta.sin()), dim=-1)  # (S, P, 2)
+    return CircleSets(points=xy.float(), labels=labels.to(torch.int64), centres=centres.float(), radii=radii.float())

@@ -1,4 +1,5 @@
-"""Tests for pipeline.core.clustering: affinity construction vs loops, spectral NMI / ARI on known structures."""
+"""Tests for pipeline.core.clustering: affinity construction vs loops, spectral NMI / ARI on known structures, the
+eigengap estimate of k (vs an eigh reference and the paper's literal formula) and cluster_kernel."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from sklearn.metrics import adjusted_rand_score
 
-from pipeline.core.clustering import cosine_affinity, spectral_scores, symmetric_affinity
+from pipeline.core.clustering import (
+    cluster_kernel,
+    cosine_affinity,
+    eigengap_k,
+    kernel_spectrum,
+    spectral_scores,
+    symmetric_affinity,
+)
 
 
 def _symmetric_reference(a: np.ndarray) -> list[list[float]]:
@@ -132,3 +141,130 @@ def test_spectral_scores_validates() -> None:
         spectral_scores(np.ones((4, 4)), np.arange(3))
     with pytest.raises(ValueError, match="n_clusters"):
         spectral_scores(np.ones((4, 4)), np.arange(4), n_clusters=5)
+
+
+# ------------------------------------------------------------------------------------------- eigengap and k
+def _planted_kernel(k: int, seed: int, noise: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+    """A symmetric kernel with k blocks of random sizes 2..12 (shuffled), within-block entries in [0.7, 1] (diagonal
+    included), between-block entries in [0, noise]: (kernel (n, n), labels (n,))."""
+    rng = np.random.default_rng(seed)
+    labels = rng.permutation(np.repeat(np.arange(k), rng.integers(2, 13, size=k)))  # (n,)
+    n = len(labels)
+    same = labels[:, None] == labels[None, :]
+    a = np.where(same, rng.uniform(0.7, 1.0, size=(n, n)), noise * rng.uniform(size=(n, n)))
+    return 0.5 * (a + a.T), labels
+
+
+def _normalized_reference(a: np.ndarray) -> np.ndarray:
+    """D^-1/2 A D^-1/2 with loops, d_i = sum_j A_ij (diagonal included); zero degree -> zero row and column."""
+    n = len(a)
+    d = [sum(float(a[i][j]) for j in range(n)) for i in range(n)]
+    out = np.zeros((n, n))
+    for i in range(n):
+        for j in range(n):
+            if d[i] > 0 and d[j] > 0:
+                out[i, j] = float(a[i][j]) / math.sqrt(d[i] * d[j])
+    return out
+
+
+@pytest.mark.parametrize("k", range(2, 11))
+def test_eigengap_recovers_planted_blocks(k: int) -> None:
+    for seed in range(3):
+        a, labels = _planted_kernel(k, seed=100 * k + seed)
+        assert eigengap_k(a) == k, (k, seed, len(labels))
+        assert eigengap_k(torch.from_numpy(a).float()) == k  # a float32 tensor: symmetric within the tolerance
+        assert eigengap_k(a, k_max=k) == k and eigengap_k(a, k_max=k - 1) <= k - 1  # the cap is honoured
+
+
+@pytest.mark.parametrize(("k", "seed"), [(2, 0), (5, 1), (10, 2)])
+def test_kernel_spectrum_matches_eigh_of_the_normalized_kernel(k: int, seed: int) -> None:
+    a, _ = _planted_kernel(k, seed=seed)
+    ref = np.sort(np.linalg.eigh(_normalized_reference(a))[0])[::-1]
+    got = kernel_spectrum(a)
+    assert got.shape == (len(a),)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-12)
+    assert np.all(np.diff(got) <= 0) and got[0] == pytest.approx(1.0)  # descending, mu_1 = 1 (non-negative)
+    gaps = [got[i] - got[i + 1] for i in range(len(got) - 1)]
+    assert eigengap_k(a) == 1 + max(range(len(gaps)), key=lambda i: (gaps[i], -i))  # first argmax, 1-based
+
+
+def test_kernel_spectrum_keeps_the_diagonal_and_an_isolated_row() -> None:
+    a, _ = _planted_kernel(3, seed=7)
+    a[4, :] = a[:, 4] = 0.0  # a zero-degree row: its row and column of D^-1/2 A D^-1/2 are zero
+    np.testing.assert_allclose(kernel_spectrum(a), np.sort(np.linalg.eigh(_normalized_reference(a))[0])[::-1],
+                               atol=1e-12)
+    b = a.copy()
+    np.fill_diagonal(b, 0.0)  # the diagonal counts: zeroing it changes the spectrum
+    assert not np.allclose(kernel_spectrum(a), kernel_spectrum(b), atol=1e-3)
+
+
+@pytest.mark.parametrize("k", [2, 4, 7, 10])
+def test_the_papers_literal_formula_returns_n_minus_k(k: int) -> None:
+    """Section 4.4 read literally, argmax_i (lambda_i - lambda_{i+1}) over L = I - D^-1/2 A D^-1/2, gives n - k:
+    the deviation eigengap_k's docstring states."""
+    a, labels = _planted_kernel(k, seed=k)
+    n = len(labels)
+    lam = np.sort(np.linalg.eigh(np.eye(n) - _normalized_reference(a))[0])[::-1]  # (n,) descending
+    literal = 1 + int(np.argmax(lam[:-1] - lam[1:]))
+    assert literal == n - k
+    assert eigengap_k(a) == k
+
+
+def test_eigengap_edge_cases() -> None:
+    assert eigengap_k(np.ones((1, 1))) == 1
+    assert eigengap_k(np.eye(6)) == 1  # all singletons: no gap, the documented limit
+    a, _ = _planted_kernel(4, seed=3)
+    assert eigengap_k(a, k_max=10_000) == 4  # clipped to n - 1
+
+
+def test_eigengap_refuses_bad_kernels() -> None:
+    a, _ = _planted_kernel(3, seed=5)
+    asym = a.copy()
+    asym[0, 1] += 0.1
+    with pytest.raises(ValueError, match="symmetric"):
+        eigengap_k(asym)
+    for bad in (np.nan, np.inf):
+        b = a.copy()
+        b[2, 3] = b[3, 2] = bad
+        with pytest.raises(ValueError, match="NaN or inf"):
+            eigengap_k(b)
+    with pytest.raises(ValueError, match="square"):
+        eigengap_k(np.ones((3, 4)))
+    with pytest.raises(ValueError, match="negative degrees"):
+        eigengap_k(-np.ones((4, 4)))
+    with pytest.raises(ValueError, match="empty"):
+        eigengap_k(np.zeros((0, 0)))
+    for k_max in (0, 2.5, True):
+        with pytest.raises(ValueError, match="k_max"):
+            eigengap_k(a, k_max=k_max)
+
+
+@pytest.mark.parametrize("k", [2, 3, 6, 9])
+def test_cluster_kernel_recovers_clean_blocks(k: int) -> None:
+    a, labels = _planted_kernel(k, seed=k, noise=0.0)  # exactly block-diagonal: disconnected, connected by eps
+    for given in (k, None):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            pred, k_hat = cluster_kernel(a, k=given, seed=1)
+        assert k_hat == k and pred.shape == labels.shape and pred.dtype == np.int64
+        assert adjusted_rand_score(labels, pred) == 1.0
+        assert set(pred.tolist()) == set(range(k))
+
+
+def test_cluster_kernel_symmetrises_an_affinity() -> None:
+    a, labels = _planted_kernel(5, seed=11)
+    rng = np.random.default_rng(0)
+    a = a * rng.uniform(0.8, 1.2, size=a.shape) - 0.3 * (labels[:, None] != labels[None, :])  # asymmetric, < 0
+    pred, k_hat = cluster_kernel(torch.from_numpy(a), seed=0)
+    assert k_hat == 5 and adjusted_rand_score(labels, pred) == 1.0
+
+
+def test_cluster_kernel_validates() -> None:
+    a, _ = _planted_kernel(3, seed=2)
+    for k in (0, len(a) + 1, 1.5):
+        with pytest.raises(ValueError, match="k must be"):
+            cluster_kernel(a, k=k)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        cluster_kernel(np.full((3, 3), np.nan))
+    pred, k_hat = cluster_kernel(a, k=1)
+    assert k_hat == 1 and not pred.any()

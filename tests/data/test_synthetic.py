@@ -1,0 +1,61 @@
+"""Tests for pipeline.data.synthetic's circles problem (ABC, section 6.1): shapes, every point on its circle, the
+radii and centres within their ranges, every circle used, determinism by seed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline.data.synthetic import four_circles
+
+
+@pytest.mark.parametrize(("n_sets", "points", "circles"), [(1, 4, 4), (7, 20, 4), (50, 33, 3), (3, 10, 1)])
+def test_shapes_and_dtypes(n_sets: int, points: int, circles: int) -> None:
+    d = four_circles(n_sets, points=points, circles=circles, seed=n_sets)
+    assert d.points.shape == (n_sets, points, 2) and d.points.dtype == torch.float32
+    assert d.labels.shape == (n_sets, points) and d.labels.dtype == torch.int64
+    assert d.centres.shape == (n_sets, circles, 2) and d.centres.dtype == torch.float32
+    assert d.radii.shape == (n_sets, circles) and d.radii.dtype == torch.float32
+    for s in range(n_sets):  # every circle has a point
+        assert sorted(set(d.labels[s].tolist())) == list(range(circles))
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_every_point_lies_on_its_circle(seed: int) -> None:
+    d = four_circles(40, seed=seed)
+    for s in range(40):
+        for p in range(20):
+            c = int(d.labels[s, p])
+            x, y = (float(v) for v in d.points[s, p])
+            cx, cy = (float(v) for v in d.centres[s, c])
+            assert abs(math.hypot(x - cx, y - cy) - float(d.radii[s, c])) <= 1e-6, (s, p)
+
+
+def test_radii_and_centres_within_their_ranges() -> None:
+    d = four_circles(2000, seed=1)
+    assert float(d.radii.min()) >= 0.2 - 1e-7 and float(d.radii.max()) <= 0.4 + 1e-7  # float32(0.4) > 0.4
+    assert float(d.centres.norm(dim=-1).max()) <= 0.5 + 1e-7
+    # clip(N(0.3, 0.1), 0.2, 0.4): P(r = 0.2) = P(r = 0.4) = Phi(-1) = 0.159, the rest spread between
+    at_low = float((d.radii == 0.2).float().mean())
+    at_high = float((d.radii == 0.4).float().mean())
+    assert abs(at_low - 0.159) < 0.02 and abs(at_high - 0.159) < 0.02
+    # uniform in the disk: |centre| <= 0.25 with probability (0.25 / 0.5)^2 = 1/4 (8000 centres: sd 0.005)
+    assert abs(float((d.centres.norm(dim=-1) <= 0.25).float().mean()) - 0.25) < 0.025
+    # each point picks one of the 4 circles uniformly beyond the first: E[count] = 1 + 16 / 4 = 5 per circle
+    counts = torch.stack([(d.labels == c).sum(1) for c in range(4)], dim=1).float()  # (S, 4)
+    assert abs(float(counts.mean()) - 5.0) < 1e-6 and abs(float(counts[:, 0].mean()) - 5.0) < 0.2
+
+
+def test_deterministic_by_seed() -> None:
+    a, b, c = four_circles(5, seed=11), four_circles(5, seed=11), four_circles(5, seed=12)
+    for field in ("points", "labels", "centres", "radii"):
+        assert torch.equal(getattr(a, field), getattr(b, field))
+    assert not torch.equal(a.points, c.points)
+
+
+def test_rejects_bad_arguments() -> None:
+    for kwargs in ({"n_sets": 0}, {"n_sets": 2, "circles": 0}, {"n_sets": 2, "points": 3}, {"n_sets": 1.5}):
+        with pytest.raises(ValueError, match="must be an integer"):
+            four_circles(**kwargs)
