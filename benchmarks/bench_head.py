@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,7 @@ from pipeline.core.backbones import build_backbone
 from pipeline.core.losses import make_loss
 from pipeline.core.model import Rows, TransFusionHead
 from pipeline.core.plan import head_bytes, plan_head
-from pipeline.training.measure import peak_bytes
+from pipeline.training.measure import best_time, peak_bytes
 from pipeline.training.step import gather_views
 
 WIDTH, DEPTH, TILE = 64, 1, 512
@@ -61,16 +60,6 @@ def step_fn(n: int, world: int, tile: int | None, depth: int = DEPTH, width: int
         sum(loss(q, q, ids, rows=s, layout="two_view", **kw) for s in mine).backward()
 
     return step
-
-
-def best_time(fn, repeats: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def _worker(rank: int, world: int, init: str, n: int, out: str) -> None:

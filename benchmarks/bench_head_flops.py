@@ -13,21 +13,11 @@ The baseline is torch.matmul on the same shapes ((n,d)·(d,n) and (n,n)·(n,d)),
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from pipeline.core.model import TransFusionHead
-
-
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+from pipeline.training.measure import best_time
 
 
 def main() -> None:
@@ -51,7 +41,7 @@ def main() -> None:
         out.embedding.square().mean().backward()
 
     flops_head = 3 * args.depth * (6 * n * d * d + 4 * n * n * d)
-    t_head = timed(head_step, args.repeats)
+    t_head = best_time(head_step, args.repeats)
 
     a, b = torch.randn(n, d), torch.randn(d, n)
     s, v = torch.randn(n, n), torch.randn(n, d)
@@ -60,7 +50,7 @@ def main() -> None:
         torch.matmul(a, b)
         torch.matmul(s, v)
 
-    t_mm = timed(mm, args.repeats * 3)
+    t_mm = best_time(mm, args.repeats * 3)
     flops_mm = 2 * n * d * n + 2 * n * n * d
     head_rate, mm_rate = flops_head / t_head, flops_mm / t_mm
     print(f"head efficiency (n={n}, d={d}, depth {args.depth}, fwd+bwd, {args.threads} threads): "

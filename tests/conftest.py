@@ -22,6 +22,18 @@ def invoke(*args: str):
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (small matrices: one thread is faster than two contending ones, and the
+    timings are one thread's); the thread count is restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for every Ray test (start-up costs ~8 s); shut down at the end of the session."""

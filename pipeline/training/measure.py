@@ -2,6 +2,7 @@
 
 The numbers the benchmarks print and the tests assert come from here, so that both count the same way:
 
+- :func:`best_time`: the fastest of a few timed calls, after a warm-up.
 - :func:`peak_bytes`: the highest running total of the CPU allocator's allocations minus frees while a function
   runs (``torch.profiler`` with ``profile_memory=True``: one ``[memory]`` event per allocation and free).
 - :class:`OpCounter`: a ``TorchDispatchMode`` that sees every aten and c10d op run inside it (forward and

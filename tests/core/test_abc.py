@@ -27,13 +27,7 @@ from pipeline.training.measure import count, peak_bytes
 KINDS = [(c, k) for c in COMPATIBILITIES for k in KERNELS]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small matrices: one thread is faster than two contending ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small matrices: one thread beats two contending ones
 
 
 def head(compatibility="multiplicative", kernel="logits", dim=6, width=8, depth=2, heads=2, seed=0, **kwargs):

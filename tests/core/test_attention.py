@@ -19,13 +19,7 @@ from pipeline.training.measure import count, peak_bytes
 EPS = AFFINITY_EPS
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These matrices are small: one thread is faster than two contending ones (and the timings are one thread's)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small matrices: one thread beats two contending ones
 
 
 def reference(q, k, v, diag, activation):
