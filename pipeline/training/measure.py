@@ -94,6 +94,19 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def best_time(fn: Callable[[], Any], repeats: int = 3) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn``, in seconds, after one untimed warm-up call."""
+    import time
+
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def count(fn: Callable[[], Any], device: torch.device | str | None = None) -> OpCounter:
     """Run ``fn`` under an :class:`OpCounter` (standing for ``device``) and return the counter."""
     with OpCounter(device) as counter:
