@@ -94,6 +94,7 @@ def test_a_default_run_prints_our_lines_and_ray_keeps_its_own_logs(sandbox):
     assert sum(line.startswith("[mlflow] new tracking store ") for line in lines) == 1, console  # a fresh store
     assert any("[pretrain] epoch 1/2 loss" in line for line in lines), console
     assert any("[pretrain] epoch 2/2 loss" in line for line in lines), console
+    assert sum("[pretrain] head on one worker (" in line and ", dense: " in line for line in lines) == 1, console
     assert any(line.startswith("pretrained 2 epochs: loss") for line in lines), console
     assert any(line.startswith("[pretrain] ") and " s in all: " in line for line in lines), console  # where time went
     # token authentication is still on (Ray created the token for this fresh HOME), only not announced

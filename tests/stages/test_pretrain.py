@@ -69,6 +69,9 @@ def test_two_workers_write_outputs_and_track_in_mlflow(prepared, ray_session):
     assert run.info.status == "FINISHED" and run.data.tags["stage"] == "pretrain"
     assert run.data.params["model.depth"] == "1" and run.data.params["ray.num_workers"] == "2"
     assert run.info.run_id == metrics["mlflow_run_id"]
+    # the head's path on the workers (pipeline.core.plan): sharded over both, dense within the default budget
+    assert run.data.tags["head.path"] == "dense" and run.data.tags["head.sharded"] == "true"
+    assert run.data.tags["head.tile"] == "none" and float(run.data.tags["head.mib_per_worker"]) > 0
     for key in ("loss", "lr", "samples_per_s", "view_noise", "knn_acc"):
         assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [1, 2, 3], key
     losses = [m.value for m in client.get_metric_history(run.info.run_id, "loss")]
