@@ -62,6 +62,9 @@ RAY_CONSOLE_ENV = {
                                  r"|^Fatal Python error: |^(Stack|(Current thread|Thread) 0x[0-9a-f]+) \(most recent "
                                  r"call first\):|^  File \".*\", line \d+ in |^Extension modules: "
                                  r"|^terminate called |^  what\(\): "
+                                 # Abseil's raw log of Ray's native mutexes, which a process killed at shutdown (Ray
+                                 # Train's placement-group cleaner) may print: "[mutex.cc : 452] RAW: Lock blocking ..."
+                                 r"|^\[\w+\.(cc|h) : \d+\] RAW: "
                                  r"|^\s*$",  # and the blank lines between its parts (a blank line of a worker's)
     # Ray Tune's output engine: the default one prints an experiment box, the results path and a TensorBoard hint even
     # at ``verbose=0``; the legacy one is silent at ``verbose=0`` (the sweep prints its own lines per trial event).

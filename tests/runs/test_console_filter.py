@@ -1,6 +1,7 @@
 """The console filter (``pipeline.runs.cluster.RAY_CONSOLE_ENV``'s ``RAY_DEDUP_LOGS_SKIP_REGEX``, which Ray applies to
 every line a worker prints before forwarding it): a worker's native crash dump stays out, our lines and Python
-tracebacks stay in.
+tracebacks stay in. The last two lines of the dump are Abseil's raw mutex log, which Ray Train's placement-group cleaner
+printed once at a rehearsal's shutdown here (its pid prefix removed).
 
 The dump below is what a Ray task that calls ``os.abort()`` printed here (Ray 2.60, its pid prefix removed; addresses
 and the module list shortened): Ray's failure-signal handler, then Python's faulthandler. tests/stages/test_console.py
@@ -35,6 +36,8 @@ Stack (most recent call first):
 Extension modules: msgpack._cmsgpack, google._upb._message, psutil._psutil_linux (total: 3)
 terminate called after throwing an instance of 'gloo::IoException'
   what():  [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [192.0.2.2]:41923
+[mutex.cc : 452] RAW: Lock blocking 0x56539dd81fc0   @ 0x7fe195e2b1a2 0x7fe194efb23c 0x7fe1957c2022 0x7fe195e4c3b0
+[mutex.cc : 452] RAW: Unlock 0x56539dd81fc0   @ 0x7fe1957c2037 0x7fe195e4c3b0
 """
 
 KEPT = [
