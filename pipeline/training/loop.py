@@ -257,13 +257,13 @@ class PretrainLoop:
 
         ``other_view`` is None where the other view is not in the fused batch (``fusion_scope: per_view``).
 
-        In bounded memory at any batch size: images are loaded, augmented and embedded ``chunk`` at a time (the
-        backbone in eval mode is row-wise), the head fuses the (2b, m) embeddings in one piece as in training but
-        without a graph, and each block's numbers are taken as soon as its affinity exists (``on_affinity``), in
-        row slices, so one block's (2b, 2b) affinity is alive at a time. Where training tiles the head
-        (``head_plan``), so does this: the blocks run over column tiles and each block's affinity is computed a row
-        slice at a time from its queries and keys (``QKAffinity``), never whole. A batch within one chunk is
-        computed exactly as one forward of the two views.
+        In bounded memory at any batch size: images are loaded, augmented and embedded ``chunk`` at a time (the backbone
+        in eval mode is row-wise), the head fuses the (2b, m) embeddings in one piece as in training but without a
+        graph, and each block's numbers are taken as soon as its affinity exists (``on_affinity``), in row slices, so
+        one block's (2b, 2b) affinity is alive at a time. Where one worker holding all 2b rows would tile the head
+        (``head_plan`` with one worker), so does this: the blocks run over column tiles and each block's affinity is
+        computed a row slice at a time from its queries and keys (``QKAffinity``), never whole. A batch within one chunk
+        is computed exactly as one forward of the two views.
         """
         if self.model.head.depth == 0:
             return {}
@@ -290,7 +290,10 @@ class PretrainLoop:
             blocks[f"block_{i + 1}"] = block_stats(a, labels.reshape(a.shape[:-1]), None if a.ndim == 3 else other)
 
         head = self.model.head
-        if self.head_plan.tile is None:
+        # rank 0 fuses all 2b rows alone here: the plan of one worker holding them, not the training's per-worker one
+        tile = self.head_plan.tile if self.world == 1 else head_plan(self.params, self.model, 1, self.device,
+                                                                      self.precision.autocast).tile
+        if tile is None:
             head(z, views=2, on_affinity=take)
         else:  # the dense (2b, 2b) would not fit: the blocks over tiles, each affinity a row slice at a time
             groups = 2 if head.fusion_scope == "per_view" else 1
@@ -299,7 +302,7 @@ class PretrainLoop:
                 act = head.blocks[i].activation
                 take(i, QKAffinity(q.reshape(groups, -1, q.shape[-1]), k.reshape(groups, -1, k.shape[-1]), act))
 
-            head.forward_rows(z, Rows.whole(len(z), z.device), views=2, tile=self.head_plan.tile, on_block=take_qk)
+            head.forward_rows(z, Rows.whole(len(z), z.device), views=2, tile=tile, on_block=take_qk)
         self.model.train()
         return flat(read_health(blocks))  # the one read of the numbers (0-d device tensors until here)
 
