@@ -20,6 +20,7 @@ COMMANDS = {
     "sweep": "stages.sweep:sweep_cmd",
     "tables": "stages.tables:tables_cmd",
     "theory": "stages.theory:theory_cmd",
+    "sets": "stages.sets:sets_cmd",
     "rehearse": "stages.rehearse:rehearse_cmd",
     "ui": "stages.ui:ui_cmd",
 }

@@ -1,6 +1,7 @@
 """``report`` stage: ``reports/REPORT.md`` from the metrics and figures of the other stages.
 
-Reads params: every section (the report prints them); inputs ``metrics/*.json``, ``plots/evaluate/``.
+Reads params: every section (the report prints them); inputs ``metrics/*.json``, ``plots/evaluate/``, and the
+set-clustering study's ``metrics/sets.json`` (its table beside ABC's published numbers) when it is there.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 import click
 
 from pipeline.config.params import Params, load_params
+from pipeline.evaluation import set_report
 from pipeline.evaluation.report import render
 from pipeline.io import write_text
 from stages._common import params_options, runtime_errors
@@ -37,5 +39,10 @@ def report_cmd(params: Params) -> None:
     figures = {c: f"../{p}" for c, p in FIGURES.items() if Path(p).is_file()}
     text = render(config["params"] | {"probe": params.probe.model_dump()}, json.loads(pre.read_text()),
                   json.loads(ev.read_text()), figures)
+    sets = Path("metrics/sets.json")  # the set-clustering study (`transfusion sets`), when it has run
+    if sets.is_file():
+        study = json.loads(sets.read_text())
+        figure = "../plots/sets/ari.png" if Path("plots/sets/ari.png").is_file() else None
+        text = text.rstrip("\n") + "\n\n" + set_report.render(study["summary"], study["setup"], figure=figure)
     write_text(OUT, text)
     click.echo(f"report -> {OUT}")

@@ -101,6 +101,12 @@ TINY = {
     ("theory", "rank"): 1,
     ("theory", "dim"): 6,
     ("theory", "seeds"): [0],
+    ("sets", "datasets"): ["circles", "digits"],
+    ("sets", "seeds"): [0, 1],
+    ("sets", "steps"): 3,
+    ("sets", "test_sets"): 2,
+    ("sets", "rbf_gammas"): [1.0],
+    ("sets", "rbf_select_sets"): 2,
 }
 
 
@@ -191,7 +197,7 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
     from pipeline.runs.tracking import data_digest
 
     repo, out = tiny_repro
-    assert ran(out) == {"prepare", "pretrain", "evaluate", "report", "sweep", "theory"}
+    assert ran(out) == {"prepare", "pretrain", "evaluate", "report", "sweep", "theory", "sets"}
     results = (repo / "sweeps/results.csv").read_text().splitlines()
     assert len(results) == 3 and json.loads((repo / "sweeps/best.json").read_text())["epochs"] == 1
     for name in ("sweep/phase.png", "sweep/phase.csv", "sweep/curves.csv", "theory/theory.png"):
@@ -207,6 +213,10 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
     report = (repo / "reports/REPORT.md").read_text()
     assert "| Model | Batch Size | 3-FFN | SVM | K-NN (k=50) | K-NN (k=200) | Time (min) |" in report
     assert "paper: TransFusion 9-Layer" in report and "../plots/evaluate/tsne.png" in report
+    # the set-clustering study: its table (2 data sets x 5 methods) beside ABC's published numbers, in the report
+    assert "## Set clustering" in report and "| Omniglot (Table 2) | ABC multiplicative | 0.893 | 0.874 |" in report
+    assert sum(line.startswith(("| circles |", "| digits |")) for line in report.splitlines()) == 10
+    assert json.loads((repo / "metrics/sets.json").read_text())["summary"]["digits"]["rbf"]["seeds"] == 2
 
     assert ran(run(["dvc", "repro"], repo)) == set()  # nothing changed: nothing runs
 
@@ -214,6 +224,8 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
     assert ran(run(["dvc", "repro"], repo)) == {"evaluate", "report"}
     set_param(repo, "theory", "steps", 6)  # only theory reads theory.*
     assert ran(run(["dvc", "repro"], repo)) == {"theory"}
+    set_param(repo, "sets", "test_sets", 3)  # only sets reads sets.*, and the report shows its table
+    assert ran(run(["dvc", "repro"], repo)) == {"sets", "report"}
     evaluation = json.loads((repo / "metrics/evaluate.json").read_text())
     assert set(evaluation["probes"]["backbone"]["svm"]) == {"0.5", "1"}
 
@@ -227,6 +239,12 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
     sweeps = [r for r in runs if r.data.tags.get("stage") == "sweep"]
     trials = [r for r in runs if r.data.tags.get("stage") == "sweep-trial"]
     assert len(sweeps) == 1 and sweeps[0].info.status == "FINISHED" and len(trials) == 2
+    sets = [r for r in runs if r.data.tags.get("stage") == "sets"]  # two studies: a parent and 10 children each
+    parents = [r for r in sets if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 2 and len(sets) == 22
+    assert {r.info.run_name for r in sets if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id} == {
+        f"{m} · {d}" for m in ("abc_multiplicative", "abc_additive", "transfusion", "pairwise", "rbf")
+        for d in ("circles", "digits")}
     assert all(r.data.tags["mlflow.parentRunId"] == sweeps[0].info.run_id for r in trials)
     assert all(r.data.tags["mlflow.parentRunId"] == pretrain[0].info.run_id for r in evaluate)
     latest = max(evaluate, key=lambda r: r.info.start_time)

@@ -20,6 +20,7 @@ from pipeline.config.loss import SELF_SUPERVISED_ONLY, LossConfig
 from pipeline.config.model import BATCHNORM_BACKBONES, IMAGE_BACKBONES, ModelConfig
 from pipeline.config.probe import ProbeConfig
 from pipeline.config.ray import RayConfig
+from pipeline.config.sets import SetsConfig
 from pipeline.config.sweep import SweepConfig
 from pipeline.config.tables import TablesConfig
 from pipeline.config.theory import TheoryConfig
@@ -41,6 +42,8 @@ class Params(Section):
     # optional (the paper's rows by default); read only by `transfusion tables`, so left out of the params every
     # other stage records (model_dump, MLflow, REPORT.md)
     tables: TablesConfig = Field(default_factory=TablesConfig, exclude=True)
+    # optional too (the default study); read only by `transfusion sets`
+    sets: SetsConfig = Field(default_factory=SetsConfig, exclude=True)
 
     @model_validator(mode="after")
     def _cross_section(self) -> Params:

@@ -188,12 +188,12 @@ class ABCOutput:
     @functools.cached_property
     def logits(self) -> Tensor:  # noqa: D102 - see the class docstring
         e = self.energies
-        return 0.5 * (e + e.T) if self.kind == "logits" else e
+        return 0.5 * (e + e.mT) if self.kind == "logits" else e
 
     @functools.cached_property
     def kernel(self) -> Tensor:  # noqa: D102 - see the class docstring
         s = torch.sigmoid(self.logits)
-        return s if self.kind == "logits" else 0.5 * (s + s.T)
+        return s if self.kind == "logits" else 0.5 * (s + s.mT)
 
     def loss(self, ids: Tensor, *, rows: slice | None = None, pos_weight: float | str = 1.0) -> Tensor:
         """:func:`bce` on this output: on the logits S for the "logits" kernel, on κ for "paper"."""
@@ -204,6 +204,9 @@ class ABCOutput:
 
 class ABCHead(nn.Module):
     """ABC on the rows of a batch: x (n, dim) -> :class:`ABCOutput` (module docstring for the equations).
+
+    x (B, n, dim), a batch of B sets of n elements each, gives B independent sets: every (n, n) matrix of the
+    output is then (B, n, n) (``scores(rows)``/``kernel_rows(rows)``/``loss`` take one set, 2-d).
 
     dim: the backbone's feature size. With ``pre_embed=False`` there is no Linear–tanh–Linear and dim must equal width.
     depth, heads, width: SAB blocks, their heads and width (Omniglot in the paper: 2, 4, 128).
@@ -248,10 +251,15 @@ class ABCHead(nn.Module):
         return cls(dim, depth=0, width=width, compatibility="additive", **kwargs)
 
     def compat(self, a: Tensor, b: Tensor) -> Tensor:
-        """E_ij = compat(a_i, b_j), a (m, width), b (n, width) -> (m, n)."""
+        """E_ij = compat(a_i, b_j), a (..., m, width), b (..., n, width) -> (..., m, n) (leading dims: sets)."""
         if self.compatibility == "additive":
+            if a.dim() > 2:  # a batch of sets: at once while (..., m, n, width) <= TILE_ELEMENTS, else per set
+                if a[..., None, :].numel() * b.shape[-2] <= TILE_ELEMENTS and self.tile is None:
+                    return torch.tanh(a[..., :, None, :] + b[..., None, :, :]) @ self.w  # (..., m, n)
+                return torch.stack([self.compat(x, y) for x, y in zip(a.flatten(0, -3), b.flatten(0, -3),
+                                                                      strict=True)]).unflatten(0, a.shape[:-2])
             return additive_compat(a, b, self.w, self.tile)
-        e = a @ b.T  # (m, n)
+        e = a @ b.mT  # (..., m, n)
         return e / math.sqrt(a.shape[-1]) if self.scale_compat else e
 
     def forward(self, x: Tensor) -> ABCOutput:
@@ -283,12 +291,22 @@ def bce(
         loss = (1/n²) Σ_{i, j} −[p Y_ij log κ_ij + (1 − Y_ij) log(1 − κ_ij)],   κ = σ(x) if ``logits`` else x
 
     x: (n, n), or (r, n) the rows ``rows`` of it (a full (n, n) x with ``rows`` is sliced here); ids: (n,).
+    x (B, n, n) with ids (B, n): B sets, the mean of their losses (no ``rows``, a numeric ``pos_weight``).
     With ``rows`` the loss is the sum over those rows / n², so losses over disjoint row slices add up to the full
     loss. ``logits=True`` goes through ``binary_cross_entropy_with_logits`` (stable for any x); ``False`` through
     ``binary_cross_entropy`` (its logs clamped at −100). p = ``pos_weight``: a number, or "balanced" = #neg / #pos
     over all n² pairs of the batch (the whole batch's, whatever ``rows``; on Omniglot the code weighs positives
     by the ratio of its training distribution). No host sync.
     """
+    if x.dim() == 3:  # (B, n, n) with ids (B, n): B sets at once, the mean of their losses
+        if rows is not None or pos_weight == "balanced" or ids.shape != x.shape[:2] or x.shape[1] != x.shape[2]:
+            raise ValueError(f"a batch of sets needs x (B, n, n) and ids (B, n), no rows and a numeric pos_weight; "
+                             f"got x {tuple(x.shape)}, ids {tuple(ids.shape)}, rows {rows}, pos_weight {pos_weight!r}")
+        target = (ids[:, :, None] == ids[:, None, :]).to(x.dtype)  # (B, n, n)
+        p = torch.tensor(float(pos_weight), dtype=x.dtype, device=x.device)
+        if logits:
+            return F.binary_cross_entropy_with_logits(x, target, pos_weight=p)
+        return F.binary_cross_entropy(x, target, weight=1.0 + (p - 1.0) * target)
     n = ids.shape[0]
     rows = slice(0, n) if rows is None else rows
     if x.shape[-1] != n:

@@ -87,3 +87,12 @@ def test_usable_cpus_is_this_process_affinity():
     assert 1 <= n <= (os.cpu_count() or n)
     if hasattr(os, "sched_getaffinity"):
         assert n == len(os.sched_getaffinity(0))
+
+
+def test_set_study_names_are_the_tasks_and_methods():
+    from pipeline.config.sets import SET_DATASETS, SET_METHODS, TRAINED_METHODS
+    from pipeline.data.set_tasks import TASKS
+    from pipeline.evaluation.set_report import LABELS
+
+    assert tuple(TASKS) == SET_DATASETS
+    assert set(LABELS) == set(SET_METHODS) and set(TRAINED_METHODS) == set(SET_METHODS) - {"rbf"}

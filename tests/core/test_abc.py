@@ -301,3 +301,28 @@ def test_bad_options_are_refused():
         bce(kappa, ids, pos_weight=0.0)
     with pytest.raises(ValueError, match="rows"):
         bce(kappa[:2], ids, rows=slice(0, 1))
+
+
+@pytest.mark.parametrize(("compatibility", "kernel"), KINDS)
+@pytest.mark.parametrize("big", [False, True])
+def test_a_batch_of_sets_equals_each_set_alone(compatibility, kernel, big, monkeypatch):
+    """x (B, n, dim): every (n, n) matrix and the batched BCE equal the B sets' own, set by set (the additive
+    compatibility at once, and per set in tiles past TILE_ELEMENTS)."""
+    import pipeline.core.abc as abc
+
+    if big:
+        monkeypatch.setattr(abc, "TILE_ELEMENTS", 16)
+    h = head(compatibility, kernel)
+    x = torch.randn(3, 7, 6, dtype=torch.float64)
+    ids = torch.randint(0, 3, (3, 7))
+    out = h(x)
+    for b in range(3):
+        alone = h(x[b])
+        for name in ("energies", "logits", "kernel"):
+            torch.testing.assert_close(getattr(out, name)[b], getattr(alone, name), rtol=1e-12, atol=1e-12)
+    logits = kernel == "logits"
+    batched = bce(out.logits if logits else out.kernel, ids, pos_weight=2.5, logits=logits)
+    each = torch.stack([h(x[b]).loss(ids[b], pos_weight=2.5) for b in range(3)]).mean()
+    torch.testing.assert_close(batched, each, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="numeric pos_weight"):
+        bce(out.logits, ids, pos_weight="balanced")

@@ -1,0 +1,229 @@
+"""The set-clustering study: five methods that turn a set into a kernel, each clustered spectrally with the number of
+clusters known or estimated by the eigengap (ABC, Coward et al., sections 4.4 and 6).
+
+==================== ==================================================================================================
+method               the kernel of a set X (n, d), what trains it
+==================== ==================================================================================================
+abc_multiplicative   ABC (:class:`pipeline.core.abc.ABCHead`): pre-embedding, ``blocks`` SABs, κ = σ(½(E + Eᵀ)),
+                     E_ij = q_i·k_j; BCE against Y_ij = 1[y_i = y_j], diagonal included
+abc_additive         the same with E_ij = wᵀ tanh(q_i + k_j)
+pairwise             ABC without SABs, additive (section 6.1's ablation): each pair judged out of context
+transfusion          the same pre-embedding, then ``blocks`` TransFusion blocks of the same width
+                     (:class:`pipeline.core.model.TransFusionHead`); its trained affinity cos(q_i, k_j)² (eq. 5 before
+                     the row normalisation, zero diagonal), trained by the supervised JSD (``jsd``)
+rbf                  exp(−c ||x_i − x_j||² / median_ij ||x_i − x_j||²) on the inputs, c chosen from ``rbf_gammas`` by
+                     the mean NMI with the true k on ``rbf_select_sets`` training sets; nothing trained
+==================== ==================================================================================================
+
+Inference on a set, for every method: S = ½(K + Kᵀ) clipped at 0 (each kernel's diagonal as it is: ABC's κ_ii,
+TransFusion's 0, the RBF's 1); with known k, ``cluster_kernel(S, k)``; with unknown k, k̂ = ``eigengap_k(S,
+k_max)`` (``k_max`` = min(``sets.k_max``, n − 1)) and ``cluster_kernel(S, k̂)``. Scores per set: NMI, ARI, |k̂ − k|;
+per (data set, method, seed) their means over ``test_sets`` sets; reported as mean ± sd over the seeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
+from threadpoolctl import threadpool_limits
+from torch import Tensor, nn
+
+from pipeline.config.sets import SET_METHODS, TRAINED_METHODS
+from pipeline.core.abc import ABCHead, bce
+from pipeline.core.clustering import cluster_kernel, eigengap_k
+from pipeline.core.losses import make_loss
+from pipeline.core.model import TransFusionHead
+from pipeline.data.set_tasks import TEST, TRAIN, SetBatch, SetTask, make_task
+
+METRICS = ("nmi_known", "ari_known", "nmi_unknown", "ari_unknown", "k_error")
+
+__all__ = ["METRICS", "SetModel", "build_set_model", "rbf_kernels", "run_study", "score_kernels", "summarize",
+           "train_set_model"]
+
+
+class SetModel(nn.Module):
+    """A trained set method: x (S, n, d), labels (S, n) -> ``loss``; x -> ``kernels`` (S, n, n), for clustering."""
+
+    def __init__(self, method: str, dim: int, cfg: Any) -> None:
+        super().__init__()
+        self.method = method
+        if method == "transfusion":
+            self.pre = nn.Sequential(nn.Linear(dim, cfg.width), nn.Tanh(), nn.Linear(cfg.width, cfg.width))
+            self.head = TransFusionHead(cfg.width, cfg.blocks, fusion_scope="per_view")
+            self.jsd = make_loss("jsd")
+        elif method == "pairwise":
+            self.head = ABCHead.pairwise(dim, width=cfg.width, kernel=cfg.kernel)
+        else:
+            compat = method.removeprefix("abc_")
+            self.head = ABCHead(dim, depth=cfg.blocks, heads=cfg.heads, width=cfg.width, compatibility=compat,
+                                kernel=cfg.kernel)
+        self.pos_weight = cfg.pos_weight
+
+    def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """TransFusion's last block's (q, k), (S, n, h) each: the S sets fused apart (``per_view`` with S views)."""
+        s, n, _ = x.shape
+        out = self.head(self.pre(x).flatten(0, 1), views=s)  # (S n, width) in, S groups of n fused apart
+        return out.q.unflatten(0, (s, n)), out.k.unflatten(0, (s, n))
+
+    def loss(self, x: Tensor, labels: Tensor) -> Tensor:
+        """The method's loss, the mean over the S sets."""
+        if self.method == "transfusion":
+            q, k = self._qk(x)
+            return torch.stack([self.jsd(q[i], k[i], labels[i]) for i in range(x.shape[0])]).mean()
+        out = self.head(x)  # matrices (S, n, n)
+        logits = out.kind == "logits"  # BCE with logits on S = ½(E + Eᵀ), or on κ itself (pipeline.core.abc)
+        x = out.logits if logits else out.kernel  # (S, n, n)
+        if self.pos_weight == "balanced":  # a weight per set: one call per set
+            return torch.stack([bce(x[i], labels[i], pos_weight="balanced", logits=logits)
+                                for i in range(x.shape[0])]).mean()
+        # a batch of sets in one call (bce's batched form: the mean of the sets' losses)
+        return bce(x, labels, pos_weight=self.pos_weight, logits=logits)
+
+    @torch.no_grad()
+    def kernels(self, x: Tensor) -> np.ndarray:
+        """(S, n, n) float64: ABC's κ, or TransFusion's cos(q_i, k_j)² with a zero diagonal."""
+        if self.method == "transfusion":
+            q, k = (torch.nn.functional.normalize(t.double(), dim=-1) for t in self._qk(x))
+            a = (q @ k.mT).square()  # (S, n, n)
+            a.diagonal(dim1=-2, dim2=-1).zero_()
+            return a.numpy()
+        return self.head(x).kernel.double().numpy()
+
+
+def build_set_model(method: str, dim: int, cfg: Any, seed: int) -> SetModel:
+    """A :class:`SetModel` for a trained ``method``, initialised from ``seed`` (the global RNG state is kept)."""
+    if method not in TRAINED_METHODS:
+        raise ValueError(f"unknown trained set method {method!r}; allowed: {', '.join(TRAINED_METHODS)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return SetModel(method, dim, cfg)
+
+
+def train_set_model(method: str, task: SetTask, cfg: Any, seed: int) -> tuple[SetModel, list[float]]:
+    """``cfg.steps`` Adam steps (``cfg.lr``) on ``cfg.batch_sets`` fresh training sets each; the model (eval mode) and
+    the losses. All training sets are drawn up front (one draw: they are small)."""
+    model = build_set_model(method, task.dim, cfg, seed)
+    data = task.draw(cfg.steps * cfg.batch_sets, TRAIN, seed)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, foreach=True)
+    losses = []
+    model.train()
+    for step in range(cfg.steps):
+        part = slice(step * cfg.batch_sets, (step + 1) * cfg.batch_sets)
+        value = model.loss(data.x[part], data.labels[part])
+        opt.zero_grad(set_to_none=True)
+        value.backward()
+        opt.step()
+        losses.append(float(value.detach()))
+    model.eval()
+    return model, losses
+
+
+def rbf_kernels(x: Tensor, c: float) -> np.ndarray:
+    """exp(−c d_ij² / median_{i≠j} d_ij²) per set: x (S, n, d) -> (S, n, n) float64, diagonal 1."""
+    x = x.double()
+    d2 = torch.cdist(x, x).square()  # (S, n, n)
+    n = x.shape[1]
+    off = ~torch.eye(n, dtype=torch.bool)
+    med = torch.quantile(d2[:, off], 0.5, dim=1).clamp_min(1e-12)  # (S,) the median (mean of the middle two)
+    return torch.exp(-c * d2 / med[:, None, None]).numpy()
+
+
+def _symmetric(k: np.ndarray) -> np.ndarray:
+    return np.clip(0.5 * (k + k.T), 0.0, None)
+
+
+def score_kernels(kernels: np.ndarray, labels: np.ndarray, k_max: int, seed: int = 0,
+                  unknown: bool = True) -> dict[str, float]:
+    """Cluster each (n, n) kernel with the true k and (``unknown``) with the eigengap's k̂; the mean scores.
+
+    kernels: (S, n, n); labels: (S, n). Returns {nmi_known, ari_known[, nmi_unknown, ari_unknown, k_error]}.
+    """
+    rows = []
+    for kern, y in zip(kernels, labels, strict=True):
+        s = _symmetric(kern)
+        k = int(np.unique(y).size)
+        pred, _ = cluster_kernel(s, k, seed=seed)
+        row = [normalized_mutual_info_score(y, pred), adjusted_rand_score(y, pred)]
+        if unknown:
+            k_hat = eigengap_k(s, k_max=min(k_max, s.shape[0] - 1))
+            pred, _ = cluster_kernel(s, k_hat, seed=seed)
+            row += [normalized_mutual_info_score(y, pred), adjusted_rand_score(y, pred), abs(k_hat - k)]
+        rows.append(row)
+    return dict(zip(METRICS, np.mean(rows, axis=0).tolist(), strict=False))
+
+
+def choose_rbf(task: SetTask, cfg: Any, seed: int) -> float:
+    """The RBF's c in ``cfg.rbf_gammas`` with the best mean NMI (true k) on ``rbf_select_sets`` training sets."""
+    data = task.draw(cfg.rbf_select_sets, TRAIN, seed)
+    scores = [score_kernels(rbf_kernels(data.x, c), data.labels.numpy(), cfg.k_max, seed, unknown=False)["nmi_known"]
+              for c in cfg.rbf_gammas]
+    return float(cfg.rbf_gammas[int(np.argmax(scores))])
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch and BLAS on one thread (these matrices are tiny: threads cost more than they give)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with threadpool_limits(limits=1):
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_one(method: str, task: SetTask, cfg: Any, seed: int, test: SetBatch) -> dict[str, Any]:
+    """Train (or tune) ``method`` on ``task`` with ``seed`` and score it on ``test``: one row of the study."""
+    start = time.perf_counter()
+    extra: dict[str, Any] = {}
+    if method == "rbf":
+        c = choose_rbf(task, cfg, seed)
+        kernels, extra["rbf_c"], steps = rbf_kernels(test.x, c), c, 0
+    else:
+        model, losses = train_set_model(method, task, cfg, seed)
+        kernels, steps = model.kernels(test.x), cfg.steps
+        extra["final_loss"] = float(np.mean(losses[-max(1, len(losses) // 10):]))
+    scores = score_kernels(kernels, test.labels.numpy(), cfg.k_max, seed)
+    return {"dataset": task.name, "method": method, "seed": seed, "steps": steps, **scores, **extra,
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
+def run_study(cfg: Any, progress: Callable[[str], Any] | None = print) -> list[dict[str, Any]]:
+    """Every data set × method × seed of ``cfg`` (a :class:`pipeline.config.sets.SetsConfig`): the rows."""
+    rows = []
+    with one_thread():
+        for name in cfg.datasets:
+            task = make_task(name, cfg)
+            for seed in cfg.seeds:
+                test = task.draw(cfg.test_sets, TEST, seed)
+                for method in cfg.methods:
+                    row = run_one(method, task, cfg, seed, test)
+                    rows.append(row)
+                    if progress:
+                        progress(f"[sets] {name:<9} {method:<18} seed {seed}: ARI {row['ari_known']:.3f} (k known), "
+                                 f"{row['ari_unknown']:.3f} (k̂, |k̂-k| {row['k_error']:.2f}) in {row['seconds']:.1f} s")
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """{dataset: {method: {metric: mean, metric_sd: sd over seeds (ddof 1; NaN with one seed), seeds, steps}}}."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for row in rows:
+        out.setdefault(row["dataset"], {}).setdefault(row["method"], {})
+    for name, methods in out.items():
+        for method in methods:
+            mine = [r for r in rows if r["dataset"] == name and r["method"] == method]
+            entry: dict[str, float] = {"seeds": len(mine), "steps": mine[0]["steps"]}
+            for m in METRICS:
+                v = np.array([r[m] for r in mine], dtype=float)
+                entry[m] = float(v.mean())
+                entry[f"{m}_sd"] = float(v.std(ddof=1)) if v.size > 1 else math.nan
+            methods[method] = entry
+    return {name: {m: out[name][m] for m in SET_METHODS if m in out[name]} for name in out}
