@@ -15,6 +15,7 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.config.data import DataConfig
+from pipeline.data.omniglot import OMNIGLOT_SIZE, read_omniglot
 from pipeline.data.prepared import load_prepared
 from pipeline.data.sources import load_dataset, omniglot_sets_split
 from pipeline.data.types import DatasetError
@@ -24,7 +25,7 @@ from stages.cli import main
 BACKGROUND = {"Latin": 3, "Greek": 2}  # 5 characters
 EVALUATION = {"Tengwar": 2, "Angelic": 2}  # 4 characters
 DRAWINGS = 3  # per character (the real data set has 20)
-SIZE = 105
+SIZE = OMNIGLOT_SIZE  # 105
 
 
 def write_omniglot(root: Path, parts: tuple[str, ...] = ("background", "evaluation"),
@@ -69,6 +70,22 @@ def assert_drawings_of_their_class(x: torch.Tensor, y: torch.Tensor, classes, wr
         assert len(hits) == 1, f"row {k} is not a drawing of {classes[int(y[k])]}"
         seen.append((int(y[k]), hits[0]))
     return seen
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one part, as read
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_read_omniglot_one_part(omniglot, background):
+    root, written = omniglot
+    x, y, classes = read_omniglot(root, background=background)
+    alphabets = BACKGROUND if background else EVALUATION
+    assert classes == sorted_names(alphabets)
+    assert x.dtype == torch.uint8 and x.shape == (len(classes) * DRAWINGS, 1, SIZE, SIZE) and y.dtype == torch.int64
+    assert y.tolist() == [c for c in range(len(classes)) for _ in range(DRAWINGS)]  # label order, then file order
+    for k in range(len(y)):
+        assert np.array_equal(x[k, 0].numpy(), written[classes[int(y[k])]][k % DRAWINGS])
 
 
 # ----------------------------------------------------------------------------------------------------------------
