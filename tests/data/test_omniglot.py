@@ -190,13 +190,13 @@ def test_omniglot_broken_files_are_named(tmp_path):
     write_omniglot(tmp_path, parts=("background",), drawings=2)
     folder = tmp_path / "omniglot-py" / "images_background"
     data = DataConfig(dataset="omniglot", root=str(tmp_path), test_fraction=0.5)
-    (folder / "Greek" / "character02" / "0002_01.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
-    with pytest.raises(DatasetError, match=r"Greek/character02/0002_01\.png cannot be decoded"):
+    (folder / "Greek" / "character02" / "1002_01.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    with pytest.raises(DatasetError, match=r"Greek/character02/1002_01\.png cannot be decoded"):
         load_dataset(data)
     from PIL import Image
 
-    Image.new("1", (50, 60), 1).save(folder / "Greek" / "character02" / "0002_01.png")
-    with pytest.raises(DatasetError, match=r"0002_01\.png is 50x60, expected 105x105"):
+    Image.new("1", (50, 60), 1).save(folder / "Greek" / "character02" / "1002_01.png")
+    with pytest.raises(DatasetError, match=r"1002_01\.png is 50x60, expected 105x105"):
         load_dataset(data)
     (folder / "Latin" / "character04").mkdir()
     with pytest.raises(DatasetError, match=r"without a \.png: Latin/character04"):
