@@ -34,6 +34,7 @@ from pipeline.io import save_torch, sha256_file, write_json
 from stages.cli import main
 from tests.conftest import ROOT
 from tests.data.test_datasets import _uint8_dataset, idx_bytes, write_cifar, write_fmnist, write_png_folder
+from tests.data.test_omniglot import write_omniglot
 
 Setup = Callable[[Path], None]
 PREPARED = Path("data/prepared")
@@ -204,6 +205,10 @@ def fmnist(gz: bool = False) -> Setup:
     return run
 
 
+def omniglot(p: Path) -> None:
+    write_omniglot(p / RAW, parts=("background",), drawings=2)
+
+
 def png_folder(p: Path) -> None:
     write_png_folder(p / RAW)
 
@@ -223,6 +228,7 @@ def png_classes(counts: dict[str, int]) -> Setup:
 CIFAR = ("-S", "data.dataset=cifar10")
 FMNIST = ("-S", "data.dataset=fashion_mnist")
 FOLDER = ("-S", "data.dataset=image_folder", "-S", "data.image_size=8")
+OMNIGLOT = ("-S", "data.dataset=omniglot", "-S", "data.test_fraction=0.5")
 CIFAR_DIR = f"{RAW}/cifar-10-batches-py"
 FMNIST_DIR = f"{RAW}/FashionMNIST/raw"
 RESNET = ("-S", "model.backbone=resnet18", "-S", "model.embed_dim=null")
@@ -341,6 +347,12 @@ CASES = [
     Case("fmnist-count-mismatch", ("prepare", *FMNIST), 1, ("t10k-images-idx3-ubyte", "4 images", "10 labels"),
          (fmnist(gz=True), write_file(f"{FMNIST_DIR}/t10k-images-idx3-ubyte.gz",
                                       gzip.compress(idx_bytes(np.zeros((4, 28, 28), np.uint8), 2051))))),
+    # ---------------------------------------------------------------- raw data: omniglot (exit 1)
+    Case("omniglot-root-missing", ("prepare", *OMNIGLOT), 1,
+         ("data/raw", "data.download: true", "omniglot-py", "images_background")),
+    Case("omniglot-truncated-png", ("prepare", *OMNIGLOT), 1,
+         ("Greek/character01/1001_02.png", "cannot be decoded", "re-extract"),
+         (omniglot, truncate(f"{RAW}/omniglot-py/images_background/Greek/character01/1001_02.png", 60))),
     # ---------------------------------------------------------------- raw data: image_folder (exit 1)
     Case("folder-root-missing", ("prepare", *FOLDER), 1, ("data/raw", "does not exist", "one sub-folder")),
     Case("folder-no-classes", ("prepare", *FOLDER), 1, ("data/raw", "one sub-folder per class"),

@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from pipeline.config.base import MAX_SEED, Section
 
 # the readers of pipeline.data.sources (its READERS), by name (tests/config/test_params.py checks the two agree)
-DATASET_NAMES = ("digits", "synthetic", "cifar10", "fashion_mnist", "image_folder")
+DATASET_NAMES = ("digits", "synthetic", "cifar10", "fashion_mnist", "omniglot", "image_folder")
 DatasetName = Literal[DATASET_NAMES]  # type: ignore[valid-type]
 
 
