@@ -18,7 +18,8 @@ control key as the file ships it and changes only the keys of :data:`SIZE_KEYS`,
 :func:`plan` turns a params file and overrides into the shrunk params (defaults from :func:`default_sizes`), or a
 :class:`RehearsalError` naming the key and its rule (exit 2). ``transfusion rehearse`` (``stages/rehearse.py``) runs
 the file's jobs on them: ``prepare``, ``pretrain``, ``evaluate``, ``report`` and ``sweep``, and ``tables`` when the
-file has a ``tables`` section. Pure: no Ray, no MLflow.
+file has a ``tables`` section; a file with a ``sets`` section only (the set-clustering study) runs ``sets``, shrunk
+by :func:`set_sizes`. Pure: no Ray, no MLflow.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from pipeline.config.params import validate_params
 from pipeline.config.tables import TablesConfig
 
 TRIAL_CPU = 0.25  # a trial's own CPUs (pipeline.runs.tune.TRIAL_CPU; tests/runs/test_rehearse.py checks they agree)
-GRID_KEYS = ("sweep.depth", "sweep.batch_size", "sweep.strength", "sweep.lr", "tables.rows")
+GRID_KEYS = ("sweep.depth", "sweep.batch_size", "sweep.strength", "sweep.lr", "tables.rows", "sets.seeds",
+             "sets.datasets")
 
 #: The keys a rehearsal may change, and the rule each follows (see the module docstring). Everything else is control.
 SIZE_KEYS: dict[str, str] = {
@@ -49,9 +51,13 @@ SIZE_KEYS: dict[str, str] = {
     "ray.cpus_per_worker": "cpus", "sweep.cpus_per_worker": "cpus",
     "ray.storage_path": "storage",
     "ray.use_gpu": "gpus", "ray.backend": "gpus",
+    # the set-clustering study (a file with a `sets` section only): its lengths, counts and widths
+    "sets.steps": "sets", "sets.batch_sets": "sets", "sets.test_sets": "sets", "sets.rbf_select_sets": "sets",
+    "sets.width": "width", "sets.omniglot_size": "sets",
 }
 JOBS = ("prepare", "pretrain", "evaluate", "report", "sweep", "tables")  # what a params file runs (tables: its rows,
 # or the paper's rows every file has by default)
+SETS_JOBS = ("sets",)  # what a file with only a `sets` section runs (presets/set-clustering.yaml)
 
 
 class RehearsalError(ParamsError):
@@ -141,6 +147,21 @@ def default_sizes(shipped: dict[str, Any], cpus: int, gpus: int = 0) -> dict[str
     return sizes
 
 
+def set_sizes(shipped: dict[str, Any]) -> dict[str, Any]:
+    """The sizes of a set-clustering rehearsal: 3 steps of at most 4 sets, 3 test sets, 3 sets choosing the RBF's
+    γ, the first two seeds, every data set but Omniglot (kept only if it is the only one), width 4 per head. Every
+    method, lr, kernel, loss weight, k cap and set size (the circles' points, the clusters per set) as shipped."""
+    sets = shipped.get("sets", {})
+    datasets = [d for d in sets.get("datasets", []) if d != "omniglot"] or sets.get("datasets", [])
+    sizes = {"sets.steps": 3, "sets.batch_sets": min(int(sets.get("batch_sets", 4)), 4), "sets.test_sets": 3,
+             "sets.rbf_select_sets": 3, "sets.width": 4 * int(sets.get("heads", 4))}
+    if sets.get("seeds"):
+        sizes["sets.seeds"] = list(sets["seeds"])[:2]
+    if datasets:
+        sizes["sets.datasets"] = datasets
+    return sizes
+
+
 def violation(shipped: dict[str, Any], key: str, value: Any, gpus: int = 0) -> str | None:
     """Why ``key=value`` is not a size a rehearsal may set (one sentence naming the key), or None."""
     kind = SIZE_KEYS.get(key)
@@ -172,8 +193,9 @@ def plan(path: str | Path, overrides: Iterable[str] = (), *, cpus: int = 2, gpus
     """The rehearsal of ``path``: the shipped file with :func:`default_sizes` and then ``overrides`` (``key=value``
     as ``-S``) applied, validated as params. Raises :class:`RehearsalError` naming every key that is not a size or
     breaks its rule, and :class:`ParamsError` for params that are invalid anyway."""
-    shipped = with_default_rows(read_params_file(path))
-    changed = default_sizes(read_params_file(path), cpus, gpus)
+    sets_only = set(read_params_file(path)) == {"sets"}
+    shipped = read_params_file(path) if sets_only else with_default_rows(read_params_file(path))
+    changed = set_sizes(shipped) if sets_only else default_sizes(read_params_file(path), cpus, gpus)
     problems = []
     for text in overrides:
         parts, value = parse_override(text)
@@ -194,5 +216,16 @@ def plan(path: str | Path, overrides: Iterable[str] = (), *, cpus: int = 2, gpus
                         "never stop a trial")
     if problems:
         raise RehearsalError(f"cannot rehearse {path}:\n  " + "\n  ".join(problems))
+    if sets_only:
+        from pydantic import ValidationError
+
+        from pipeline.config.base import format_error
+        from pipeline.config.sets import SetsConfig
+
+        try:
+            SetsConfig.model_validate(raw["sets"])
+        except ValidationError as err:
+            raise ParamsError(format_error(err, f"{path} as rehearsed", SetsConfig, prefix=("sets",))) from None
+        return Plan(raw=raw, changed={k: get(raw, k) for k in changed}, jobs=SETS_JOBS)
     validate_params(raw, source=f"{path} as rehearsed")
     return Plan(raw=raw, changed={k: get(raw, k) for k in changed}, jobs=JOBS)

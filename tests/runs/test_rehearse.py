@@ -11,7 +11,9 @@ from pipeline.config.params import validate_params
 from pipeline.runs.rehearse import GRID_KEYS, SIZE_KEYS, RehearsalError, get, plan, with_default_rows
 from tests.conftest import ROOT
 
-FILES = ["params.yaml", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "presets").glob("*.yaml"))]
+SHIPPED = ["params.yaml", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "presets").glob("*.yaml"))]
+SETS_FILES = [f for f in SHIPPED if set(read_params_file(ROOT / f)) == {"sets"}]  # the set-clustering study's files
+FILES = [f for f in SHIPPED if f not in SETS_FILES]  # whole params files: the cluster jobs
 
 
 def shipped(name: str):
@@ -20,6 +22,26 @@ def shipped(name: str):
 
 def test_every_shipped_file_is_rehearsed():
     assert "presets/cluster-sweep.yaml" in FILES and "presets/paper-tables.yaml" in FILES
+    assert SETS_FILES == ["presets/set-clustering.yaml"]
+
+
+@pytest.mark.parametrize("name", SETS_FILES)
+def test_a_set_study_rehearses_its_one_job_shrunk_in_size_only(name):
+    """3 steps, 3 test sets, 2 seeds, no Omniglot: every method, lr, kernel, weight and set size as shipped."""
+    from pipeline.config.sets import SetsConfig
+
+    ship = read_params_file(ROOT / name)["sets"]
+    p = plan(ROOT / name, cpus=2)
+    assert p.jobs == ("sets",)
+    after = SetsConfig.model_validate(p.raw["sets"]).model_dump()
+    changed = {k for k in ship if ship[k] != after[k]}
+    assert changed and {f"sets.{k}" for k in changed} <= set(SIZE_KEYS), changed
+    assert after["steps"] == 3 and after["methods"] == ship["methods"] and after["lr"] == ship["lr"]
+    assert after["seeds"] == ship["seeds"][:2] and "omniglot" not in after["datasets"]
+    with pytest.raises(RehearsalError, match="sets.lr is a control key"):
+        plan(ROOT / name, ["sets.lr=0.1"])
+    with pytest.raises(RehearsalError, match="sets.seeds"):
+        plan(ROOT / name, ["sets.seeds=[7]"])  # a grid is only shortened
 
 
 @pytest.mark.parametrize("name", FILES)

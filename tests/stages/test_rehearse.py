@@ -18,7 +18,7 @@ import yaml
 
 from pipeline import faults
 from tests.conftest import ROOT, invoke
-from tests.runs.test_rehearse import FILES
+from tests.runs.test_rehearse import FILES, SETS_FILES
 
 pytestmark = [pytest.mark.slow]
 
@@ -73,6 +73,20 @@ def test_shipped_file_rehearses_end_to_end(name, tmp_path, ray_session):
     assert f"[rehearse] {ROOT / name}: prepare, pretrain, evaluate, report, sweep, tables passed" in result.output
     check_outputs(work, result.output)
     check_controls(name, work)
+
+
+@pytest.mark.parametrize("name", SETS_FILES)
+def test_set_study_rehearses_end_to_end(name, tmp_path):
+    work = tmp_path / "sets"
+    result = invoke("rehearse", "--params", str(ROOT / name), "--dir", str(work))
+    assert result.exit_code == 0, result.output
+    assert f"[rehearse] {ROOT / name}: sets passed" in result.output
+    metrics = yaml.safe_load((work / "metrics/sets.json").read_text())
+    assert metrics["setup"]["steps"] == 3 and set(metrics["summary"]) == {"circles", "subspaces", "digits"}
+    assert (work / "plots/sets/ari.png").stat().st_size > 0 and (work / "reports/sets.md").is_file()
+    runs = mlflow.MlflowClient(f"sqlite:///{work / 'mlflow.db'}").search_runs(
+        [mlflow.MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_experiment_by_name("transfusion").experiment_id])
+    assert len(runs) == 1 + 3 * 5  # the parent and a child per data set and method, in the rehearsal's own store
 
 
 def run(args, env=None, **kw):
