@@ -33,7 +33,7 @@ from ray import tune
 
 from pipeline.config.base import ParamsError, flatten
 from pipeline.config.params import Params
-from pipeline.evaluation.health import dead_blocks, unflat
+from pipeline.evaluation.health import dead_blocks, is_health_key, unflat
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import connect
 from pipeline.runs.storage import check_storage, stage_prepared
@@ -223,7 +223,7 @@ def trial_rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
         last_reported = int(reported[-1].get("epoch", 0) or 0) if reported else 0
         if history is None or (history and int(history[-1]["epoch"]) < last_reported):
             history = reported  # no checkpoint of the last reported epoch: Tune's table is the latest word
-        history = [{k: v for k, v in h.items() if k in keep or k.startswith("block_")} for h in history]
+        history = [{k: v for k, v in h.items() if k in keep or is_health_key(k)} for h in history]
         last = history[-1] if history else {}
         blocks = unflat(last)  # the last epoch's health of each block ({} at depth 0)
         epoch = int(last.get("epoch", 0) or 0)
