@@ -334,6 +334,7 @@ def bce_loss(pos_weight: float | str = "balanced") -> Callable[..., Tensor]:
 
 
 ABC_LOSSES: dict[str, Callable[..., Callable[..., Tensor]]] = {"bce": bce_loss}  # = pipeline.config.loss.ABC_LOSSES
+METHODS = ("transfusion", "abc")  # what build_model builds (= pipeline.config.model.METHODS)
 
 
 def build_model(m: ModelConfig, input_shape: tuple[int, ...]) -> TransFusion | ABCModel:
@@ -349,6 +350,3 @@ def build_model(m: ModelConfig, input_shape: tuple[int, ...]) -> TransFusion | A
     head = TransFusionHead(dim, m.depth, m.activation, m.block_norm, truncate_last=m.head == "truncated",
                            fusion_scope=m.fusion_scope, qk_init=m.qk_init)
     return TransFusion(backbone, dim, head)
-
-
-METHODS = ("transfusion", "abc")  # what build_model builds (= pipeline.config.model.METHODS)
