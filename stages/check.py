@@ -32,6 +32,9 @@ def _device(params: Params) -> tuple[int, str]:
 def head_lines(params: Params) -> list[str]:
     """The head's memory per worker at ``train.batch_size`` and the largest global batch whose head fits."""
     m = params.model
+    if m.method == "abc":
+        return [f"head: ABC's, not planned: every worker runs it dense on all {2 * params.train.batch_size:,} rows of "
+                "the global batch (pipeline.training.step; the additive similarity in row tiles, pipeline.core.abc)"]
     width = FIXED_DIMS.get(m.backbone) or m.embed_dim or (128 if m.backbone != "pixels" else None)
     if width is None:
         return ["head: n/a here (the pixels backbone's width is the input's size: see `transfusion pretrain`)"]

@@ -16,7 +16,7 @@ import click
 from pipeline.config.base import ParamsError
 from pipeline.config.params import Params, load_params
 from pipeline.data.types import DatasetError
-from pipeline.evaluation.health import unflat, warnings_for
+from pipeline.evaluation.health import is_health_key, unflat, warnings_for
 from pipeline.io import atomic_dir, save_torch, write_csv, write_json
 from pipeline.runs.cluster import ClusterError
 from pipeline.runs.storage import StorageError
@@ -55,7 +55,7 @@ def write_outputs(params: Params, res: PretrainResult, models: Path, metrics: Pa
         "mlflow_run_id": res.mlflow_run_id,
     }
     write_json(metrics, summary)
-    health_columns = tuple(k for k in last if k.startswith("block_"))
+    health_columns = tuple(k for k in last if is_health_key(k))
     write_csv(plots, history, CURVE_COLUMNS + health_columns)
     return summary
 

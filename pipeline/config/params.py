@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError, model_validator
 from pipeline.config.augment import AugmentConfig
 from pipeline.config.base import ParamsError, Section, apply_overrides, format_error, read_params_file
 from pipeline.config.data import DataConfig
-from pipeline.config.loss import SELF_SUPERVISED_ONLY, LossConfig
+from pipeline.config.loss import ABC_LOSSES, SELF_SUPERVISED_ONLY, LossConfig
 from pipeline.config.model import BATCHNORM_BACKBONES, IMAGE_BACKBONES, ModelConfig
 from pipeline.config.probe import ProbeConfig
 from pipeline.config.ray import RayConfig
@@ -53,6 +53,15 @@ class Params(Section):
                 f"loss.name: {self.loss.name} needs train.mode: self_supervised (one positive per row); "
                 "for supervised training use jsd, jsd_appendix_e, kl_softmax, kl_relu, kl_squared, supcon or dcl"
             )
+        abc, bce = self.model.method == "abc", self.loss.name in ABC_LOSSES
+        if bce and not abc:
+            problems.append(f"loss.name: {self.loss.name} is ABC's loss (its kernel against the targets); it needs "
+                            "model.method: abc")
+        elif abc and not bce:
+            problems.append(f"model.method: abc trains its kernel with loss.name: {' or '.join(ABC_LOSSES)}, "
+                            f"not {self.loss.name}")
+        if not bce and self.loss.pos_weight != LossConfig.model_fields["pos_weight"].default:
+            problems.append(f"loss.pos_weight: read only by loss.name: bce, not {self.loss.name}; remove it")
         if self.data.dataset == "synthetic" and self.model.backbone in IMAGE_BACKBONES:
             problems.append(
                 f"model.backbone: {self.model.backbone} needs images, but data.dataset: synthetic gives "

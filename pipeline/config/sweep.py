@@ -13,6 +13,7 @@ from pipeline.config.base import Section
 class SweepConfig(Section):
     """The sweep stage (Ray Tune): the grid over the paper's two knobs and depth."""
 
+    # model.depth; with model.method: abc, ABC's SAB blocks (model.abc.blocks), the results still say model.depth
     depth: list[Annotated[int, Field(ge=0, le=64)]] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
     batch_size: list[Annotated[int, Field(ge=2)]] = Field(default_factory=lambda: [32, 256], min_length=1)
     strength: list[Annotated[float, Field(ge=0.0, le=1.0)]] = Field(default_factory=lambda: [0.0, 1.0], min_length=1)

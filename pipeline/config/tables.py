@@ -36,6 +36,10 @@ def _paper_rows() -> list[TableRow]:
             for n, t, base, loss, depth in rows]
 
 
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, Section)
+
+
 class TablesConfig(Section):
     """``transfusion tables``: the paper's Tables 1-2 as one Tune job, an explicit list of rows (not a grid).
 
@@ -63,9 +67,16 @@ class TablesConfig(Section):
                     problems.append(f"{where}: params key {key!r}: a row overrides only "
                                     f"{', '.join(s + '.*' for s in ROW_SECTIONS)} (the data, the cluster and the "
                                     "probes are the job's)")
-                elif field not in sections[section].model_fields:
-                    problems.append(f"{where}: params key {key!r}: unknown key; allowed keys in {section}: "
-                                    f"{', '.join(sections[section].model_fields)}")
+                    continue
+                model, parts = sections[section], field.split(".")  # nested: "model.abc.blocks"
+                for depth, part in enumerate(parts):
+                    inner = model.model_fields[part].annotation if part in model.model_fields else None
+                    if inner is None or (depth < len(parts) - 1 and not _is_section(inner)):
+                        where_key = ".".join([section, *parts[:depth]])
+                        problems.append(f"{where}: params key {key!r}: unknown key; allowed keys in {where_key}: "
+                                        f"{', '.join(model.model_fields)}")
+                        break
+                    model = inner
         if problems:
             raise ValueError("\n  ".join(problems))
         return self

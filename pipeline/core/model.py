@@ -1,4 +1,5 @@
-"""TransFusion blocks, head and the full model (paper eq. 2-3 and Appendix E.1).
+"""TransFusion blocks, head and the full model (paper eq. 2-3 and Appendix E.1); ``build_model`` also builds the other
+method, ABC (:class:`ABCModel`: the same backbone with :class:`pipeline.core.abc.ABCHead` on top).
 
 Block ℓ, on a batch X ∈ R^{n×m} whose *samples* attend to each other:
 
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.config.model import ACTIVATIONS, AFFINITY_EPS, BLOCK_NORMS, FUSION_SCOPES, QK_INITS
+from pipeline.core.abc import ABCHead, ABCOutput
 from pipeline.core.attention import activate, fuse_rows
 from pipeline.core.backbones import build_backbone
 
@@ -272,6 +274,8 @@ class TransFusionHead(nn.Module):
 class TransFusion(nn.Module):
     """Backbone followed by a TransFusion head. images (n, ...) -> :class:`HeadOutput`."""
 
+    method = "transfusion"
+
     def __init__(self, backbone: nn.Module, embed_dim: int, head: TransFusionHead) -> None:
         super().__init__()
         self.backbone = backbone
@@ -292,9 +296,57 @@ class TransFusion(nn.Module):
                                                            collect=True).hidden]
 
 
-def build_model(m: ModelConfig, input_shape: tuple[int, ...]) -> TransFusion:
-    """Backbone + TransFusion head as ``model.*`` (a :class:`pipeline.config.model.ModelConfig`) describes."""
+class ABCModel(nn.Module):
+    """Backbone followed by ABC's head (:class:`pipeline.core.abc.ABCHead`). images (n, ...) -> ABCOutput.
+
+    The n images are one set: ABC's SABs attend across all of them (in training the 2B rows ``[view 1; view 2]`` of
+    the global batch, jointly), and its kernel κ (n, n) is trained by :data:`ABC_LOSSES` against same-class targets
+    (``train.mode: supervised``) or same-image targets (``self_supervised``: a row's positives are itself and its
+    other view).
+    """
+
+    method = "abc"
+
+    def __init__(self, backbone: nn.Module, embed_dim: int, head: ABCHead) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.embed_dim = embed_dim
+        self.head = head
+
+    def forward(self, x: Tensor) -> ABCOutput:
+        return self.head(self.backbone(x))
+
+    @torch.no_grad()
+    def embed(self, x: Tensor, tile: int | None = None) -> list[Tensor]:
+        """Frozen representations for probes: [backbone output (n, m), the head's embedding T(X) (n, width)], T(X) of
+        the n rows as one set. ``tile`` is TransFusion's and is ignored (ABC's additive similarity tiles itself)."""
+        z = self.backbone(x)  # (n, m)
+        return [z.detach(), self.head(z).embedding.detach()]
+
+
+def bce_loss(pos_weight: float | str = "balanced") -> Callable[..., Tensor]:
+    """ABC's loss, ``f(out, ids, *, rows=None)``: :meth:`pipeline.core.abc.ABCOutput.loss` with ``pos_weight`` bound,
+    mean BCE of κ against Y_ij = 1[ids_i = ids_j] over all n² pairs (diagonal included), restricted to ``rows``
+    (summed / n²: disjoint row slices add up to the full loss)."""
+    def loss(out: ABCOutput, ids: Tensor, *, rows: slice | None = None) -> Tensor:
+        return out.loss(ids, rows=rows, pos_weight=pos_weight)
+    return loss
+
+
+ABC_LOSSES: dict[str, Callable[..., Callable[..., Tensor]]] = {"bce": bce_loss}  # = pipeline.config.loss.ABC_LOSSES
+METHODS = ("transfusion", "abc")  # what build_model builds (= pipeline.config.model.METHODS)
+
+
+def build_model(m: ModelConfig, input_shape: tuple[int, ...]) -> TransFusion | ABCModel:
+    """Backbone + the head of ``model.method`` as ``model.*`` (a :class:`pipeline.config.model.ModelConfig`)
+    describes: a TransFusion head (``transfusion``) or ABC's (``abc``, from ``model.abc``)."""
     backbone, dim = build_backbone(m.backbone, tuple(input_shape), m.embed_dim, m.hidden_dim, m.weights)
+    if m.method == "abc":
+        a = m.abc
+        return ABCModel(backbone, dim, ABCHead(dim, depth=a.blocks, heads=a.heads, width=a.width,
+                                               compatibility=a.compatibility, kernel=a.kernel, pre_embed=a.pre_embed))
+    if m.method != "transfusion":
+        raise ValueError(f"unknown model.method {m.method!r}; allowed: {', '.join(METHODS)}")
     head = TransFusionHead(dim, m.depth, m.activation, m.block_norm, truncate_last=m.head == "truncated",
                            fusion_scope=m.fusion_scope, qk_init=m.qk_init)
     return TransFusion(backbone, dim, head)

@@ -2,7 +2,9 @@
 
 Representations probed (paper section 5, and Fig. 4 for the layers):
 ``input`` (raw pixels, the baseline that shows what pretraining bought), ``backbone`` (the encoder's
-output, what the paper's tables probe), ``block_1`` … ``block_D`` (each TransFusion block's fused output).
+output, what the paper's tables probe), ``block_1`` … ``block_D`` (each TransFusion block's fused output); for an
+ABC model (``model.method: abc``) ``embedding`` (its head's T(X), the last SAB's output) instead of the blocks, its
+kernel κ as the final affinity, and its kernel's statistics as its health (``pipeline.evaluation.health``).
 
 TransFusion mixes the samples of a batch, so a block's output for a sample depends on its batch mates.
 Embeddings are therefore computed on batches of the trained size (``train.batch_size``), drawn by a
@@ -24,19 +26,19 @@ import torch
 from pipeline.config.model import ModelConfig
 from pipeline.config.params import Params
 from pipeline.core.clustering import cosine_affinity, spectral_scores, symmetric_affinity
-from pipeline.core.model import Rows, TransFusion, build_model
+from pipeline.core.model import ABCModel, Rows, TransFusion, build_model
 from pipeline.core.plan import budget_bytes, plan_head
 from pipeline.data.prepared import load_prepared
 from pipeline.data.split import stratified_subset, to_float
 from pipeline.data.types import Dataset
-from pipeline.evaluation.health import QKAffinity, block_stats, head_health, read_health
+from pipeline.evaluation.health import QKAffinity, block_stats, head_health, kernel_health, read_health
 from pipeline.evaluation.probes import run_probes
 from pipeline.host import device_memory
 from pipeline.io import load_torch
 from pipeline.theory.measures import affinity_contrast, quantile_sharpness, sharpness
 
 
-def load_pretrained(models_dir: Path) -> tuple[TransFusion, dict[str, Any]]:
+def load_pretrained(models_dir: Path) -> tuple[TransFusion | ABCModel, dict[str, Any]]:
     """The model written by the pretrain stage, rebuilt from its resolved params; weights_only loading."""
     config = json.loads((models_dir / "config.json").read_text())
     model = build_model(ModelConfig.model_validate(config["params"]["model"], strict=False),
@@ -51,16 +53,19 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
-def eval_tile(model: TransFusion, n: int, device: torch.device) -> int | None:
+def eval_tile(model: TransFusion | ABCModel, n: int, device: torch.device) -> int | None:
     """The column tile for fusing ``n`` rows at once on ``device``, or None (dense): the training plan's choice
-    (``pipeline.core.plan``, its default budget) for a global batch of n rows on one worker."""
+    (``pipeline.core.plan``, its default budget) for a global batch of n rows on one worker. None for ABC (its
+    additive similarity tiles itself)."""
+    if model.method == "abc":
+        return None
     head = model.head
     budget = budget_bytes(None, device_memory(device))
     return plan_head(n, 1, head.depth - int(head.truncate_last), model.embed_dim, budget).tile
 
 
 @torch.no_grad()
-def layer_embeddings(model: TransFusion, x: torch.Tensor, batch_size: int, device: torch.device,
+def layer_embeddings(model: TransFusion | ABCModel, x: torch.Tensor, batch_size: int, device: torch.device,
                      seed: int = 0) -> list[np.ndarray]:
     """[backbone, block_1, ..., block_D] embeddings of x, each (N, m), on batches of ~batch_size (fused over
     column tiles where a dense batch of that size would not fit: :func:`eval_tile`)."""
@@ -80,8 +85,14 @@ def layer_embeddings(model: TransFusion, x: torch.Tensor, batch_size: int, devic
 
 
 @torch.no_grad()
-def layer_affinities(model: TransFusion, x: torch.Tensor, device: torch.device) -> list[tuple[str, np.ndarray]]:
-    """The affinities of one test batch: backbone cosine, each block's act(QKᵀ), and the trained one."""
+def layer_affinities(model: TransFusion | ABCModel, x: torch.Tensor,
+                     device: torch.device) -> list[tuple[str, np.ndarray]]:
+    """The affinities of one test batch: backbone cosine, each block's act(QKᵀ), and the trained one (ABC: its
+    kernel κ, the batch as one set)."""
+    if model.method == "abc":
+        z = model.backbone(to_float(x).to(device))  # (n, m)
+        return [("backbone", cosine_affinity(z.float().cpu().numpy())),
+                ("kernel", model.head(z).kernel.float().cpu().numpy())]
     out = model(to_float(x).to(device), collect=True)
     named = [("backbone", cosine_affinity(out.hidden[0].float().cpu().numpy()))]
     named += [(f"block_{i + 1}", a.float().cpu().numpy()) for i, a in enumerate(out.affinities)]
@@ -91,14 +102,19 @@ def layer_affinities(model: TransFusion, x: torch.Tensor, device: torch.device) 
 
 
 @torch.no_grad()
-def test_health(model: TransFusion, x: torch.Tensor, y: torch.Tensor, batch_size: int, device: torch.device,
+def test_health(model: TransFusion | ABCModel, x: torch.Tensor, y: torch.Tensor, batch_size: int, device: torch.device,
                 seed: int = 0) -> dict[str, dict[str, float | None]]:
     """Per-block health (``pipeline.evaluation.health``) on one stratified test batch of the trained size, one view per
-    image (as at test time: ``other_view`` is n/a). x (N, ...) uint8, y (N,) -> {"block_1": {...}, ...}."""
-    if model.head.depth == 0:
+    image (as at test time: ``other_view`` is n/a). x (N, ...) uint8, y (N,) -> {"block_1": {...}, ...}. ABC: its
+    kernel's statistics on that batch, ``{"kernel": {"same_class": ..., "other": ..., "above_half": ...}}``."""
+    abc = model.method == "abc"
+    if not abc and model.head.depth == 0:
         return {}
     k = min(batch_size, len(y))
     sub = stratified_subset(y, k, seed=seed) if k < len(y) else torch.arange(len(y))
+    if abc:
+        kappa = model(to_float(x[sub]).to(device)).kernel  # (k, k)
+        return read_health(kernel_health(kappa, y[sub].to(device)))
     tile = eval_tile(model, k, device)
     if tile is None:
         out = model(to_float(x[sub]).to(device), collect=True)
@@ -124,7 +140,7 @@ class Evaluation:
     tsne: tuple[list[np.ndarray], np.ndarray, list[str]] | None = None
 
 
-def evaluate(params: Params, data: Dataset, model: TransFusion, train_batch: int,
+def evaluate(params: Params, data: Dataset, model: TransFusion | ABCModel, train_batch: int,
              progress: Callable[[str], None] = print) -> Evaluation:
     """Probe every representation at every label fraction; cluster and sharpness on the test affinity."""
     p = params.probe
@@ -140,7 +156,8 @@ def evaluate(params: Params, data: Dataset, model: TransFusion, train_batch: int
     reps_tr = layer_embeddings(model, x_tr, train_batch, device, p.seed)
     reps_te = layer_embeddings(model, x_te, train_batch, device, p.seed)
     embed_seconds = time.perf_counter() - t0
-    names = ["input", "backbone"] + [f"block_{i}" for i in range(1, len(reps_tr))]
+    names = ["input", "backbone"] + (["embedding"] if model.method == "abc" else
+                                     [f"block_{i}" for i in range(1, len(reps_tr))])
     reps_tr = [to_float(x_tr).reshape(len(x_tr), -1).numpy()] + reps_tr
     reps_te = [to_float(x_te).reshape(len(x_te), -1).numpy()] + reps_te
 

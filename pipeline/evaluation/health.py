@@ -17,6 +17,11 @@ chance is ``1/n``. A block is *dead* below :data:`DEAD_POSITIVE` positive pairs 
 :data:`MOSTLY_UNIFORM` uniform rows. Batched affinities (g, n, n), one per group of a per-view fused batch,
 give the mean over the groups. A number that cannot be computed (no labels, no other view in the batch) is
 ``None``: reported as "n/a", never as a number.
+
+ABC (``model.method: abc``) has no such blocks: its softmax attention always sums to 1 over positive weights and
+cannot die, so it gets no dead-block warnings. Its health is its kernel's (:func:`kernel_health`,
+:func:`pipeline.core.abc.kernel_stats`): the mean κ over same-class pairs and over the other pairs, and the share
+of pairs with κ > 0.5 (i ≠ j), reported as ``kernel.same_class``, ``kernel.other``, ``kernel.above_half``.
 """
 
 from __future__ import annotations
@@ -30,11 +35,25 @@ import torch
 from torch import Tensor
 
 from pipeline.config.model import AFFINITY_EPS as EPS
+from pipeline.core.abc import kernel_stats
 from pipeline.core.attention import activate
 
 DEAD_POSITIVE = 0.01  # a block with fewer positive pairs than this is dead
 MOSTLY_UNIFORM = 0.5  # a block with more uniform rows than this is mostly uniform
 KEYS = ("positive", "uniform_rows", "entropy", "same_class", "other_view")  # per-epoch metrics, per block
+KERNEL = "kernel"  # ABC's health: one "block" named kernel, with these numbers
+KERNEL_KEYS = ("same_class", "other", "above_half")
+
+
+def is_health_key(key: str) -> bool:
+    """A per-epoch metric that is health: ``block_<i>.<k>`` (TransFusion) or ``kernel.<k>`` (ABC)."""
+    return key.startswith(("block_", KERNEL + "."))
+
+
+def kernel_health(kappa: Tensor, labels: Tensor) -> dict[str, dict[str, Tensor]]:
+    """ABC's health: ``{"kernel": kernel_stats(κ, labels)}`` as 0-d tensors, for :func:`read_health` and
+    :func:`flat` (with ``KERNEL_KEYS``). kappa (n, n), labels (n,)."""
+    return {KERNEL: kernel_stats(kappa, labels)}
 
 
 def attention_weights(raw: Tensor) -> Tensor:
@@ -170,24 +189,28 @@ def head_health(affinities: Sequence[Tensor], labels: Tensor | None = None,
 
 
 def flat(health: Mapping[str, Mapping[str, float | None]], keys: Sequence[str] = KEYS) -> dict[str, float | None]:
-    """``{"block_1.positive": ..., ...}``: the per-epoch metric names."""
-    return {f"{block}.{k}": h.get(k) for block, h in health.items() for k in keys}
+    """``{"block_1.positive": ..., ...}`` (``{"kernel.same_class": ...}`` for ABC's): the per-epoch metric names."""
+    return {f"{block}.{k}": h.get(k) for block, h in health.items()
+            for k in (KERNEL_KEYS if block == KERNEL else keys)}
 
 
 def unflat(metrics: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Inverse of :func:`flat` for the ``block_*`` keys of a metrics dict (other keys are ignored)."""
+    """Inverse of :func:`flat` for the ``block_*`` (and ABC's ``kernel.*``) keys of a metrics dict (other keys are
+    ignored)."""
     out: dict[str, dict[str, Any]] = {}
     for key, v in metrics.items():
         block, dot, k = key.partition(".")
-        if dot and block.startswith("block_") and k in KEYS:
+        if dot and ((block.startswith("block_") and k in KEYS) or (block == KERNEL and k in KERNEL_KEYS)):
             out.setdefault(block, {})[k] = v
-    return dict(sorted(out.items(), key=lambda kv: int(kv[0].split("_")[1])))
+    return dict(sorted(out.items(), key=lambda kv: -1 if kv[0] == KERNEL else int(kv[0].split("_")[1])))
 
 
 def warnings_for(health: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """One plain-words line per dead or mostly uniform block; [] when every block is alive."""
+    """One plain-words line per dead or mostly uniform block; [] when every block is alive (and for ABC's kernel)."""
     lines = []
     for block, h in health.items():
+        if block == KERNEL:
+            continue
         v = verdict(h)
         name = block.replace("_", " ")
         if v == "dead":
@@ -200,4 +223,4 @@ def warnings_for(health: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 
 def dead_blocks(health: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    return [b for b, h in health.items() if verdict(h) == "dead"]
+    return [b for b, h in health.items() if b != KERNEL and verdict(h) == "dead"]

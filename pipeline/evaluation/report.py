@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.evaluation.health import verdict, warnings_for
+from pipeline.evaluation.health import KERNEL, verdict, warnings_for
 
 COLUMNS = ("ffn", "svm", "knn50", "knn200")
 HEADER = "| Model | Batch Size | 3-FFN | SVM | K-NN (k=50) | K-NN (k=200) | Time (min) |"
@@ -153,6 +153,14 @@ def render(params: Mapping[str, Any], pretrain: Mapping[str, Any], evaluation: M
 def health_section(health: Mapping[str, Any] | None, depth: int) -> list[str]:
     """The fusion health of every block on a test batch (``evaluation.health``), with a plain-words warning for a
     dead or mostly uniform block."""
+    if health and KERNEL in health:  # ABC (model.method: abc): its kernel, no blocks that could die
+        h = health[KERNEL]
+        return ["", "## Kernel health (ABC)", "",
+                "ABC's kernel κ on one test batch of the trained size (one view per image), over the pairs i ≠ j. "
+                "Its softmax attention cannot die, so there is no dead-block verdict.", "",
+                "| mean κ, same class | mean κ, other pairs | share κ > 0.5 |", "|---|---|---|",
+                f"| {fmt_cell(h.get('same_class'), 3)} | {fmt_cell(h.get('other'), 3)} "
+                f"| {fmt_cell(h.get('above_half'), 3)} |"]
     lines = ["", "## Fusion health", ""]
     if depth == 0:
         return lines + ["Depth 0: no TransFusion block, nothing fuses."]

@@ -33,7 +33,7 @@ from ray import tune
 
 from pipeline.config.base import ParamsError, flatten
 from pipeline.config.params import Params
-from pipeline.evaluation.health import dead_blocks, unflat
+from pipeline.evaluation.health import dead_blocks, is_health_key, unflat
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import connect
 from pipeline.runs.storage import check_storage, stage_prepared
@@ -63,13 +63,15 @@ from pipeline.runs.tune import (
 SPACE_KEYS = {"depth": "model.depth", "batch_size": "train.batch_size", "strength": "augment.strength",
               "lr": "train.lr"}
 SEED_KEY = "train.seed"
+ABC_DEPTH = "model.abc.blocks"  # what the depth axis sets with model.method: abc (point_params)
 # The params.yaml keys a sweep's result depends on: dvc.yaml's sweep stage lists exactly these (a whole section
 # where every key is read). Its own section, and every trial's base (`base_params`) without what that overwrites
 # (train.epochs, knn_every, checkpoint_every; ray.cpus_per_worker) or always sweeps (model.depth, train.batch_size,
 # augment.strength; train.lr only when sweep.lr lists values); of ray only what changes results.
 # tests/test_dvc_deps.py checks it against dvc.yaml and against base_params.
-DVC_PARAMS = ("sweep", "model.backbone", "model.embed_dim", "model.hidden_dim", "model.activation", "model.block_norm",
-              "model.head", "model.fusion_scope", "model.qk_init", "model.weights", "loss", "augment.preset",
+DVC_PARAMS = ("sweep", "model.method", "model.backbone", "model.embed_dim", "model.hidden_dim", "model.activation",
+              "model.block_norm", "model.head", "model.fusion_scope", "model.qk_init", "model.weights", "model.abc",
+              "loss", "augment.preset",
               "train.mode", "train.lr", "train.optimizer", "train.weight_decay", "train.warmup_epochs", "train.seed",
               "train.device", "train.grad_cache_chunk", "train.knn_k", "train.head_lr_scale", "train.precision",
               "train.data_budget_mb", "train.head_budget_mb", "ray.num_workers", "ray.use_gpu")
@@ -107,11 +109,20 @@ def base_params(params: Params) -> dict[str, Any]:
     return base
 
 
+def point_params(base: dict[str, Any], point: dict[str, Any]) -> Params:
+    """A trial's params: the base with the point applied. With ``model.method: abc`` the depth axis sets ABC's SAB
+    blocks (``model.abc.blocks``; ABC has no TransFusion blocks), while the point, its labels and the result columns
+    keep the name ``model.depth``."""
+    if base["model"].get("method") == "abc":
+        point = {ABC_DEPTH if k == SPACE_KEYS["depth"] else k: v for k, v in point.items()}
+    return trial_params(base, point)
+
+
 def check_points(params: Params, n_train: int | None = None) -> None:
     """Validate every point of the space before any work; raises ParamsError naming the point and the key."""
     base = base_params(params)
     for point in grid_points(params):
-        p = trial_params(base, point)
+        p = point_params(base, point)
         if n_train is not None and p.train.batch_size > n_train:
             raise ParamsError(f"sweep.batch_size: {p.train.batch_size} exceeds the training set ({n_train} samples)")
 
@@ -123,6 +134,8 @@ def sweep_name(params: Params, manifest: dict[str, Any]) -> str:
     for dotted in axes(params):  # swept keys: their base value never reaches a trial
         section, key = dotted.split(".")
         keyed[section].pop(key, None)
+        if dotted == SPACE_KEYS["depth"] and params.model.method == "abc":
+            keyed["model"]["abc"].pop("blocks", None)
     keyed["ray"] = {"num_workers": params.ray.num_workers}
     return stable_name("sweep", keyed, manifest)
 
@@ -148,7 +161,7 @@ def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
     """
     point = point_of(config)
     trial_id = start_trial(fixed, point)
-    fit_trial(trial_params(fixed["base"], point), fixed, trial_id)
+    fit_trial(point_params(fixed["base"], point), fixed, trial_id)
 
 
 class SweepTracker(TrialTracker):
@@ -223,7 +236,7 @@ def trial_rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
         last_reported = int(reported[-1].get("epoch", 0) or 0) if reported else 0
         if history is None or (history and int(history[-1]["epoch"]) < last_reported):
             history = reported  # no checkpoint of the last reported epoch: Tune's table is the latest word
-        history = [{k: v for k, v in h.items() if k in keep or k.startswith("block_")} for h in history]
+        history = [{k: v for k, v in h.items() if k in keep or is_health_key(k)} for h in history]
         last = history[-1] if history else {}
         blocks = unflat(last)  # the last epoch's health of each block ({} at depth 0)
         epoch = int(last.get("epoch", 0) or 0)

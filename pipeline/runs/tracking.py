@@ -301,8 +301,12 @@ def axis_label(key: str) -> str:
 
 
 def pretrain_label(flat: Mapping[str, Any], stage: str = "pretrain") -> str:
-    """``pretrain · cnn_small · depth 1 · jsd · b128 · s0``: a pretraining run's name from its flat params."""
-    return SEP.join([stage, str(flat["model.backbone"]), f"depth {flat['model.depth']}", str(flat["loss.name"]),
+    """``pretrain · cnn_small · depth 1 · jsd · b128 · s0``: a pretraining run's name from its flat params
+    (``model.method: abc``: ``pretrain · cnn_small · abc multiplicative 2 blocks · bce · b128 · s0``)."""
+    head = f"depth {flat['model.depth']}"
+    if flat.get("model.method") == "abc":
+        head = f"abc {flat['model.abc.compatibility']} {flat['model.abc.blocks']} blocks"
+    return SEP.join([stage, str(flat["model.backbone"]), head, str(flat["loss.name"]),
                      _short("train.batch_size", flat["train.batch_size"]), _short("train.seed", flat["train.seed"])])
 
 

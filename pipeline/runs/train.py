@@ -31,7 +31,7 @@ from pipeline.config.base import ParamsError, flatten
 from pipeline.config.params import Params
 from pipeline.core.plan import HeadPlan
 from pipeline.data.prepared import load_prepared, prepared_nbytes
-from pipeline.evaluation.health import unflat
+from pipeline.evaluation.health import KERNEL, is_health_key, unflat
 from pipeline.io import load_torch
 from pipeline.runs.cluster import connect, train_logging, wait_for_workers
 from pipeline.runs.storage import (
@@ -54,13 +54,19 @@ WORKERS_FILE = "workers.json"  # where each rank ran (node, host, device, Ray's 
 
 
 def epoch_metric_names(history: list[dict[str, Any]]) -> tuple[str, ...]:
-    """The per-epoch metrics MLflow gets: :data:`EPOCH_METRICS` and the blocks' health (``block_1.positive``, ...)."""
-    return EPOCH_METRICS + tuple(k for k in (history[-1] if history else {}) if k.startswith("block_"))
+    """The per-epoch metrics MLflow gets: :data:`EPOCH_METRICS` and the blocks' health (``block_1.positive``, ...; ABC's
+    kernel: ``kernel.same_class``, ...)."""
+    return EPOCH_METRICS + tuple(k for k in (history[-1] if history else {}) if is_health_key(k))
 
 
 def health_line(health: dict[str, Any]) -> str:
-    """The console's health of the blocks: " | positive pairs: b1 12.7% b2 0.0%" ("" at depth 0)."""
+    """The console's health of the blocks: " | positive pairs: b1 12.7% b2 0.0%" ("" at depth 0); ABC's kernel:
+    " | kernel: same class 0.81, other 0.07, > 0.5 12.3%"."""
     blocks = unflat(health)
+    if KERNEL in blocks:
+        h = blocks[KERNEL]
+        return (f" | kernel: same class {h['same_class']:.2f}, other {h['other']:.2f}, "
+                f"> 0.5 {h['above_half']:.1%}")
     if not blocks:
         return ""
     return " | positive pairs: " + " ".join(f"b{b.split('_')[1]} {h['positive']:.1%}" for b, h in blocks.items())

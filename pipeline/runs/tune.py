@@ -70,9 +70,12 @@ def trial_params(base: dict[str, Any], point: dict[str, Any], source: str | None
     """The base params with one point of the space applied (validated: e.g. batch vs workers); errors name
     ``source`` (default: the sweep point)."""
     raw = json.loads(json.dumps(base))
-    for dotted, value in point.items():
-        section, key = dotted.split(".")
-        raw[section][key] = value
+    for dotted, value in point.items():  # "model.depth", or nested: "model.abc.blocks"
+        *path, key = dotted.split(".")
+        node = raw
+        for part in path:
+            node = node.setdefault(part, {})
+        node[key] = value
     return validate_params(raw, source=source or f"sweep point {point}")
 
 

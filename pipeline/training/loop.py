@@ -36,14 +36,14 @@ from pipeline import faults
 from pipeline.config.params import Params
 from pipeline.core.batchnorm import convert_batchnorm
 from pipeline.core.losses import make_loss
-from pipeline.core.model import Rows, build_model
+from pipeline.core.model import ABC_LOSSES, Rows, build_model
 from pipeline.core.optim import build_optimizer, warmup_cosine
 from pipeline.core.plan import HeadPlan, budget_bytes, plan_head
 from pipeline.data.augment import BatchAugment, view_noise
 from pipeline.data.prepared import gather_rows
 from pipeline.data.split import to_float
 from pipeline.data.types import Dataset
-from pipeline.evaluation.health import QKAffinity, block_stats, flat, read_health
+from pipeline.evaluation.health import QKAffinity, block_stats, flat, kernel_health, read_health
 from pipeline.evaluation.knn import knn_accuracy
 from pipeline.host import device_memory
 from pipeline.training.precision import for_device
@@ -64,9 +64,15 @@ def data_budget(budget_mb: float | None, device: torch.device) -> int:
 def head_plan(params: Params, model: torch.nn.Module, world: int, device: torch.device,
               autocast: torch.dtype | None) -> HeadPlan:
     """The head's path on each worker (``pipeline.core.plan``): sharded over ``world``, dense or tiled within
-    ``train.head_budget_mb`` (None: a share of the device's memory)."""
+    ``train.head_budget_mb`` (None: a share of the device's memory). ABC's head is not planned: every worker runs it
+    dense on all 2B rows (``pipeline.training.step``; its additive similarity tiles itself), so its plan is one worker's
+    dense path, whose estimate counts the loss's (2B, 2B) buffers only, not the SABs'."""
     head = model.head
     itemsize = torch.finfo(autocast).bits // 8 if autocast is not None else 4
+    if getattr(model, "method", "transfusion") == "abc":
+        n = 2 * params.train.batch_size
+        return plan_head(n, 1, 0, model.embed_dim, budget_bytes(params.train.head_budget_mb, device_memory(device)),
+                         itemsize=itemsize, tile=n)
     return plan_head(2 * params.train.batch_size, world, head.depth - int(head.truncate_last), model.embed_dim,
                      budget_bytes(params.train.head_budget_mb, device_memory(device)), itemsize=itemsize,
                      pairwise_loss=params.loss.name != "barlow_twins")
@@ -131,8 +137,11 @@ class PretrainLoop:
         self.scheduler = warmup_cosine(self.optimizer, total_steps=t.epochs * self.steps_per_epoch,
                                        warmup_steps=t.warmup_epochs * self.steps_per_epoch)
         self.augment = BatchAugment(params.augment.preset, params.augment.strength)
-        loss_fn = make_loss(params.loss.name, temperature=params.loss.temperature,
-                            barlow_lambda=params.loss.barlow_lambda)
+        if params.loss.name in ABC_LOSSES:  # ABC's: f(out, ids, rows=...) on the head's output (model.method: abc)
+            loss_fn = ABC_LOSSES[params.loss.name](params.loss.pos_weight)
+        else:
+            loss_fn = make_loss(params.loss.name, temperature=params.loss.temperature,
+                                barlow_lambda=params.loss.barlow_lambda)
         cuda = device.type == "cuda"
         self.precision = for_device(t.precision, device)  # bf16 / fp16 + scaler / fp32 by device (precision.py)
         self.head_plan = head_plan(params, self.model, world_size, device, self.precision.autocast)
@@ -253,7 +262,9 @@ class PretrainLoop:
     @torch.no_grad()
     def health(self, chunk: int = 512) -> dict[str, float | None]:
         """Per-block health (``evaluation.health``) on a fixed global batch of the training set, two views as in
-        training, model in eval mode: ``{"block_1.positive": ..., ...}`` ({} at depth 0).
+        training, model in eval mode: ``{"block_1.positive": ..., ...}`` ({} at depth 0). ABC (``model.method: abc``):
+        its kernel's statistics on that batch instead, by class, ``{"kernel.same_class": ..., "kernel.other": ...,
+        "kernel.above_half": ...}`` (:func:`pipeline.evaluation.health.kernel_health`).
 
         ``other_view`` is None where the other view is not in the fused batch (``fusion_scope: per_view``).
 
@@ -265,7 +276,8 @@ class PretrainLoop:
         computed a row slice at a time from its queries and keys (``QKAffinity``), never whole. A batch within one chunk
         is computed exactly as one forward of the two views.
         """
-        if self.model.head.depth == 0:
+        abc = self.model.method == "abc"
+        if not abc and self.model.head.depth == 0:
             return {}
         seed = self.params.train.seed
         b = min(self.batch, len(self.y_train))
@@ -284,6 +296,10 @@ class PretrainLoop:
         del z1, z2
         y = self.data.train.y[idx].to(self.device)
         labels, other = torch.cat([y, y]), torch.cat([torch.arange(b, 2 * b), torch.arange(b)]).to(self.device)
+        if abc:  # ABC: its kernel on the 2b rows as in training (no blocks that could die), by class
+            kappa = self.model.head(z).kernel  # (2b, 2b)
+            self.model.train()
+            return flat(read_health(kernel_health(kappa, labels)))
         blocks = {}
 
         def take(i: int, a: torch.Tensor | QKAffinity) -> None:  # (2b, 2b) fused jointly, or (2, b, b) per view

@@ -29,6 +29,16 @@ Forward: ``all_gather_single`` (``all_gather_into_tensor`` on torch < 2.14, wher
 rank's rows: ``reduce_scatter_single`` on NCCL; on gloo an all-reduce of g and this rank's slice (older gloo
 has no reduce-scatter).
 
+ABC (``model.method: abc``, :class:`pipeline.core.model.ABCModel`) takes a simpler exact route: each worker
+all-gathers the backbone embeddings of every row (one differentiable all-gather of (2B, m), the same as step 2's
+gather of a block's keys and values) and runs ABC's head, which is small, on the whole gathered batch, replicated on
+every worker; then computes the BCE of its own rows only, ``L_w = Σ_{i ∈ rows(w)} Σ_j ℓ_ij / (2B)²``
+(:meth:`pipeline.core.abc.ABCOutput.scores` of those rows: disjoint row slices sum to the full loss), so that
+``Σ_w L_w = L`` and steps 4's sums give ``∂L/∂θ`` exactly as above. Cost: the SABs are not sharded, each worker
+computes them on all 2B rows (one process's head compute and memory, O((2B)²·width) for the attention); only the
+similarity and the loss fall to (2B/W, 2B) per worker. Communication: one all-gather of (2B, m) forward and its
+reduction backward, whatever the number of blocks. ``tile`` does not apply (ABC's additive similarity tiles itself).
+
 BatchNorm backbones: with several workers their BN must be global (``pipeline.core.batchnorm``), which
 ``PretrainLoop`` arranges. Gradient caching is refused with BatchNorm (ValueError here, exit 2 in the params
 check): chunks would put the two views of an image in different BN batches and the running statistics
@@ -49,6 +59,7 @@ equal the plain path (the backbone must be deterministic: no dropout, no batch s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -58,7 +69,7 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipeline.core.batchnorm import has_batchnorm
-from pipeline.core.model import Rows, TransFusion
+from pipeline.core.model import ABCModel, Rows, TransFusion
 from pipeline.core.targets import LAYOUTS, check_layout, self_supervised_ids
 from pipeline.training.comm import GradReducer
 
@@ -203,7 +214,7 @@ class GlobalBatchStep:
 
     def __init__(
         self,
-        model: TransFusion,
+        model: TransFusion | ABCModel,
         loss_fn: LossFn,
         *,
         grad_cache_chunk: int | None = None,
@@ -269,6 +280,8 @@ class GlobalBatchStep:
     def _head_loss(self, z_local: Tensor, ids: Tensor, world_size: int, rank: int) -> Tensor:
         ids_all = self._global_ids(ids, world_size)  # (2B,)
         b = z_local.shape[0] // 2
+        if getattr(self.model, "method", "transfusion") == "abc":
+            return self._abc_loss(z_local, ids_all, world_size, rank)
         if world_size == 1 and self.tile is None:  # one process, dense: the head on the whole batch
             with self._autocast(z_local.device):
                 out = self.model.head(_upcast(z_local), views=2)  # rows [view 1; view 2]
@@ -286,6 +299,18 @@ class GlobalBatchStep:
         if self.tile is not None:
             hint["tile"] = self.tile
         return sum(self.loss_fn(q, k, ids_all, rows=r, **hint) for r in local_rows(rank, b, world_size))
+
+    def _abc_loss(self, z_local: Tensor, ids_all: Tensor, world_size: int, rank: int) -> Tensor:
+        """ABC's share of this worker (module doc): the head on every row, gathered, the loss on this worker's rows.
+        ``loss_fn(out, ids, rows=...)``: :func:`pipeline.core.model.bce_loss`."""
+        rows = self._rows(z_local, world_size, rank)
+        with self._autocast(z_local.device):
+            out = self.model.head(rows.gather(z_local))  # on (2B, m): every row, [view 1; view 2] of the global batch
+        out = dataclasses.replace(out, q=_upcast(out.q), k=_upcast(out.k))  # the similarity and loss in full precision
+        if world_size == 1:
+            return self.loss_fn(out, ids_all)
+        b = z_local.shape[0] // 2
+        return sum(self.loss_fn(out, ids_all, rows=r) for r in local_rows(rank, b, world_size))
 
     def __call__(self, x: Tensor, ids: Tensor) -> float:
         return float(self._run(x, ids, check=True))

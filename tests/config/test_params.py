@@ -43,6 +43,7 @@ def test_flatten_gives_dotted_keys():
     assert flat["model.depth"] == 1 and flat["data.synthetic.rank"] == 3 and "ray.num_workers" in flat
 
 
+ABC_OK = ["model.method=abc", "model.qk_init=default", "loss.name=bce"]  # what method abc needs on params.yaml
 # (overrides, substrings the message must contain)
 BAD = [
     (["data.dataset=cifar"], ["data.dataset", "digits", "cifar10", "fashion_mnist"]),
@@ -88,6 +89,26 @@ BAD = [
     (["model.weights=w.pt"], ["model.weights", "resnet18"]),
     (["data=3"], ["data", "valid dictionary"]),
     (["data.synthetic.noise=2"], ["data.synthetic.noise", "less than or equal to 1"]),
+    # method abc (ABC_OK: the keys it needs on this file)
+    (["model.method=kmeans"], ["model.method", "transfusion", "abc"]),
+    (["model.method=abc", "model.qk_init=default"], ["model.method: abc", "loss.name: bce", "not jsd"]),
+    (["loss.name=bce"], ["loss.name: bce", "model.method: abc"]),
+    (["model.method=abc", "loss.name=bce"], ["model.qk_init: identity", "TransFusion", "model.qk_init: default"]),
+    ([*ABC_OK, "model.depth=3", "model.head=truncated",
+      "model.activation=softmax", "model.block_norm=l2", "model.fusion_scope=per_view"],
+     ["model.depth: 3", "model.head: truncated", "model.activation: softmax", "model.block_norm: l2",
+      "model.fusion_scope: per_view", "model.abc"]),
+    ([*ABC_OK, "model.abc.heads=3"], ["model.abc.width (128)", "multiple of model.abc.heads (3)"]),
+    ([*ABC_OK, "model.abc.compatibility=cosine"], ["model.abc.compatibility", "multiplicative", "additive"]),
+    ([*ABC_OK, "model.abc.kernel=softmax"], ["model.abc.kernel", "logits", "paper"]),
+    ([*ABC_OK, "model.abc.blocks=-1"], ["model.abc.blocks", "greater than or equal to 0"]),
+    ([*ABC_OK, "model.abc.pre_embed=false", "model.embed_dim=64"], ["model.abc.pre_embed", "gives 64"]),
+    ([*ABC_OK, "model.abc.pre_embed=false", "model.backbone=pixels", "model.embed_dim=null"],
+     ["model.abc.pre_embed", "the input size"]),
+    ([*ABC_OK, "loss.pos_weight=0"], ["loss.pos_weight", "greater than 0", "balanced"]),
+    ([*ABC_OK, "loss.pos_weight=many"], ["loss.pos_weight", "balanced"]),
+    (["loss.pos_weight=2"], ["loss.pos_weight", "bce", "not jsd"]),
+    (["model.abc.blocks=3"], ["model.abc", "model.method: abc"]),
 ]
 
 
@@ -99,6 +120,20 @@ def test_bad_params_name_the_key_and_the_allowed_values(overrides, needles):
     msg = str(info.value)
     for needle in needles:
         assert needle in msg, f"{needle!r} missing from: {msg}"
+
+
+@pytest.mark.parametrize("mode", ["supervised", "self_supervised"])
+def test_method_abc_with_bce_is_valid_in_both_modes(mode):
+    """Supervised: ABC's kernel learns same class; self-supervised: same source image (a row's other view)."""
+    raw = apply_overrides(default_raw(), ["model.method=abc", "model.qk_init=default", "loss.name=bce",
+                                          f"train.mode={mode}", "loss.pos_weight=2", "model.abc.pre_embed=false",
+                                          "model.abc.compatibility=additive", "model.abc.kernel=paper"])
+    p = validate_params(raw)
+    assert (p.model.method, p.loss.pos_weight, p.model.abc.compatibility, p.model.abc.kernel) == ("abc", 2.0,
+                                                                                                  "additive", "paper")
+    defaults = validate_params(apply_overrides(default_raw(), ["model.method=abc", "model.qk_init=default",
+                                                               "loss.name=bce"]))
+    assert defaults.loss.pos_weight == "balanced" and defaults.model.abc.blocks == 2 and defaults.model.abc.width == 128
 
 
 def test_grad_cache_is_fine_without_batchnorm():

@@ -15,7 +15,7 @@ from pipeline.config import data as C_data
 from pipeline.config import loss as C_loss
 from pipeline.config import model as C_model
 from pipeline.config import probe as C_probe
-from pipeline.core import backbones, losses, model
+from pipeline.core import abc, backbones, losses, model
 from pipeline.core.targets import self_supervised_ids
 from pipeline.data import augment, sources
 from pipeline.evaluation import probes
@@ -53,10 +53,11 @@ def test_block_options_are_the_ones_the_block_takes():
 
 
 def test_loss_names_are_the_losses_and_self_supervised_only_is_what_they_refuse():
-    assert tuple(losses.LOSSES) == C_loss.LOSS_NAMES == losses.LOSS_NAMES
+    assert tuple(losses.LOSSES) == C_loss.TRANSFUSION_LOSSES == losses.LOSS_NAMES
+    assert C_loss.LOSS_NAMES == C_loss.TRANSFUSION_LOSSES + C_loss.ABC_LOSSES
     q, k = torch.randn(8, 4), torch.randn(8, 4)
     two_view, classes = self_supervised_ids(4), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
-    for name in C_loss.LOSS_NAMES:
+    for name in C_loss.TRANSFUSION_LOSSES:
         fn = losses.make_loss(name)
         assert torch.isfinite(fn(q, k, two_view))
         if name in C_loss.SELF_SUPERVISED_ONLY:
@@ -66,6 +67,26 @@ def test_loss_names_are_the_losses_and_self_supervised_only_is_what_they_refuse(
             assert torch.isfinite(fn(q, k, classes))
     with pytest.raises(ValueError, match="unknown loss"):
         losses.make_loss("nope")
+
+
+def test_abc_names_are_what_abc_implements():
+    """model.method, model.abc's compatibilities and kernels, and ABC's losses: the core's registries, each usable."""
+    assert model.METHODS == C_model.METHODS
+    assert abc.COMPATIBILITIES == C_model.ABC_COMPATIBILITIES and abc.KERNELS == C_model.ABC_KERNELS
+    assert tuple(model.ABC_LOSSES) == C_loss.ABC_LOSSES
+    assert set(C_model.TRANSFUSION_ONLY) < set(C_model.ModelConfig.model_fields)
+    assert set(C_model.AbcConfig.model_fields) == {"blocks", "heads", "width", "compatibility", "kernel", "pre_embed"}
+    x, classes = torch.randn(8, 6), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
+    for compatibility in C_model.ABC_COMPATIBILITIES:
+        for kernel in C_model.ABC_KERNELS:
+            out = abc.ABCHead(6, depth=1, heads=2, width=8, compatibility=compatibility, kernel=kernel)(x)
+            for name in C_loss.ABC_LOSSES:
+                for pos_weight in (1.0, "balanced"):
+                    assert torch.isfinite(model.ABC_LOSSES[name](pos_weight)(out, classes))
+    with pytest.raises(ValueError, match="allowed"):
+        abc.ABCHead(6, compatibility="cosine")
+    with pytest.raises(ValueError, match="allowed"):
+        abc.ABCHead(6, kernel="softmax")
 
 
 def test_preset_names_are_the_augmentation_presets():

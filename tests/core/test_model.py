@@ -10,8 +10,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pipeline.config.model import AbcConfig, ModelConfig
+from pipeline.core.abc import ABCHead, ABCOutput
 from pipeline.core.backbones import build_backbone
-from pipeline.core.model import ACTIVATIONS, TransFusion, TransFusionBlock, TransFusionHead, fuse_weights
+from pipeline.core.model import (
+    ACTIVATIONS,
+    ABCModel,
+    TransFusion,
+    TransFusionBlock,
+    TransFusionHead,
+    build_model,
+    fuse_weights,
+)
 
 
 def naive_block(x, wq, bq, wk, bk, wv, bv, activation="relu"):
@@ -244,3 +254,35 @@ def test_identity_init_gives_relu_of_the_input_cosine_and_tied_starts_symmetric(
         TransFusionBlock(6, qk_init="zeros")
     with pytest.raises(ValueError, match="fusion_scope"):
         TransFusionHead(6, 1, fusion_scope="pairs")
+
+
+# ------------------------------------------------------------------ model.method: abc
+@pytest.mark.parametrize("backbone,shape,embed_dim,dim,compatibility,kernel", [
+    ("mlp", (1, 6, 6), 12, 12, "multiplicative", "logits"), ("cnn_small", (1, 8, 8), None, 128, "additive", "paper"),
+    ("pixels", (1, 5, 5), None, 25, "additive", "logits"), ("mlp", (1, 6, 6), 12, 12, "multiplicative", "paper")])
+def test_build_model_abc_is_the_backbone_with_abcs_head(backbone, shape, embed_dim, dim, compatibility, kernel):
+    cfg = ModelConfig(method="abc", backbone=backbone, embed_dim=embed_dim,
+                      abc=AbcConfig(blocks=3, heads=2, width=8, compatibility=compatibility, kernel=kernel))
+    torch.manual_seed(0)
+    model = build_model(cfg, shape)
+    assert isinstance(model, ABCModel) and isinstance(model.head, ABCHead) and model.method == "abc"
+    assert model.embed_dim == dim and len(model.head.blocks) == 3 and model.head.blocks[0].heads == 2
+    assert (model.head.compatibility, model.head.kernel) == (compatibility, kernel)
+    assert model.head.pre[0].in_features == dim and model.head.query.in_features == 8
+    x = torch.rand(7, *shape)
+    out = model(x)
+    assert isinstance(out, ABCOutput) and out.kernel.shape == (7, 7) and out.embedding.shape == (7, 8)
+    torch.testing.assert_close(out.kernel, out.kernel.T)
+    # the same numbers as the backbone and the head composed by hand
+    torch.testing.assert_close(out.kernel, model.head(model.backbone(x)).kernel)
+    reps = model.embed(x)  # probes: [backbone output, T(X)]
+    assert [tuple(r.shape) for r in reps] == [(7, dim), (7, 8)] and not any(r.requires_grad for r in reps)
+    torch.testing.assert_close(reps[1], out.embedding.detach())
+    # the transfusion default builds TransFusion's head, untouched by model.abc's defaults
+    assert isinstance(build_model(ModelConfig(backbone=backbone, embed_dim=embed_dim), shape).head, TransFusionHead)
+
+
+def test_build_model_abc_without_the_pre_embedding_feeds_the_backbone_to_the_sabs():
+    cfg = ModelConfig(method="abc", backbone="mlp", embed_dim=8, abc=AbcConfig(width=8, heads=2, pre_embed=False))
+    model = build_model(cfg, (1, 4, 4))
+    assert model.head.pre is None and model.head(torch.randn(5, 8)).kernel.shape == (5, 5)

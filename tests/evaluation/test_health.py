@@ -14,6 +14,9 @@ from pipeline.evaluation.health import (
     dead_blocks,
     flat,
     head_health,
+    is_health_key,
+    kernel_health,
+    read_health,
     unflat,
     verdict,
     warnings_for,
@@ -99,6 +102,27 @@ def test_flat_round_trip() -> None:
     back = unflat({**f, "loss": 1.0, "block_x": 3})
     assert list(back) == ["block_1", "block_2"]
     assert back["block_2"]["positive"] == hs["block_2"]["positive"]
+
+
+@pytest.mark.parametrize("n", [5, 12])
+def test_abcs_kernel_health_is_its_kernel_stats_by_loops_and_never_warns(n: int) -> None:
+    """ABC (model.method: abc): kernel.same_class / other / above_half over i != j; no dead-block verdict."""
+    g = torch.Generator().manual_seed(n)
+    a = torch.rand(n, n, generator=g, dtype=torch.float64)
+    kappa, labels = (a + a.T) / 2, torch.arange(n) % 3
+    h = read_health(kernel_health(kappa, labels))
+    pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
+    same = [float(kappa[i, j]) for i, j in pairs if labels[i] == labels[j]]
+    other = [float(kappa[i, j]) for i, j in pairs if labels[i] != labels[j]]
+    assert h["kernel"]["same_class"] == pytest.approx(sum(same) / len(same))
+    assert h["kernel"]["other"] == pytest.approx(sum(other) / len(other))
+    assert h["kernel"]["above_half"] == pytest.approx(sum(float(kappa[i, j]) > 0.5 for i, j in pairs) / len(pairs))
+    f = flat(h)
+    assert set(f) == {"kernel.same_class", "kernel.other", "kernel.above_half"} and all(map(is_health_key, f))
+    assert not is_health_key("loss") and is_health_key("block_1.positive")
+    assert unflat({**f, "loss": 1.0}) == h
+    dead = {"kernel": {**h["kernel"], "above_half": 0.0}, **head_health([torch.zeros(4, 4)])}  # a dead block too
+    assert dead_blocks(dead) == ["block_1"] and len(warnings_for(dead)) == 1 and "block 1" in warnings_for(dead)[0]
 
 
 def _params(tmp_overrides: list[str]):

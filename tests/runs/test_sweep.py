@@ -12,7 +12,7 @@ import yaml
 from pipeline.config.base import ParamsError
 from pipeline.config.params import load_params
 from pipeline.runs.resources import NodeType, TrialShape, packing
-from pipeline.runs.sweep import axes, base_params, grid_points, sweep_name
+from pipeline.runs.sweep import axes, base_params, check_points, grid_points, point_params, sweep_name
 from pipeline.runs.tune import TRIAL_CPU, inline, max_concurrent, trial_params, trial_placement
 from stages.sweep import COLUMNS, best_trial, write_outputs
 from tests.conftest import ROOT
@@ -56,6 +56,17 @@ def test_trial_params_apply_the_point_over_the_sweep_base():
     assert (t.train.epochs, t.train.knn_every, t.train.checkpoint_every) == (6, 1, 1)
     assert t.train.warmup_epochs == 5 and t.ray.cpus_per_worker == 0.5
     assert t.model.backbone == p.model.backbone and t.loss == p.loss
+
+
+def test_with_method_abc_the_depth_axis_sets_abcs_blocks():
+    p = params("model.method=abc", "model.qk_init=default", "loss.name=bce", "sweep.depth=[0,3]")
+    check_points(p)  # the TransFusion depth of the points would be refused with method abc; ABC's blocks are not
+    t = point_params(base_params(p), {"model.depth": 3, "train.batch_size": 64})
+    assert (t.model.method, t.model.abc.blocks, t.model.depth, t.train.batch_size) == ("abc", 3, 1, 64)
+    assert point_params(base_params(params()), {"model.depth": 3}).model.depth == 3  # transfusion: as before
+    # the base's blocks never reach a trial, so the sweep's name ignores them as it ignores model.depth
+    assert sweep_name(p, MANIFEST) == sweep_name(params("model.method=abc", "model.qk_init=default", "loss.name=bce",
+                                                        "sweep.depth=[0,3]", "model.abc.blocks=5"), MANIFEST)
 
 
 def test_an_invalid_point_names_the_point_and_the_key():

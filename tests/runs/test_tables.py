@@ -72,6 +72,21 @@ def test_rows_are_resolved_against_the_base_before_any_work(row, needle):
     assert "tables.rows[0] ('A'" in str(info.value) and needle in str(info.value)
 
 
+def test_rows_may_train_abc_with_its_nested_keys_in_both_tables():
+    abc = "model.method: abc, model.qk_init: default, loss.name: bce"
+    p = params(f"tables.rows=[{{name: ABC, table: 1, params: {{{abc}, model.abc.compatibility: additive}}}}, "
+               f"{{name: ABC, table: 2, params: {{{abc}, train.mode: supervised, model.abc.blocks: 0, "
+               "loss.pos_weight: 3}}]")
+    one, two = (r.params for r in resolve_rows(p))
+    assert (one.model.method, one.model.abc.compatibility, one.model.abc.blocks, one.train.mode) == (
+        "abc", "additive", 2, "self_supervised")
+    assert (two.model.abc.blocks, two.loss.pos_weight, two.train.mode) == (0, 3.0, "supervised")
+    with pytest.raises(ParamsError, match=r"'model.abc.nope': unknown key; allowed keys in model.abc: blocks"):
+        params("tables.rows=[{name: A, table: 1, params: {model.abc.nope: 1}}]")
+    with pytest.raises(ParamsError, match=r"(?s)tables.rows\[0\] \('A'.*model.qk_init: identity: TransFusion"):
+        resolve_rows(params("tables.rows=[{name: A, table: 1, params: {model.method: abc, loss.name: bce}}]"))
+
+
 def test_a_batch_beyond_the_data_is_refused():
     p = params("tables.rows=[{name: A, table: 1, params: {train.batch_size: 512}}]")
     with pytest.raises(ParamsError, match=r"train.batch_size 512 exceeds the training set \(300 samples\)"):

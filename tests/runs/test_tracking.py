@@ -119,6 +119,10 @@ def test_run_names_follow_the_params():
     params = load_params(ROOT / "params.yaml", ["model.depth=3", "loss.name=supcon", "train.mode=supervised",
                                                 "train.batch_size=64", "train.seed=7", "model.backbone=mlp"])
     assert pretrain_label(flatten(params)) == "pretrain · mlp · depth 3 · supcon · b64 · s7"
+    abc = load_params(ROOT / "params.yaml", ["model.method=abc", "model.qk_init=default", "loss.name=bce",
+                                             "model.abc.compatibility=additive", "model.abc.blocks=0"])
+    assert pretrain_label(flatten(abc)) == (f"pretrain · {abc.model.backbone} · abc additive 0 blocks · bce · "
+                                            f"b{abc.train.batch_size} · s{abc.train.seed}")
     default = load_params(ROOT / "params.yaml")
     assert pretrain_label(flatten(default)) == (f"pretrain · {default.model.backbone} · depth {default.model.depth} · "
                                                 f"{default.loss.name} · b{default.train.batch_size} · "

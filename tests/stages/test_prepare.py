@@ -90,6 +90,11 @@ def test_check_validates_without_running(project):
     assert ok.exit_code == 0 and "model.depth = 4" in ok.output and "params OK" in ok.output
     bad = CliRunner().invoke(main, ["check", "-S", "loss.name=nope"])
     assert bad.exit_code == 2 and "loss.name" in bad.output and "jsd" in bad.output
+    abc = CliRunner().invoke(main, ["check", "-S", "model.method=abc", "-S", "model.qk_init=default", "-S",
+                                    "loss.name=bce"])
+    assert abc.exit_code == 0 and "model.abc.blocks = 2" in abc.output and "head: ABC's, not planned" in abc.output
+    half = CliRunner().invoke(main, ["check", "-S", "model.method=abc", "-S", "loss.name=bce"])
+    assert half.exit_code == 2 and "model.qk_init: identity" in half.output
     assert sorted(p.name for p in project.iterdir()) == ["params.yaml"]
 
 

@@ -8,9 +8,11 @@ bit for bit, for the same seed.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -152,3 +154,43 @@ def test_health_over_tiles_equals_the_dense_health(prepared, extra):
         assert (got[key] is None) == (value is None), key
         if value is not None:
             assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+ABC = ["model.method=abc", "model.qk_init=default", "loss.name=bce", "model.abc.width=16", "model.abc.heads=2",
+       "model.abc.blocks=1", "model.backbone=mlp", "model.embed_dim=16", "model.hidden_dim=32", "train.epochs=2",
+       "train.batch_size=64", "train.knn_every=0", "train.head_lr_scale=1.0"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,compatibility", [("supervised", "multiplicative"), ("self_supervised", "additive")])
+def test_pretrain_with_method_abc_trains_reports_its_kernel_and_evaluates(mode, compatibility):
+    """model.method abc end to end on digits: the loop trains ABC's head with BCE (same class, or same image), reports
+    the kernel's statistics as its health (no blocks), and the evaluation embeds, clusters and checks it."""
+    from pipeline.core.model import ABCModel
+    from pipeline.evaluation.evaluate import layer_affinities, layer_embeddings, test_health
+    from pipeline.evaluation.report import health_section
+
+    data = load_dataset(DataConfig(dataset="digits", root="unused", limit_train=320, limit_test=100))
+    params = load_params(ROOT / "params.yaml", [*ABC, f"train.mode={mode}", f"model.abc.compatibility={compatibility}"])
+    loop = PretrainLoop(params, data, torch.device("cpu"))
+    assert isinstance(loop.model, ABCModel) and loop.head_plan.tile is None
+    reported = []
+    loop.fit(lambda m, ckpt: reported.append(m))
+    first, last = loop.history
+    assert math.isfinite(last["loss"]) and last["loss"] < first["loss"]  # BCE from its start, falling
+    kernel = {k: v for k, v in last.items() if k.startswith("kernel.")}
+    assert set(kernel) == {"kernel.same_class", "kernel.other", "kernel.above_half"}
+    assert all(0.0 <= v <= 1.0 for v in kernel.values()) and not any(k.startswith("block_") for k in last)
+    assert 0.0 <= last["knn_acc"] <= 1.0 and reported[-1].health == kernel
+    # evaluation of the trained model: [backbone, T(X)], the kernel as the final affinity, the kernel's health
+    model, cpu = loop.model.eval(), torch.device("cpu")
+    reps = layer_embeddings(model, data.test.x, 64, cpu)
+    assert [r.shape for r in reps] == [(100, 16), (100, 16)]
+    named = layer_affinities(model, data.test.x[:30], cpu)
+    assert [n for n, _ in named] == ["backbone", "kernel"]
+    kappa = named[1][1]
+    assert kappa.shape == (30, 30) and np.allclose(kappa, kappa.T) and ((kappa > 0) & (kappa < 1)).all()
+    health = test_health(model, data.test.x, data.test.y, 64, cpu)
+    assert set(health) == {"kernel"} and set(health["kernel"]) == {"same_class", "other", "above_half"}
+    text = "\n".join(health_section(health, params.model.depth))
+    assert "Kernel health (ABC)" in text and "Warning" not in text and "Fusion health" not in text

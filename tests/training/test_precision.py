@@ -77,3 +77,23 @@ def test_fp16_trains_through_the_gradient_scaler_and_resumes_with_its_state():
 def test_fp32_on_the_cpu_is_the_path_without_autocast():
     loop = _loop("auto")
     assert loop.precision is FP32 and loop.step.autocast_dtype is None and loop.scaler is None
+
+
+@pytest.mark.parametrize("compatibility,kernel", [("multiplicative", "logits"), ("additive", "paper")])
+def test_abcs_step_under_bf16_autocast_is_the_fp32_step_within_bf16s_precision(compatibility, kernel):
+    """model.method: abc under autocast: the head in bf16, its similarity and BCE upcast (as TransFusion's loss)."""
+    from pipeline.core.abc import ABCHead
+    from pipeline.core.backbones import build_backbone
+    from pipeline.core.model import ABCModel, bce_loss
+    from pipeline.training.step import GlobalBatchStep
+
+    torch.manual_seed(0)
+    bb, dim = build_backbone("mlp", (1, 6, 6), embed_dim=12, hidden_dim=16)
+    model = ABCModel(bb, dim, ABCHead(dim, depth=2, heads=2, width=8, compatibility=compatibility, kernel=kernel))
+    x, ids = torch.rand(16, 1, 6, 6), torch.tensor([0, 1, 2, 0, 1, 2, 0, 3] * 2)
+    got = GlobalBatchStep(model, bce_loss(), layout="labels", autocast_dtype=torch.bfloat16)(x, ids)
+    grads = [p.grad.clone() for p in model.parameters()]
+    want = GlobalBatchStep(model, bce_loss(), layout="labels")(x, ids)
+    assert got == pytest.approx(want, rel=2e-2) and got != want  # bf16 did run, and close
+    got_g, want_g = torch.cat([g.flatten() for g in grads]), torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert torch.isfinite(got_g).all() and float((got_g - want_g).norm() / want_g.norm()) < 0.05

@@ -3,7 +3,9 @@ only its rows of every block with the keys and values of all rows gathered, give
 process running the dense head on the concatenated batch (fp64).
 
 One spawned process group runs a covering set of cases (every head option, every loss in both modes, gradient
-caching, tiles), so that the suite pays for one group start; the one-process side runs in the test's process.
+caching, tiles; and ABC's head, ``model.method: abc``, whose step gathers the backbone's embeddings and runs the head
+on all rows on every worker, the loss on each worker's rows), so that the suite pays for one group start; the
+one-process side runs in the test's process.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipeline.core.abc import ABCHead
 from pipeline.core.backbones import build_backbone
 from pipeline.core.losses import make_loss
-from pipeline.core.model import Rows, TransFusion, TransFusionHead
+from pipeline.core.model import ABCModel, Rows, TransFusion, TransFusionHead, bce_loss
 from pipeline.training.step import GlobalBatchStep
 
 B, SHAPE = 8, (1, 6, 6)  # 8 images, two views each; 4 a worker
@@ -38,6 +41,9 @@ class Case:
     mode: str = "self"  # self | sup
     chunk: int | None = None  # gradient caching
     tile: int | None = None  # the head's and the loss's column tile
+    compatibility: str = "multiplicative"  # ABC's (loss="bce"), and its kernel and positive weight:
+    kernel: str = "logits"
+    pos_weight: float | str = "balanced"
 
     @property
     def layout(self) -> str:
@@ -67,12 +73,20 @@ CASES = [
     Case(tile=4, activation="softmax", loss="kl_softmax", mode="sup"),
     Case(tile=4, activation="sigmoid", loss="infonce"),
     Case(tile=5, chunk=3, loss="dcl"),
+    # ABC (depth: its SAB blocks), both compatibilities and kernels, both modes, gradient caching
+    Case(loss="bce", mode="sup"),
+    Case(loss="bce", mode="self", depth=1, kernel="paper", pos_weight=2.0),
+    Case(loss="bce", mode="sup", compatibility="additive", kernel="paper"),
+    Case(loss="bce", mode="self", compatibility="additive", depth=0, pos_weight=1.0, chunk=3),
 ]
 
 
 def make_model(case: Case) -> TransFusion:
     torch.manual_seed(0)
     bb, dim = build_backbone("mlp", SHAPE, embed_dim=12, hidden_dim=16)
+    if case.loss == "bce":
+        return ABCModel(bb, dim, ABCHead(dim, depth=case.depth, heads=2, width=8, compatibility=case.compatibility,
+                                         kernel=case.kernel)).double()
     head = TransFusionHead(dim, case.depth, case.activation, truncate_last=case.truncated,
                            fusion_scope=case.scope, qk_init=case.qk_init)
     return TransFusion(bb, dim, head).double()
@@ -91,7 +105,8 @@ def run_case(case: Case, rank: int, world: int, tile: int | None = None):
     v1, v2, ids = make_batch(case.mode)
     b = B // world
     mine = slice(rank * b, (rank + 1) * b)
-    step = GlobalBatchStep(model, make_loss(case.loss), grad_cache_chunk=case.chunk, layout=case.layout, tile=tile)
+    loss_fn = bce_loss(case.pos_weight) if case.loss == "bce" else make_loss(case.loss)
+    step = GlobalBatchStep(model, loss_fn, grad_cache_chunk=case.chunk, layout=case.layout, tile=tile)
     loss = step(torch.cat([v1[mine], v2[mine]]), torch.cat([ids[mine], ids[mine]]))
     return loss, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
