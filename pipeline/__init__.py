@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "HeadOutput": "pipeline.core.model",
     "TransFusion": "pipeline.core.model",
     "build_model": "pipeline.core.model",
+    "ABCModel": "pipeline.core.model",
     # one block's fusion for a subset of its rows, dense or in column tiles (a row-sharded head calls it)
     "fuse_rows": "pipeline.core.attention",
     # the losses: by name, and each one; all take (q, k, ids, *, rows=None, layout=None)
@@ -51,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     "bce": "pipeline.core.abc",
     # clustering a kernel of unseen classes: k given or by the eigengap (ABC's inference)
     "cluster_kernel": "pipeline.core.clustering",
+    "cluster": "pipeline.core.clustering",
     "eigengap_k": "pipeline.core.clustering",
     # the targets of eq. (1)
     "target_affinity": "pipeline.core.targets",
@@ -75,6 +77,8 @@ _EXPORTS: dict[str, str] = {
     "SweepConfig": "pipeline.config.sweep",
     "TheoryConfig": "pipeline.config.theory",
     "TablesConfig": "pipeline.config.tables",
+    "AbcConfig": "pipeline.config.model",
+    "SetsConfig": "pipeline.config.sets",
 }
 
 __all__ = list(_EXPORTS)

@@ -16,13 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # the API, name -> the module that defines it: changing what users import is a decision, made here too
 API = {
-    **dict.fromkeys(("TransFusionBlock", "TransFusionHead", "HeadOutput", "TransFusion", "build_model"),
+    **dict.fromkeys(("TransFusionBlock", "TransFusionHead", "HeadOutput", "TransFusion", "build_model",
+                     "ABCModel"),
                     "pipeline.core.model"),
     "fuse_rows": "pipeline.core.attention",
     **dict.fromkeys(("make_loss", "LOSS_NAMES", "jsd", "jsd_appendix_e", "kl_softmax", "kl_relu", "kl_squared",
                      "infonce", "supcon", "dcl", "barlow_twins"), "pipeline.core.losses"),
     **dict.fromkeys(("ABCHead", "bce"), "pipeline.core.abc"),
-    **dict.fromkeys(("cluster_kernel", "eigengap_k"), "pipeline.core.clustering"),
+    **dict.fromkeys(("cluster_kernel", "eigengap_k", "cluster"), "pipeline.core.clustering"),
     **dict.fromkeys(("target_affinity", "self_supervised_ids"), "pipeline.core.targets"),
     **dict.fromkeys(("GlobalBatchStep", "NonFiniteLossError", "broadcast_from_rank0"), "pipeline.training.step"),
     **dict.fromkeys(("Params", "load_params", "validate_params"), "pipeline.config.params"),
@@ -38,6 +39,8 @@ API = {
     "SweepConfig": "pipeline.config.sweep",
     "TheoryConfig": "pipeline.config.theory",
     "TablesConfig": "pipeline.config.tables",
+    "AbcConfig": "pipeline.config.model",
+    "SetsConfig": "pipeline.config.sets",
 }
 
 

@@ -25,10 +25,12 @@ from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
 
 __all__ = [
     "DISCONNECTED_EPS",
+    "cluster",
     "cluster_kernel",
     "cosine_affinity",
     "eigengap_k",
     "kernel_spectrum",
+    "set_kernel",
     "spectral_scores",
     "symmetric_affinity",
 ]
@@ -278,3 +280,37 @@ def cluster_kernel(kernel, k: int | None = None, seed: int = 0) -> tuple[np.ndar
     off = s.copy()
     np.fill_diagonal(off, 0.0)  # (n, n) = symmetric_affinity(kernel)
     return _spectral_labels(off, k, seed, "cluster_qr"), k
+
+
+def set_kernel(head, x) -> np.ndarray:
+    """The kernel a trained set head gives the set x (n, d), as float64 numpy (n, n), for :func:`cluster`.
+
+    An ABC head (:class:`pipeline.core.abc.ABCHead`, or anything whose output has a ``kernel``): κ, diagonal kept.
+    A TransFusion head (output with ``q`` and ``k``): its trained affinity cos(q_i, k_j)² (eq. 5 before the row
+    normalisation) with a zero diagonal, the kernel ``pipeline.evaluation.set_study`` clusters.
+    """
+    import torch
+
+    with torch.no_grad():
+        out = head(x)
+        if hasattr(out, "kernel"):
+            return out.kernel.double().cpu().numpy()
+        q = torch.nn.functional.normalize(out.q.double(), dim=-1)
+        k = torch.nn.functional.normalize(out.k.double(), dim=-1)
+        a = (q @ k.mT).square()  # (n, n)
+        a.diagonal(dim1=-2, dim2=-1).zero_()
+        return a.cpu().numpy()
+
+
+def cluster(x, head=None, *, k: int | None = None, k_max: int | None = None, seed: int = 0) -> tuple[np.ndarray, int]:
+    """Cluster one set: ``labels, k̂ = cluster(x, head)``; the inference of ABC (section 4.4) for any kernel.
+
+    x: a set (n, d) (torch tensor) and ``head`` a trained set head (ABC or TransFusion, :func:`set_kernel`), or,
+    with ``head=None``, a kernel (n, n) itself. S = ½(K + Kᵀ) clipped at 0; k̂ = ``k`` if given, else
+    ``eigengap_k(S, k_max)``; then ``cluster_kernel(S, k̂)``. Returns (labels (n,) int64, k̂).
+    """
+    kern = set_kernel(head, x) if head is not None else _to_numpy(x, "kernel")
+    s = np.clip(0.5 * (kern + kern.T), 0.0, None)  # (n, n)
+    if k is None:
+        k = eigengap_k(s, k_max=None if k_max is None else min(k_max, max(1, s.shape[0] - 1)))
+    return cluster_kernel(s, k, seed=seed)

@@ -268,3 +268,29 @@ def test_cluster_kernel_validates() -> None:
         cluster_kernel(np.full((3, 3), np.nan))
     pred, k_hat = cluster_kernel(a, k=1)
     assert k_hat == 1 and not pred.any()
+
+
+@pytest.mark.parametrize("k", [2, 4, 7])
+def test_cluster_finds_the_blocks_of_a_kernel_and_of_a_trained_head(k):
+    """`cluster(kernel)` on a noisy block kernel returns the blocks and k̂ = k; `cluster(x, head)` goes through the
+    head's kernel: an ABC head whose kernel is that of its input is the same clustering."""
+    import torch
+
+    from pipeline.core.clustering import cluster, set_kernel
+
+    rng = np.random.default_rng(k)
+    y = rng.permutation(np.arange(6 * k) % k)
+    kern = (y[:, None] == y[None, :]) * 0.8 + rng.uniform(0, 0.1, (6 * k, 6 * k))
+    labels, k_hat = cluster(kern)
+    assert k_hat == k and adjusted_rand_score(y, labels) == pytest.approx(1.0)
+    labels, k_hat = cluster(kern, k=k - 1 if k > 2 else 3)
+    assert k_hat == (k - 1 if k > 2 else 3)
+    assert cluster(kern, k_max=1)[1] == 1
+
+    class Echo(torch.nn.Module):  # a "head" whose kernel is its input
+        def forward(self, x):
+            return type("Out", (), {"kernel": x})()
+
+    x = torch.from_numpy(0.5 * (kern + kern.T))
+    np.testing.assert_array_equal(set_kernel(Echo(), x), x.numpy())
+    assert cluster(x, Echo())[1] == k
