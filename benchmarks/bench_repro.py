@@ -33,6 +33,7 @@ STAGE = re.compile(r"^Running stage '([\w-]+)':")
 OWN = {
     "sweep": re.compile(r"^\[sweep\] \d+ trials in ([\d.]+) s"),
     "theory": re.compile(r"^theory: learned in .*; ([\d.]+) s ->"),
+    "sets": re.compile(r"^sets: ([\d.]+) s ->"),
 }
 # the stages that say where their time went, in a line of their own
 SPLIT = re.compile(r"^\[(pretrain|evaluate|sweep)\] \d+ s in all: (.*)$")

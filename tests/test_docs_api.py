@@ -62,3 +62,16 @@ def test_the_ray_train_program_runs_on_two_workers(ray_session, tmp_path, monkey
     state = namespace["state"]
     assert any(k.startswith("head.blocks.1.") for k in state) and any(k.startswith("backbone.") for k in state)
     assert (tmp_path / "ray_results" / "head-on-my-backbone").is_dir()
+
+
+def test_the_set_clustering_page_runs_as_written(capsys):
+    """docs/sets.md's block: ABC's head, its BCE on batches of sets, and `cluster` with the eigengap."""
+    page = ROOT / "docs" / "sets.md"
+    blocks = python_blocks(page.read_text(encoding="utf-8"))
+    assert len(blocks) == 1
+    namespace: dict = {"__name__": "__main__"}
+    exec(compile("\n" * (blocks[0][0] - 1) + blocks[0][1], str(page), "exec"), namespace)  # noqa: S102
+    labels, k = namespace["labels"], namespace["k"]
+    assert labels.shape == (20,) and 1 <= k <= 19 and len(set(labels.tolist())) == k
+    assert math.isfinite(namespace["loss"].item())
+    assert "clusters" in capsys.readouterr().out
