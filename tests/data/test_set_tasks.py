@@ -61,3 +61,18 @@ def test_unknown_task_is_refused_and_the_registry_matches_the_config():
 def test_circle_sets_have_four_circles():
     b = make_task("circles", SetsConfig()).draw(5, TEST, 0)
     assert (b.k() == 4).all() and np.isfinite(b.x.numpy()).all()
+
+
+def test_omniglot_sets_train_on_background_characters_and_test_on_evaluation_ones(tmp_path):
+    """On tiny files in the real layout (tests/data/test_omniglot.py): 5 background and 4 evaluation characters of
+    3 drawings each; sets of 6 drawings from 2-3 characters, flattened 8×8 images in [0, 1]."""
+    from tests.data.test_omniglot import write_omniglot
+
+    write_omniglot(tmp_path)
+    cfg = SetsConfig(omniglot_root=str(tmp_path), omniglot_size=6, omniglot_k=[2, 3], omniglot_image_size=8)
+    task = make_task("omniglot", cfg)
+    assert task.dim == 64 and task.size == 6
+    train, test = task.draw(4, TRAIN, 0), task.draw(4, TEST, 0)
+    assert train.x.shape == test.x.shape == (4, 6, 64) and 0 <= float(train.x.min()) <= float(train.x.max()) <= 1
+    assert int(train.labels.max()) < 5 <= int(test.labels.min())  # the evaluation characters are numbered after
+    assert ((test.k() >= 2) & (test.k() <= 3)).all()
