@@ -24,14 +24,12 @@ def invoke(*args: str):
 
 @pytest.fixture
 def one_thread():
-    """torch on one thread for the test (small matrices: one thread is faster than two contending ones, and the
-    timings are one thread's); the thread count is restored after."""
-    import torch
+    """torch and BLAS on one thread for the test (small matrices: one thread is faster than two contending ones, and
+    the timings are one thread's); restored after (``pipeline.host.one_thread``)."""
+    from pipeline.host import one_thread as limit
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with limit():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -23,16 +23,14 @@ per (data set, method, seed) their means over ``test_sets`` sets; reported as me
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
-from threadpoolctl import threadpool_limits
 from torch import Tensor, nn
 
 from pipeline.config.sets import SET_METHODS, TRAINED_METHODS
@@ -41,6 +39,7 @@ from pipeline.core.clustering import cluster_kernel, eigengap_k
 from pipeline.core.losses import make_loss
 from pipeline.core.model import TransFusionHead
 from pipeline.data.set_tasks import TEST, TRAIN, SetBatch, SetTask, make_task
+from pipeline.host import one_thread
 
 METRICS = ("nmi_known", "ari_known", "nmi_unknown", "ari_unknown", "k_error")
 
@@ -165,18 +164,6 @@ def choose_rbf(task: SetTask, cfg: Any, seed: int) -> float:
     scores = [score_kernels(rbf_kernels(data.x, c), data.labels.numpy(), cfg.k_max, seed, unknown=False)["nmi_known"]
               for c in cfg.rbf_gammas]
     return float(cfg.rbf_gammas[int(np.argmax(scores))])
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """torch and BLAS on one thread (these matrices are tiny: threads cost more than they give)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with threadpool_limits(limits=1):
-            yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def run_one(method: str, task: SetTask, cfg: Any, seed: int, test: SetBatch) -> dict[str, Any]:

@@ -35,10 +35,9 @@ output.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import multiprocessing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,14 +45,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from threadpoolctl import threadpool_limits  # a dependency of scikit-learn
 from torch import Tensor
 
 from pipeline.core.clustering import cosine_affinity, spectral_scores
 from pipeline.core.losses import make_loss
 from pipeline.core.model import TransFusionHead
 from pipeline.data import synthetic
-from pipeline.host import usable_cpus
+from pipeline.host import one_thread, usable_cpus
 from pipeline.theory import bound, measures
 
 if TYPE_CHECKING:
@@ -317,18 +315,6 @@ def measure(
     }
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """torch and the BLAS / OpenMP pools on one thread for the block; the previous torch setting is restored."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with threadpool_limits(limits=1):
-            yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def run_cell(grid: EmpiricalGrid, seed: int, n: int, eps: float) -> list[tuple[dict[str, Any], str]]:
     """One (seed, n, ε) of part (b), every depth, on one thread: ``(row, progress line)`` per depth.
 
@@ -338,7 +324,7 @@ def run_cell(grid: EmpiricalGrid, seed: int, n: int, eps: float) -> list[tuple[d
     Per depth: ``train_head`` then ``measure``. Deterministic given its arguments.
     """
     out = []
-    with _one_thread():
+    with one_thread():
         data = synthetic.union_of_subspaces(grid.steps * n + n, grid.n_clusters, grid.rank, grid.dim, eps, seed=seed)
         test, train = split_test(data.labels, n, grid.n_clusters)
         rho = measures.cluster_integrity(data.clean[test], data.labels[test], data.bases, seed=seed)
