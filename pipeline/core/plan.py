@@ -5,9 +5,12 @@ and a global batch of n rows (n = 2B: two views of B images), each worker comput
 block and of the loss against the keys and values of all n rows (``TransFusionHead.forward_rows``, whenever W > 1).
 Per worker and step that is, for a head of depth d and width m:
 
-- dense: the (r, n) score matrices autograd keeps: about ``DENSE_BLOCK`` of them a block at the compute dtype and
-  ``DENSE_LOSS`` for the loss in fp32 (measured with ``pipeline.training.measure.peak_bytes`` on the CPU, fp32,
-  m = 64, r = n / W for n = 1,024-4,096 and W = 1-4: 2.2 + 2.3 d to 2.3 + 2.6 d buffers of r·n·4 bytes);
+- dense: the (r, n) score matrices autograd keeps: about ``DENSE_BLOCK`` fp32 buffers a block, ``DENSE_BLOCK_HALF``
+  half-precision ones under bf16 / fp16 autocast, and ``DENSE_LOSS`` fp32 buffers for the loss. Measured with
+  ``pipeline.training.measure.peak_bytes`` on the CPU (fp32, m = 64, r = n / W for n = 1,024-4,096 and W = 1-4:
+  2.2 + 2.3 d to 2.3 + 2.6 d buffers of r·n·4 bytes) and with ``torch.cuda.max_memory_allocated`` on an H200
+  (``benchmarks/bench_cuda.py``, m = 64 and 512, n = 8,192-16,384: a block 2.0 fp32 buffers, or 4.0 bf16 ones,
+  i.e. autocast saves nothing here; the loss 1.5);
 - tiled: (r, T) for one column tile of T keys at a time (:func:`pipeline.core.attention.fuse_rows`, the tiled
   losses of ``pipeline.core.tiled_losses``), recomputed in the backward;
 - either way the rows' activations, linear in n: the gathered keys and values (n, 2m) of every block, the
@@ -24,7 +27,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 HEAD_BUDGET_SHARE = 0.25  # train.head_budget_mb: null -> this share of the device's memory
-DENSE_BLOCK = 2.6  # (r, n) buffers a dense block keeps for its backward, at the compute dtype (measured: 2.3-2.6)
+DENSE_BLOCK = 2.6  # (r, n) fp32 buffers a dense block keeps for its backward (measured: CPU 2.3-2.6, H200 2.0)
+DENSE_BLOCK_HALF = 4.0  # the same at a 2-byte compute dtype (measured: H200, bf16 autocast, 4.0)
 DENSE_LOSS = 2.3  # (r, n) fp32 buffers of the fused loss, forward + backward (measured: 2.2-2.3)
 TILED_BLOCK = 4.0  # (r, T) buffers alive while one tile of a block or the loss is computed
 ROW_FLOATS = 12  # m-wide activations a block keeps per local row (LayerNorm, projections, residual, output)
@@ -86,7 +90,8 @@ def head_bytes(n: int, world: int, depth: int, width: int, tile: int | None, ite
     r = n // world
     linear = depth * (2 * n * width * itemsize + ROW_FLOATS * r * width * 4) + 4 * n * width * 4
     if tile is None or tile >= n:
-        square = r * n * (DENSE_BLOCK * depth * itemsize + (DENSE_LOSS * 4 if pairwise_loss else 0))
+        block = (DENSE_BLOCK if itemsize >= 4 else DENSE_BLOCK_HALF) * itemsize  # bytes per (r, n) element
+        square = r * n * (block * depth + (DENSE_LOSS * 4 if pairwise_loss else 0))
     else:
         square = TILED_BLOCK * r * tile * 4 if (depth or pairwise_loss) else 0
     return int(linear + square)
