@@ -12,6 +12,12 @@ from pipeline import faults
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The tests share one Ray (ray_session): a request that no node can hold (a test of the resource wait) would have its
+# autoscaler events ("No available node types can fulfill resource request ...") printed minutes later by that Ray's
+# driver thread, into whichever test's captured output is open then. Subprocesses inherit it, except those of
+# tests/stages/test_console.py, which run the CLI with a user's environment.
+os.environ.setdefault("RAY_SCHEDULER_EVENTS", "0")
+
 
 def invoke(*args: str):
     """Run the `transfusion` CLI in-process (exceptions propagate, so a bug shows its traceback)."""

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from pipeline.runs.train import SNAPSHOT_FILE, STATE_FILE, recover_run_snapshot
+from tests.conftest import invoke
 
 pytestmark = [pytest.mark.slow]
 
@@ -92,9 +93,7 @@ def epochs_in_curve(project) -> list[int]:
 
 @pytest.fixture
 def prepared(project):
-    out = subprocess.run([sys.executable, "-m", "stages.cli", "prepare"], cwd=project, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert invoke("prepare").exit_code == 0  # in this process: the faults are in the pretraining
     return project
 
 

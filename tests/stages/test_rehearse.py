@@ -1,6 +1,6 @@
 """Every shipped params file rehearsed as shipped: its jobs end to end through real Ray, Tune and MLflow, shrunk only in
 size (``transfusion rehearse``); GPU scheduling on a Ray that declares GPUs; Ctrl-C of a sweep of multi-worker
-trials, and its resume."""
+trials, and its resume (no partial outputs, MLflow's statuses, no finished trial run again, every epoch logged once)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import yaml
 from pipeline import faults
 from tests.conftest import ROOT, invoke
 from tests.runs.test_rehearse import FILES, SETS_FILES
+from tests.stages.test_sweep import sweep_runs
 
 pytestmark = [pytest.mark.slow]
 
@@ -175,7 +176,10 @@ def test_ctrl_c_of_a_multi_worker_sweep_ends_in_30_s_and_resumes(tmp_path):
                      r"unfinished; rerun the stage to resume", out), out
     first = started(log)
     results = (work / "sweeps/results.csv")
-    assert not results.exists()
+    assert not results.exists() and not (work / "plots/sweep").exists()  # no partial outputs
+    _, parents, children = sweep_runs(work)
+    assert len(parents) == 1 and parents[0].info.status == "KILLED"
+    assert {c.info.status for c in children if c.data.tags["trial_id"] in ended} == {"FINISHED"}
 
     resumed = run(["sweep", "--params", "params.yaml"], cwd=work, timeout=600,
                   env={**env, "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"})
@@ -186,3 +190,11 @@ def test_ctrl_c_of_a_multi_worker_sweep_ends_in_30_s_and_resumes(tmp_path):
     again = started(log)[len(first):]
     assert not set(again) & ended, "finished trials were run again"
     assert set(again) == {r["trial_id"] for r in rows} - ended  # the unfinished ones, and only those
+    _, parents, children = sweep_runs(work)  # the same parent run, now finished, and a finished child per trial
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert sorted(c.data.tags["trial_id"] for c in children if c.info.status == "FINISHED") == sorted(
+        r["trial_id"] for r in rows)
+    curves = read_csv(work / "plots/sweep/curves.csv")
+    for r in rows:  # every epoch of every trial exactly once, also for a resumed trial
+        logged = [int(c["epoch"]) for c in curves if c["trial_id"] == r["trial_id"]]
+        assert logged == list(range(1, int(r["epochs"]) + 1)), (r["trial_id"], logged)

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import mlflow
 import pytest
 
-from pipeline import faults
 from tests.conftest import invoke
 
 pytestmark = [pytest.mark.slow]
@@ -151,46 +145,3 @@ def test_bad_sweep_point_is_a_usage_error_before_any_work(prepared):
     assert result.exit_code == 2
     assert "sweep.batch_size: 4096 exceeds the training set (256 samples)" in result.output
     assert not (prepared / "sweeps").exists() and not (prepared / "ray_results").exists()
-
-
-def run_cli(project, args, log):
-    env = {**os.environ, **faults.environment(count_file=str(log)), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "stages.cli", *args], cwd=project, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-@pytest.mark.timeout(900)
-def test_interrupted_sweep_resumes_without_redoing_finished_trials(prepared):
-    args = ["sweep", *TINY, "-S", "sweep.epochs=30", "-S", "sweep.max_concurrent_trials=1"]
-    log = prepared / "trials.log"
-    proc = run_cli(prepared, args, log)
-    deadline = time.time() + 400
-
-    def third_checkpointed() -> bool:  # the third trial has a checkpoint (under the sweep's or its Train run's dir)
-        ids = started(log)
-        return len(ids) >= 3 and any((prepared / "ray_results").glob(f"**/trial-{ids[2]}/checkpoint_*"))
-
-    while not third_checkpointed() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    assert len(started(log)) == 3 and third_checkpointed(), "the sweep did not reach its third trial's training"
-    proc.send_signal(signal.SIGINT)  # Ctrl-C, into the third trial's training
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 1, out
-    assert "interrupted" in out and "rerun the stage to resume" in out
-    assert not (prepared / "sweeps").exists() and not (prepared / "plots").exists()  # no partial outputs
-    first = started(log)
-    _, parents, children = sweep_runs(prepared)
-    assert len(parents) == 1 and parents[0].info.status == "KILLED"
-    assert {c.info.status for c in children if c.data.tags["trial_id"] in first[:2]} == {"FINISHED"}
-
-    proc = run_cli(prepared, args, log)
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
-    assert "[sweep] resuming" in out
-    again = started(log)[3:]
-    assert not set(again) & set(first[:2]), "finished trials were run again"
-    assert first[2] in again and len(again) == 2  # the interrupted trial and the one never started
-    rows = read_csv(prepared / "sweeps/results.csv")
-    assert sorted(r["trial_id"] for r in rows) == sorted(set(first) | set(again))
-    assert all(r["status"] == "TERMINATED" and r["epochs"] == "30" for r in rows)
-    check_sweep(prepared, rows, epochs=30)
