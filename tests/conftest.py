@@ -18,6 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # tests/stages/test_console.py, which run the CLI with a user's environment.
 os.environ.setdefault("RAY_SCHEDULER_EVENTS", "0")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # the quick loop's test processes side by side (pytest -n 2): one thread
+    # each, for torch (which reads these when it loads, after this file) and BLAS, so they share the cores rather
+    # than contend for them (2 workers of 2 threads each on 2 cores took 1.7x the time of one process here)
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
 
 def invoke(*args: str):
     """Run the `transfusion` CLI in-process (exceptions propagate, so a bug shows its traceback)."""

@@ -99,6 +99,8 @@ def prepared(project):
 
 @pytest.mark.timeout(900)
 def test_killed_worker_restarts_from_the_last_checkpoint(prepared, ray_tmp):
+    """ray.max_failures: the worker group restarts from the last checkpoint (a worker's exception takes the same path
+    in Ray Train as its death; the real death is the one tested)."""
     every = 2
     proc = start(prepared, ray_tmp, "pretrain", *RUN, "-S", f"train.checkpoint_every={every}",
                  "-S", "ray.max_failures=1")

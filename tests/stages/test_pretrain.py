@@ -120,13 +120,3 @@ def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(prepa
     assert [c.name for c in runs_dir[0].glob("checkpoint_*")], "the epoch-1 checkpoint must be kept"
     _, runs = mlflow_runs(prepared)
     assert runs[0].info.status == "FAILED"
-
-
-def test_max_failures_restarts_the_worker_group_from_the_last_checkpoint(prepared, ray_session, install_faults):
-    install_faults(crash_at_epoch=2)
-    result = invoke("pretrain", *TINY, "-S", "ray.max_failures=1")
-    assert result.exit_code == 0, result.output
-    rows = history(prepared)
-    assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
-    # the fault fires again after the restart's epoch 2 only if training restarted from zero
-    assert json.loads((prepared / "metrics/pretrain.json").read_text())["epochs"] == 3
