@@ -13,16 +13,15 @@ The fused BN runs in a one-rank gloo group, calling the autograd functions thems
 ``nn.BatchNorm``); several ranks on one GPU are not possible with NCCL. Peak bytes are
 ``torch.cuda.max_memory_allocated`` above what was allocated before the step.
 
-    python benchmarks/bench_cuda.py --out=benchmarks/results/cuda.jsonl   # about 1 minute on one H200
-    python benchmarks/bench_cuda.py --only=dense_constants                 # one part (fused_bn, head_at_scale, ...)
+    python benchmarks/bench_cuda.py --out benchmarks/results/cuda.jsonl   # about 1 minute on one H200
+    python benchmarks/bench_cuda.py --only dense_constants                 # some parts (fused_bn, head_at_scale, ...)
     python benchmarks/bench_cuda.py --cpu                                  # a smoke run of the script on the CPU
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
-import sys
 import tempfile
 import time
 
@@ -33,6 +32,7 @@ from pipeline.core.batchnorm import FusedGlobalBatchNormFn, GlobalBatchNormFn
 from pipeline.core.losses import make_loss
 from pipeline.core.model import Rows, TransFusionHead
 from pipeline.core.plan import head_bytes
+from pipeline.training.measure import best_time, peak_bytes
 
 FAILED: list[str] = []
 DEV = "cuda"  # --cpu: a smoke run of the script itself, at small sizes (no numbers worth reading)
@@ -40,9 +40,13 @@ SIZES = (4096, 16384, 65536)
 RECORDS: list[dict] = []  # --out FILE: one JSON line per measured head step (benchmarks/results/cuda.jsonl)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def record(n: int, depth: int, width: int, dtype: torch.dtype, tile: int | None, seconds: float, peak: int) -> None:
     RECORDS.append({"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu", "torch": torch.__version__,
-                    "n": n, "world": 1, "depth": depth, "width": width, "dtype": str(dtype).removeprefix("torch."),
+                    "n": n, "world": 1, "depth": depth, "width": width, "dtype": dtype_name(dtype),
                     "tile": tile, "seconds": round(seconds, 5), "peak_bytes": peak})
 
 
@@ -53,6 +57,9 @@ def check(name: str, ok: bool, detail: str) -> None:
 
 
 def fused_bn() -> None:
+    if DEV != "cuda":
+        print("     fused global BN: skipped (torch's fused batch-norm kernels are CUDA's)")
+        return
     with tempfile.TemporaryDirectory() as d:
         dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)
         try:
@@ -86,7 +93,8 @@ def fused_bn() -> None:
 
 
 def head_step(n: int, tile: int | None, depth: int, width: int, dtype: torch.dtype | None):
-    """One worker's head + jsd on all n rows of a two-view batch (one GPU), forward and backward."""
+    """One worker's head + jsd on all n rows of a two-view batch (one GPU), forward and backward; the head under
+    autocast to ``dtype`` (None or fp32: none)."""
     torch.manual_seed(0)
     head = TransFusionHead(width, depth, qk_init="identity").to(DEV)
     x = torch.randn(n, width, device=DEV, requires_grad=True)
@@ -99,7 +107,7 @@ def head_step(n: int, tile: int | None, depth: int, width: int, dtype: torch.dty
     def step() -> torch.Tensor:
         head.zero_grad(set_to_none=True)
         x.grad = None
-        with torch.autocast(DEV, dtype=dtype or torch.float32, enabled=dtype is not None):
+        with torch.autocast(DEV, dtype=dtype or torch.bfloat16, enabled=dtype not in (None, torch.float32)):
             out = head.forward_rows(x, rows, views=2, tile=tile)
         q = out.q.float()
         loss = sum(loss_fn(q, q, ids, rows=s, layout="two_view", **kw) for s in halves)
@@ -110,23 +118,20 @@ def head_step(n: int, tile: int | None, depth: int, width: int, dtype: torch.dty
 
 
 def timed(step) -> tuple[float, int]:
-    """(best of 3 seconds, peak bytes above the start) of ``step`` on the GPU, after a warm-up."""
-    step()
+    """(seconds: :func:`best_time` of ``step``, synchronised; peak bytes above what was allocated before it) on the
+    device; on the CPU (``--cpu``) the peak is :func:`peak_bytes` of one call."""
     if DEV != "cuda":
-        t = time.perf_counter()
+        return best_time(step, repeats=1), peak_bytes(step)
+
+    def synced() -> None:
         step()
-        return time.perf_counter() - t, 1
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+
+    synced()  # the allocator's caches warm, then the peak of the timed calls
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return best, torch.cuda.max_memory_allocated() - base
+    seconds = best_time(synced)
+    return seconds, torch.cuda.max_memory_allocated() - base
 
 
 def head_at_scale() -> None:
@@ -167,10 +172,10 @@ def head_at_scale() -> None:
 
 
 def dense_constants() -> None:
-    """The dense path's (r, n) buffers on this GPU, against the plan's ``DENSE_BLOCK`` / ``DENSE_LOSS``: the n² term
-    of the peak at n and 2n (P(2n) − 2 P(n) = 2 a n²) for depth 1 and 3; a block's share (a₃ − a₁) / 2 in buffers
-    of the compute dtype, the loss's a₁ − block in fp32 buffers."""
-    from pipeline.core.plan import DENSE_BLOCK, DENSE_LOSS
+    """The dense path's (r, n) buffers on this GPU, against the plan's ``DENSE_BLOCK`` (``DENSE_BLOCK_HALF`` at 2
+    bytes) and ``DENSE_LOSS``: the n² term of the peak at n and 2n (P(2n) − 2 P(n) = 2 a n²) for depth 1 and 3; a
+    block's share (a₃ − a₁) / 2 in buffers of the compute dtype, the loss's a₁ − block in fp32 buffers."""
+    from pipeline.core.plan import DENSE_BLOCK, DENSE_BLOCK_HALF, DENSE_LOSS
 
     n = SIZES[1] // 2
     for width in (64, 512):
@@ -181,10 +186,11 @@ def dense_constants() -> None:
                 record(n, depth, width, dtype, None, t1, p1)
                 record(2 * n, depth, width, dtype, None, t2, p2)
                 a[depth] = (p2 - 2 * p1) / (2 * n * n)  # bytes per (r, n) element
-                torch.cuda.empty_cache() if DEV == "cuda" else None
+                torch.cuda.empty_cache()
             block, loss = (a[3] - a[1]) / 2 / itemsize, (a[1] - (a[3] - a[1]) / 2) / 4
-            print(f"     dense, width {width}, {str(dtype)[6:]}: a block keeps {block:.2f} (r, n) buffers of "
-                  f"{itemsize} bytes (plan: {DENSE_BLOCK}), the loss {loss:.2f} of 4 bytes (plan: {DENSE_LOSS})")
+            planned = DENSE_BLOCK if itemsize == 4 else DENSE_BLOCK_HALF
+            print(f"     dense, width {width}, {dtype_name(dtype)}: a block keeps {block:.2f} (r, n) buffers of "
+                  f"{itemsize} bytes (plan: {planned}), the loss {loss:.2f} of 4 bytes (plan: {DENSE_LOSS})")
 
 
 def pretrain_bf16() -> None:
@@ -215,28 +221,30 @@ def pretrain_bf16() -> None:
 
 def main() -> int:
     global DEV, SIZES
-    if "--cpu" in sys.argv:
+    parts = {p.__name__: p for p in (fused_bn, head_at_scale, dense_constants, pretrain_bf16)}
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu", action="store_true", help="a smoke run of this script on the CPU, at small sizes")
+    ap.add_argument("--only", choices=list(parts), nargs="+", help="these parts only (default: all)")
+    ap.add_argument("--out", help="write one JSON line per measured head step here")
+    args = ap.parse_args()
+    if args.cpu:
         DEV, SIZES = "cpu", (1024, 2048)
     elif not torch.cuda.is_available():
         print("no CUDA device: nothing to check here (run this on a GPU machine)")
         return 0
     name = torch.cuda.get_device_name() if DEV == "cuda" else "CPU smoke run"
     print(f"{name}, torch {torch.__version__}", flush=True)
-    parts = [fused_bn, head_at_scale, dense_constants, pretrain_bf16]
-    only = [a.removeprefix("--only=") for a in sys.argv if a.startswith("--only=")]
-    for part in [p for p in parts if not only or p.__name__ in only]:
+    for part in [parts[name] for name in args.only or parts]:
         try:
             part()
         except Exception as e:  # a part that breaks is a failed check, and the others still run
             check(part.__name__, False, f"{type(e).__name__}: {e}")
-    out = [a.removeprefix("--out=") for a in sys.argv if a.startswith("--out=")]
-    if out and RECORDS:
-        with open(out[0], "w") as f:
+    if args.out and RECORDS:
+        with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in RECORDS)
     print(f"{len(FAILED)} failed: {', '.join(FAILED)}" if FAILED else "all CUDA checks passed")
     return 1 if FAILED else 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())
+    raise SystemExit(main())

@@ -87,7 +87,7 @@ def _gpu_records() -> list[dict]:
 @pytest.mark.parametrize("record", _gpu_records(), ids=lambda r: f"{r['dtype']}-n{r['n']}-d{r['depth']}-m{r['width']}"
                          f"-{'dense' if r['tile'] is None or r['tile'] >= r['n'] else 'tiled'}")
 def test_the_estimate_bounds_the_peaks_measured_on_a_gpu(record):
-    """Peaks measured on an H200 (``benchmarks/bench_cuda.py --out=benchmarks/results/cuda.jsonl``; this machine has
+    """Peaks measured on an H200 (``benchmarks/bench_cuda.py --out benchmarks/results/cuda.jsonl``; this machine has
     no GPU): the dense estimate bounds each peak within 1.5× where the (r, n) matrices dominate (above 64 MiB), and the
     tiled estimate is never below 1/1.5 of it. bf16 autocast keeps 4 half buffers a block there (DENSE_BLOCK_HALF)."""
     itemsize = 2 if record["dtype"] in ("bfloat16", "float16") else 4
