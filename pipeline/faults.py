@@ -28,7 +28,8 @@ rank)                                                           ``slow_rank[0]``
 
 Epochs and steps count from 1. A plan's ``trial`` (``{label: value}``) confines its training faults (NaN, crash) to
 the Tune trials whose labels have those values (compared as text): ``{"train.batch_size": 32}`` in a sweep, ``{"row":
-"SupCon"}`` in the tables job; outside a trial (``transfusion pretrain``) such a plan injects nothing.
+"SupCon"}`` in the tables job; outside a trial (``transfusion pretrain``) such a plan injects nothing. ``also`` holds
+more plans, each confined by its own ``trial``: one sweep with a slowed trial and a diverging one.
 
 Crossing processes: Ray starts its workers with the environment of its node, not the driver's, so a plan installed
 in the driver travels with the work. :func:`carried` is what a launch passes on: the ``env_vars`` of a Ray Train
@@ -60,6 +61,8 @@ class FaultPlan:
     trial: dict[str, Any] | None = None  # the training faults only in the Tune trials with these labels
     count_file: str | None = None  # each trial start appends "<trial_id> <labels>" here
     labels: dict[str, Any] | None = None  # set by the trial_start hook: the labels of the trial running here
+    also: tuple[FaultPlan, ...] | None = None  # more training faults, each plan with its own ``trial`` (one trial
+    # slowed, another diverging, in one sweep); their count_file, labels and also are not read
 
     @classmethod
     def from_dict(cls, plan: dict[str, Any]) -> FaultPlan:
@@ -71,12 +74,19 @@ class FaultPlan:
         if unknown:
             raise ValueError(f"{ENV}: unknown keys {unknown}; a fault plan has {known}")
         step, slow, abort = plan.get("nan_at_step"), plan.get("slow_rank"), plan.get("abort_at")
+        also = plan.get("also")
         return cls(**{**plan, "nan_at_step": None if step is None else (int(step[0]), int(step[1])),
                       "slow_rank": None if slow is None else (int(slow[0]), float(slow[1])),
-                      "abort_at": None if abort is None else (int(abort[0]), int(abort[1]), int(abort[2]))})
+                      "abort_at": None if abort is None else (int(abort[0]), int(abort[1]), int(abort[2])),
+                      "also": None if also is None else tuple(cls.from_dict(a) for a in also)})
 
     def to_json(self) -> str:
-        return json.dumps({k: v for k, v in asdict(self).items() if v is not None}, sort_keys=True)
+        return json.dumps(_dense(asdict(self)), sort_keys=True)
+
+    def active(self) -> list[FaultPlan]:
+        """The plans whose training faults apply in this process: this one and each of ``also`` in scope (with this
+        plan's labels, the trial's)."""
+        return [p for p in (self, *(replace(a, labels=self.labels) for a in self.also or ())) if p.in_scope()]
 
     def in_scope(self) -> bool:
         """Whether its training faults apply in this process: always without ``trial``; with it, in a trial whose
@@ -122,14 +132,20 @@ def _trial_start(plan: FaultPlan, *, trial_id: str, labels: dict[str, Any]) -> b
     return False
 
 
+def _dense(plan: dict[str, Any]) -> dict[str, Any]:
+    """A plan's fields as JSON keeps them: without the unset ones, also in its ``also`` plans."""
+    return {k: [_dense(a) for a in v] if k == "also" else v for k, v in plan.items() if v is not None}
+
+
 def _step(plan: FaultPlan, *, epoch: int, step: int, rank: int) -> bool:
-    if not plan.in_scope():
-        return False
-    if plan.slow_rank is not None and plan.slow_rank[0] == rank:
-        time.sleep(plan.slow_rank[1])
-    if plan.abort_at == (epoch, step, rank):
-        os.abort()
-    return plan.nan_at_epoch == epoch or plan.nan_at_step == (epoch, step)
+    nan = False
+    for p in plan.active():
+        if p.slow_rank is not None and p.slow_rank[0] == rank:
+            time.sleep(p.slow_rank[1])
+        if p.abort_at == (epoch, step, rank):
+            os.abort()
+        nan = nan or p.nan_at_epoch == epoch or p.nan_at_step == (epoch, step)
+    return nan
 
 
 def _checkpoint(plan: FaultPlan, *, epoch: int, rank: int) -> bool:
@@ -143,7 +159,7 @@ def _epoch_end(plan: FaultPlan, *, epoch: int, rank: int) -> bool:
 
 
 def _crashes(plan: FaultPlan, epoch: int, rank: int) -> bool:
-    return rank == 0 and plan.crash_at_epoch == epoch and plan.in_scope()
+    return rank == 0 and any(p.crash_at_epoch == epoch for p in plan.active())
 
 
 _HOOKS = {"trial_start": _trial_start, "step": _step, "checkpoint": _checkpoint, "epoch_end": _epoch_end}

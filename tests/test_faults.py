@@ -73,3 +73,26 @@ def test_a_slow_rank_sleeps_and_an_abort_aborts(install_faults, monkeypatch):
         assert faults.hit("step", epoch=epoch, step=step, rank=rank) is False
     assert slept == [0.25, 0.25] and aborted == [1]  # rank 1 at each step; rank 0 at epoch 2, step 3
     assert json.loads(faults.environment(abort_at=(2, 3, 0))[faults.ENV]) == {"abort_at": [2, 3, 0]}
+
+
+def test_also_confines_each_plan_to_its_own_trial(install_faults, monkeypatch):
+    """One sweep, two faults: the strength-1.0 trial slowed, the strength-0.0 one diverging at epoch 2."""
+    import time
+
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    install_faults(slow_rank=[1, 0.25], trial={"augment.strength": 1.0},
+                   also=[{"nan_at_epoch": 2, "crash_at_epoch": 3, "trial": {"augment.strength": 0.0}}])
+    launched = faults.carried()
+    assert json.loads(launched[faults.ENV])["also"] == [
+        {"nan_at_epoch": 2, "crash_at_epoch": 3, "trial": {"augment.strength": 0.0}}]
+    assert not any(faults.hit("step", epoch=2, step=1, rank=r) for r in (0, 1)) and slept == []  # outside a trial
+    faults.hit("trial_start", trial_id="slow", labels={"augment.strength": 1.0})
+    assert [faults.hit("step", epoch=2, step=1, rank=r) for r in (0, 1)] == [False, False] and slept == [0.25]
+    assert faults.hit("checkpoint", epoch=3, rank=0) is False
+    faults.adopt(launched)
+    faults.hit("trial_start", trial_id="bad", labels={"augment.strength": 0.0})
+    assert [faults.hit("step", epoch=e, step=1, rank=1) for e in (1, 2)] == [False, True] and slept == [0.25]
+    assert faults.hit("checkpoint", epoch=3, rank=0) is True
+    with pytest.raises(ValueError, match=r"unknown keys \['nan'\]"):
+        faults.environment(also=[{"nan": 2}])

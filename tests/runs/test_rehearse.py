@@ -139,3 +139,26 @@ def test_the_command_refuses_a_control_key_before_any_work(tmp_path, monkeypatch
     assert not ray_starts and not (tmp_path / ".rehearsal").exists()
     result = invoke("rehearse", "--params", str(ROOT / "params.yaml"), "--jobs", "prepare,deploy")
     assert result.exit_code == 2 and "--jobs: deploy is not a job of" in result.output
+
+
+def test_resume_needs_the_same_rehearsal_in_its_directory(tmp_path, monkeypatch, ray_starts):
+    """``--resume`` keeps --dir only for a rehearsal of the same params (file, sizes, declared GPUs): else exit 2
+    before any work, the directory untouched."""
+    import yaml
+
+    from pipeline.host import usable_cpus
+    from tests.conftest import invoke
+
+    monkeypatch.chdir(tmp_path)
+    shipped, work = str(ROOT / "presets/cluster-sweep.yaml"), tmp_path / "work"
+    result = invoke("rehearse", "--params", shipped, "--dir", str(work), "--resume")
+    assert result.exit_code == 2 and f"--resume: {work} holds no rehearsal" in result.output
+    assert not work.exists()
+    work.mkdir()
+    raw = plan(shipped, ["sweep.epochs=13"], cpus=usable_cpus(), gpus=4).raw
+    (work / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    (work / "keep").write_text("")
+    for args in (["-S", "sweep.epochs=13"], ["--gpus", "4"]):  # no GPUs declared, or other sizes
+        result = invoke("rehearse", "--params", shipped, *args, "--dir", str(work), "--resume")
+        assert result.exit_code == 2 and "--resume: the rehearsal in" in result.output, (args, result.output)
+    assert not ray_starts and sorted(p.name for p in work.iterdir()) == ["keep", "params.yaml"]

@@ -1,12 +1,14 @@
 """Every shipped params file rehearsed as shipped: its jobs end to end through real Ray, Tune and MLflow, shrunk only in
-size (``transfusion rehearse``); GPU scheduling on a Ray that declares GPUs; Ctrl-C of a sweep of multi-worker
-trials, and its resume (no partial outputs, MLflow's statuses, no finished trial run again, every epoch logged once)."""
+size (``transfusion rehearse``); GPU scheduling on a Ray that declares GPUs, with Ctrl-C of its sweep of multi-worker
+trials and the rehearsal's resume (no partial outputs, MLflow's statuses, no finished trial run again, every epoch
+logged once)."""
 
 from __future__ import annotations
 
 import csv
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -95,106 +97,113 @@ def run(args, env=None, **kw):
                           env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, **kw)
 
 
+def started(log) -> list[str]:
+    return [line.split()[0] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def interrupt_mid_sweep(args, env, cwd) -> tuple[str, set[str], float, list[float], int]:
+    """Run ``transfusion *args`` and press Ctrl-C (SIGINT to its whole foreground group, as a terminal does) once a
+    sweep trial has ended and another one is training (its epoch 2): (console, ended trial ids, seconds from Ctrl-C to
+    exit, seconds from each ended trial to the next one's start, exit code)."""
+    proc = subprocess.Popen([sys.executable, "-m", "stages.cli", *args], cwd=cwd, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines, sent, ended, gaps, last_end = [], None, set(), [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            end = re.match(r"\[sweep\] trial (\S+) (finished|stopped early)", line)
+            if end:
+                ended.add(end[1])
+                last_end = time.monotonic()
+            if re.match(r"\[sweep\] \d+/\d+ done; trial \S+ started", line) and last_end is not None:
+                gaps.append(time.monotonic() - last_end)  # an ended trial's slot taken by the next one
+                last_end = None
+            epoch = re.match(r"\[sweep\] trial (\S+) epoch 2/", line)
+            if sent is None and ended and epoch and epoch[1] not in ended:
+                os.killpg(proc.pid, signal.SIGINT)
+                sent = time.monotonic()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(lines)
+    assert sent is not None, out
+    return out, ended, time.monotonic() - sent, gaps, proc.returncode
+
+
 @pytest.mark.timeout(900)
-def test_gpu_preset_on_declared_gpus_schedules_as_computed(tmp_path):
+def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
     """cluster-sweep.yaml end to end (all its jobs, every check of the test above) on a Ray that declares 4 GPUs (none
     exist: ray.backend gloo), so with ray.use_gpu as shipped: each worker its own GPU, the sweep and the tables as
-    many trials at once as pipeline.runs.resources computes, probes on a worker's GPU bundle."""
+    many trials at once as pipeline.runs.resources computes, probes on a worker's GPU bundle. Ctrl-C while its sweep
+    of two-worker trials runs ends the rehearsal in 30 s, with no partial sweep outputs and MLflow's sweep run KILLED;
+    the command it prints resumes it: the unfinished trials only, every epoch logged once, the same MLflow run."""
     from pipeline.runs.resources import NodeType, TrialShape, trials_at_once
     from pipeline.runs.tune import TRIAL_CPU
 
     assert ON_DECLARED_GPUS in FILES
-    work = tmp_path / "gpu"
-    proc = run(["rehearse", "--params", str(ROOT / ON_DECLARED_GPUS), "--gpus", "4", "--dir", str(work)],
-               cwd=tmp_path, timeout=840)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    assert f"[rehearse] {ROOT / ON_DECLARED_GPUS}: prepare, pretrain, evaluate, report, sweep, tables passed" in out
+    work, log = tmp_path / "gpu", tmp_path / "trials.log"
+    env = faults.environment(count_file=str(log))
+    shipped = str(ROOT / ON_DECLARED_GPUS)
+    out, ended, waited, gaps, code = interrupt_mid_sweep(
+        ["rehearse", "--params", shipped, "--gpus", "4", "--dir", str(work)], env, tmp_path)
+    assert gaps and max(gaps) < 30, f"the next trial started {gaps} s after one ended\n{out}"
+    assert waited < 30, f"{waited:.0f} s after Ctrl-C\n{out}"
+    assert code == 1, out
+    after = out.split("epoch 2/")[-1].splitlines()[1:]
+    assert not [line for line in after if any(n in line for n in NOISE)], out
+    assert re.search(r"Error: rehearsal: `transfusion sweep` failed: the sweep was interrupted with \d+ of 4 trials "
+                     r"unfinished; rerun the stage to resume", out), out
+    again = (f"to continue the rehearsal from there: transfusion rehearse --params {shipped} --gpus 4 --dir {work} "
+             "--jobs sweep,tables --resume")
+    assert again in out, out
+    placed = re.search(r"\[pretrain\] 2 worker\(s\) on 1 node\(s\): rank 0 .*GPU (\d)\), rank 1 .*GPU (\d)\)", out)
+    assert placed and placed[1] != placed[2], out  # each worker its own GPU
+    first = started(log)
+    assert not (work / "sweeps/results.csv").exists() and not (work / "plots/sweep").exists()  # no partial outputs
+    _, parents, children = sweep_runs(work)
+    assert len(parents) == 1 and parents[0].info.status == "KILLED"
+    assert {c.info.status for c in children if c.data.tags["trial_id"] in ended} == {"FINISHED"}
+
+    resumed = run(shlex.split(again.split(": ", 1)[1])[1:], env=env, cwd=tmp_path, timeout=840)
+    out = out + resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out
+    assert "[sweep] resuming" in resumed.stdout
+    assert f"[rehearse] {shipped}: sweep, tables passed" in resumed.stdout
     check_outputs(work, out)
     check_controls(ON_DECLARED_GPUS, work)
     assert yaml.safe_load((work / "params.yaml").read_text())["ray"]["use_gpu"] is True
-    placed = re.search(r"\[pretrain\] 2 worker\(s\) on 1 node\(s\): rank 0 .*GPU (\d)\), rank 1 .*GPU (\d)\)", out)
-    assert placed and placed[1] != placed[2], out  # each worker its own GPU
     trials = read_csv(work / "sweeps/results.csv")
+    assert len(trials) == 4
     for t in trials:
         ids = t["gpu_ids"].split()
         assert len(ids) == 2 and len(set(ids)) == 2 and t["status"] == "TERMINATED", t
+    sweep = {t["trial_id"].split("_")[0] for t in trials}  # the sweep's Tune run (the tables job's trials start too)
+    rerun = [t for t in started(log)[len(first):] if t.split("_")[0] in sweep]
+    assert not set(rerun) & ended, "finished trials were run again"
+    assert set(rerun) == {t["trial_id"] for t in trials} - ended  # the unfinished ones, and only those
+    _, parents, children = sweep_runs(work)  # the same parent run, now finished, and a finished child per trial
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert sorted(c.data.tags["trial_id"] for c in children if c.info.status == "FINISHED") == sorted(
+        t["trial_id"] for t in trials)
+    curves = read_csv(work / "plots/sweep/curves.csv")
+    for t in trials:  # every epoch of every trial exactly once, also for a resumed trial
+        logged = [int(c["epoch"]) for c in curves if c["trial_id"] == t["trial_id"]]
+        assert logged == list(range(1, int(t["epochs"]) + 1)), (t["trial_id"], logged)
     node = [NodeType("local", {"CPU": 2, "GPU": 4})]
     computed = trials_at_once(node, TrialShape(2, 0.25, True, TRIAL_CPU), cap=len(trials))
-    peaks = {m[1]: (int(m[2]), int(m[3])) for m in AT_ONCE.finditer(out)}
-    assert computed == 2 and peaks["sweep"] == (computed, computed), out
+    peaks = {m[1]: (int(m[2]), int(m[3])) for m in AT_ONCE.finditer(resumed.stdout)}
+    assert computed == 2 and peaks["sweep"] == (computed, computed), out  # two unfinished trials at least
     assert peaks["tables"] == (2, 2), out
     rows = read_csv(work / "tables/results.csv")
     assert {(r["hours_unit"], r["gpus"], r["probe_cpus"], r["probe_gpus"]) for r in rows} == {
         ("GPU-hours", "2", "0.25", "1.0")}  # each row's probes on one worker's bundle, not the trial's 0.25 CPU
-    noise = [i for i, line in enumerate(out.splitlines()) if any(n in line for n in NOISE)]
-    assert not noise, "\n".join(out.splitlines()[max(noise[0] - 5, 0):noise[0] + 40])  # the first noise, in context
+    lines = resumed.stdout.splitlines()
+    noise = [i for i, line in enumerate(lines) if any(n in line for n in NOISE)]
+    assert not noise, "\n".join(lines[max(noise[0] - 5, 0):noise[0] + 40])  # the first noise, in context
 
     refused = run(["rehearse", "--params", str(ROOT / "presets/cluster-sweep.yaml"), "--gpus", "1",
                    "--dir", str(tmp_path / "one"), "--jobs", "prepare,pretrain"], cwd=tmp_path, timeout=300)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "1 GPU" in refused.stderr and "ray.num_workers" in refused.stderr
-
-
-def started(log) -> list[str]:
-    return [line.split()[0] for line in log.read_text().splitlines()] if log.exists() else []
-
-
-@pytest.mark.timeout(900)
-def test_ctrl_c_of_a_multi_worker_sweep_ends_in_30_s_and_resumes(tmp_path):
-    work, log = tmp_path / "sweep", tmp_path / "trials.log"
-    env = faults.environment(count_file=str(log))
-    args = ["rehearse", "--params", str(ROOT / "presets/cluster-sweep.yaml"), "--dir", str(work),
-            "--jobs", "prepare,sweep"]
-    proc = subprocess.Popen([sys.executable, "-m", "stages.cli", *args], cwd=tmp_path, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    lines, sent, ended, gaps, last_end = [], None, set(), [], None
-    for line in proc.stdout:
-        lines.append(line)
-        end = re.match(r"\[sweep\] trial (\S+) (finished|stopped early)", line)
-        if end:
-            ended.add(end[1])
-            last_end = time.monotonic()
-        if re.match(r"\[sweep\] \d+/\d+ done; trial \S+ started", line) and last_end is not None:
-            gaps.append(time.monotonic() - last_end)  # an ended trial's slot taken by the next one
-            last_end = None
-        epoch = re.match(r"\[sweep\] trial (\S+) epoch 2/", line)
-        if sent is None and ended and epoch and epoch[1] not in ended:  # a trial ended, another one training
-            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
-            sent = time.monotonic()
-    proc.wait(timeout=120)
-    waited = time.monotonic() - sent if sent else None
-    out = "".join(lines)
-    assert sent is not None, out
-    assert gaps and max(gaps) < 30, f"the next trial started {gaps} s after one ended\n{out}"
-    assert waited < 30, f"{waited:.0f} s after Ctrl-C\n{out}"
-    assert proc.returncode == 1, out
-    after = out.split("epoch 2/")[-1].splitlines()[1:]
-    assert not [line for line in after if any(n in line for n in NOISE)], out
-    assert re.search(r"Error: rehearsal: `transfusion sweep` failed: the sweep was interrupted with \d+ of 4 trials "
-                     r"unfinished; rerun the stage to resume", out), out
-    first = started(log)
-    results = (work / "sweeps/results.csv")
-    assert not results.exists() and not (work / "plots/sweep").exists()  # no partial outputs
-    _, parents, children = sweep_runs(work)
-    assert len(parents) == 1 and parents[0].info.status == "KILLED"
-    assert {c.info.status for c in children if c.data.tags["trial_id"] in ended} == {"FINISHED"}
-
-    resumed = run(["sweep", "--params", "params.yaml"], cwd=work, timeout=600,
-                  env={**env, "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"})
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "[sweep] resuming" in resumed.stdout
-    rows = read_csv(results)
-    assert len(rows) == 4 and {r["status"] for r in rows} == {"TERMINATED"}
-    again = started(log)[len(first):]
-    assert not set(again) & ended, "finished trials were run again"
-    assert set(again) == {r["trial_id"] for r in rows} - ended  # the unfinished ones, and only those
-    _, parents, children = sweep_runs(work)  # the same parent run, now finished, and a finished child per trial
-    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
-    assert sorted(c.data.tags["trial_id"] for c in children if c.info.status == "FINISHED") == sorted(
-        r["trial_id"] for r in rows)
-    curves = read_csv(work / "plots/sweep/curves.csv")
-    for r in rows:  # every epoch of every trial exactly once, also for a resumed trial
-        logged = [int(c["epoch"]) for c in curves if c["trial_id"] == r["trial_id"]]
-        assert logged == list(range(1, int(r["epochs"]) + 1)), (r["trial_id"], logged)

@@ -122,24 +122,6 @@ def test_a_diverged_trial_is_failed_with_its_reason(prepared, ray_session, insta
     assert finished.info.status == "FINISHED" and "error" not in finished.data.tags
 
 
-@pytest.mark.timeout(400)
-def test_multi_worker_trials_are_ray_train_runs(prepared, ray_session, install_faults):
-    """Two workers per trial: each trial is a Ray Train run (one-worker trials train inside the trial: the tests
-    above), reporting through Tune like the inline ones, and one diverging in one trial fails that trial alone."""
-    install_faults(nan_at_epoch=2, trial={"augment.strength": 0.0})
-    result = invoke("sweep", "-S", "model.embed_dim=16", "-S", "ray.num_workers=2", "-S", "sweep.depth=[1]",
-                    "-S", "sweep.batch_size=[32]", "-S", "sweep.strength=[0.0,1.0]", "-S", "sweep.epochs=2",
-                    "-S", "sweep.cpus_per_worker=0.25")
-    assert result.exit_code == 0, result.output
-    rows = {r["augment.strength"]: r for r in read_csv(prepared / "sweeps/results.csv")}
-    bad, good = rows["0.0"], rows["1.0"]
-    assert good["status"] == "TERMINATED" and good["epochs"] == "2" and float(good["view_noise"]) > 0
-    assert bad["status"] == "ERROR" and bad["error"].startswith("non_finite: ") and bad["epochs"] == "1"
-    assert bad["error"].endswith("(last good epoch 1)")
-    curves = read_csv(prepared / "plots/sweep/curves.csv")
-    assert [c["epoch"] for c in curves if c["trial_id"] == good["trial_id"]] == ["1", "2"]
-
-
 def test_bad_sweep_point_is_a_usage_error_before_any_work(prepared):
     result = invoke("sweep", "-S", "sweep.batch_size=[32,4096]")
     assert result.exit_code == 2
