@@ -24,8 +24,10 @@ per (data set, method, seed) their means over ``test_sets`` sets; reported as me
 from __future__ import annotations
 
 import math
+import multiprocessing
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
 import numpy as np
@@ -39,7 +41,7 @@ from pipeline.core.clustering import cluster, eigengap_k
 from pipeline.core.losses import make_loss
 from pipeline.core.model import TransFusionHead
 from pipeline.data.set_tasks import TEST, TRAIN, SetBatch, SetTask, make_task
-from pipeline.host import one_thread
+from pipeline.host import one_thread, usable_cpus
 
 METRICS = ("nmi_known", "ari_known", "nmi_unknown", "ari_unknown", "k_error")
 
@@ -178,21 +180,48 @@ def run_one(method: str, task: SetTask, cfg: Any, seed: int, test: SetBatch) -> 
             "seconds": round(time.perf_counter() - start, 3)}
 
 
-def run_study(cfg: Any, progress: Callable[[str], Any] | None = print) -> list[dict[str, Any]]:
-    """Every data set × method × seed of ``cfg`` (a :class:`pipeline.config.sets.SetsConfig`): the rows."""
-    rows = []
+# A spawned worker imports torch and scikit-learn before its first cell: ~4 s on a 2-core machine, the time of ~400
+# training steps of the study's models (the default's 7,200 steps took 78 s in one process). Below this many steps in
+# all, the pool costs more than it saves.
+POOL_MIN_STEPS = 2000
+
+
+def run_cell(cfg: Any, name: str, seed: int) -> list[dict[str, Any]]:
+    """One data set and seed: every method's row, on one thread (small matrices), in the order of ``cfg.methods``."""
     with one_thread():
-        for name in cfg.datasets:
-            task = make_task(name, cfg)
-            for seed in cfg.seeds:
-                test = task.draw(cfg.test_sets, TEST, seed)
-                for method in cfg.methods:
-                    row = run_one(method, task, cfg, seed, test)
-                    rows.append(row)
-                    if progress:
-                        progress(f"[sets] {name:<9} {method:<18} seed {seed}: ARI {row['ari_known']:.3f} (k known), "
-                                 f"{row['ari_unknown']:.3f} (k̂, |k̂-k| {row['k_error']:.2f}) in {row['seconds']:.1f} s")
-    return rows
+        task = make_task(name, cfg)
+        test = task.draw(cfg.test_sets, TEST, seed)
+        return [run_one(method, task, cfg, seed, test) for method in cfg.methods]
+
+
+def run_study(cfg: Any, progress: Callable[[str], Any] | None = print,
+              workers: int | None = None) -> list[dict[str, Any]]:
+    """Every data set × method × seed of ``cfg`` (a :class:`pipeline.config.sets.SetsConfig`): the rows, in that
+    order. Each (data set, seed) is a :func:`run_cell`, on ``workers`` processes (default: one per usable CPU once the
+    study trains at least :data:`POOL_MIN_STEPS` steps; a smaller one runs in this process). The rows do not depend on
+    ``workers`` (every draw and every model is seeded by its cell; tests/evaluation/test_set_study.py compares)."""
+    cells = [(name, seed) for name in cfg.datasets for seed in cfg.seeds]
+    trained = sum(m in TRAINED_METHODS for m in cfg.methods)
+    if workers is None and len(cells) * trained * cfg.steps < POOL_MIN_STEPS:
+        workers = 1
+    workers = max(1, min(workers or usable_cpus(), len(cells)))
+    done: dict[int, list[dict[str, Any]]] = {}
+
+    def collect(i: int, rows: list[dict[str, Any]]) -> None:
+        done[i] = rows
+        for row in rows if progress else ():
+            progress(f"[sets] {row['dataset']:<9} {row['method']:<18} seed {row['seed']}: ARI {row['ari_known']:.3f} "
+                     f"(k known), {row['ari_unknown']:.3f} (k̂, |k̂-k| {row['k_error']:.2f}) in {row['seconds']:.1f} s")
+
+    if workers == 1:
+        for i, cell in enumerate(cells):
+            collect(i, run_cell(cfg, *cell))
+    else:  # spawned, not forked: a fork of a process whose OpenMP pool has run can hang
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(run_cell, cfg, *cell): i for i, cell in enumerate(cells)}
+            for future in as_completed(futures):
+                collect(futures[future], future.result())
+    return [row for i in range(len(cells)) for row in done[i]]
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:

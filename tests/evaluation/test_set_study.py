@@ -95,3 +95,19 @@ def test_a_tiny_study_has_a_row_per_cell_and_its_summary_means_and_sds():
     assert entry["seeds"] == 2
     one = summarize([r for r in rows if r["seed"] == 0])
     assert math.isnan(one["circles"]["rbf"]["ari_known_sd"])  # one seed: no spread, n/a in the report
+
+
+@pytest.mark.slow  # spawns two processes (~4 s of imports each)
+def test_the_rows_do_not_depend_on_the_worker_processes():
+    """The same study in this process and on 2 spawned ones: the same rows (but their seconds), in the same order."""
+    cfg = SetsConfig(datasets=["circles", "digits"], methods=["transfusion", "rbf"], seeds=[0, 1], steps=3,
+                     batch_sets=2, test_sets=2, rbf_gammas=[1.0], rbf_select_sets=2, width=8, heads=2)
+    here = run_study(cfg, progress=None, workers=1)
+    lines = []
+    pooled = run_study(cfg, progress=lines.append, workers=2)
+    assert [{k: v for k, v in r.items() if k != "seconds"} for r in pooled] == [
+        {k: v for k, v in r.items() if k != "seconds"} for r in here]
+    assert [(r["dataset"], r["seed"], r["method"]) for r in here] == [
+        (d, s, m) for d in ("circles", "digits") for s in (0, 1) for m in ("transfusion", "rbf")]
+    assert sorted(line.split(": ARI")[0] for line in lines) == sorted(  # a line per row, as its cell ends
+        f"[sets] {r['dataset']:<9} {r['method']:<18} seed {r['seed']}" for r in here)
