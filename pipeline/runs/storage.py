@@ -36,6 +36,7 @@ from pipeline.data.types import Dataset, DatasetError
 
 STAGED = "prepared-data"
 STATUS_FILE = "transfusion_status.json"
+PLACEMENT_FILE = "transfusion_workers.json"  # where each rank trains (write_placement)
 CACHE_ENV = "TRANSFUSION_DATA_CACHE"  # where workers keep downloads of remote staged data (default: the temp dir)
 
 
@@ -194,12 +195,28 @@ def _download(location: str, digest: str) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------- run status
-def write_status(run_dir: str, status: dict[str, Any]) -> None:
-    """Leave a status (e.g. ``{"error": "non_finite", "message": ..., "epoch": 3}``) in a Ray run directory."""
+def _write_json(run_dir: str, name: str, data: Any) -> None:
     filesystem, path = _fs(run_dir)
     filesystem.create_dir(path, recursive=True)
-    with filesystem.open_output_stream(f"{path}/{STATUS_FILE}") as f:
-        f.write(json.dumps(status).encode())
+    with filesystem.open_output_stream(f"{path}/{name}") as f:
+        f.write(json.dumps(data).encode())
+
+
+def write_status(run_dir: str, status: dict[str, Any]) -> None:
+    """Leave a status (e.g. ``{"error": "non_finite", "message": ..., "epoch": 3}``) in a Ray run directory."""
+    _write_json(run_dir, STATUS_FILE, status)
+
+
+def write_placement(run_dir: str, workers: list[dict[str, Any]]) -> None:
+    """Where each rank of a Ray run trains (node, host, device, Ray's GPU ids), left in its run directory when
+    training starts: the checkpoints hold it too, but a trial that ASHA stops while its newest checkpoint uploads
+    can be left with none that does (seen on a resumed trial: an empty ``gpu_ids`` in ``sweeps/results.csv``)."""
+    _write_json(run_dir, PLACEMENT_FILE, workers)
+
+
+def read_placement(run_dir: str) -> Any:
+    """What :func:`write_placement` left in ``run_dir`` (a local path or a URI), or None."""
+    return _read_json(run_dir, PLACEMENT_FILE)
 
 
 def read_status(run_dir: str) -> dict[str, Any] | None:

@@ -36,7 +36,7 @@ from pipeline.config.params import Params
 from pipeline.evaluation.health import dead_blocks, is_health_key, unflat
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import connect
-from pipeline.runs.storage import check_storage, stage_prepared
+from pipeline.runs.storage import check_storage, read_placement, stage_prepared
 from pipeline.runs.train import WORKERS_FILE, storage_location
 from pipeline.runs.tune import (
     TRIAL_CPU,
@@ -209,15 +209,17 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
                                       concurrent=concurrent, announce=announce, scheduler=scheduler,
                                       num_samples=samples, reuse_actors=inline(trial_params(base, {})))
     started = time.time() - seconds
-    rows = trial_rows(grid, s.epochs)
+    rows = trial_rows(grid, s.epochs, storage=storage)
     say(f"[sweep] {len(rows)} trials in {seconds:.0f} s, {at_once(tracker, concurrent)}")
     return SweepResult(rows=rows, name=name, mlflow_run_id=parent, seconds=seconds, resumed=resumed, started=started,
                        concurrent=concurrent, peak=tracker.peak_at_once())
 
 
 # ------------------------------------------------------------------------------------------------- outputs
-def trial_rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
-    """One row per trial (``labels(config)``: the columns that identify it; ``error``: why it failed, or "").
+def trial_rows(grid, epochs: int, labels=point_of, storage: str | None = None) -> list[dict[str, Any]]:
+    """One row per trial (``labels(config)``: the columns that identify it; ``error``: why it failed, or ""); where
+    each rank ran from the trial's Ray Train run directory under ``storage`` (``write_placement``), else from its
+    checkpoints.
 
     The history comes from the trial's last checkpoint, which holds every epoch also across a resume (Tune's own
     table of a restored trial starts at the resumed epoch), else from Tune's results."""
@@ -232,7 +234,9 @@ def trial_rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
         # where each rank ran, from the newest checkpoint that has it: a trial stopped (ASHA) while its last
         # checkpoint was still uploading has it in the one before
         found = (checkpoint_history(path, WORKERS_FILE) for path in dict.fromkeys([last_path, *reversed(paths)]))
-        workers = sorted(next((w for w in found if w), []), key=lambda w: w["rank"])
+        trial_id = Path(result.path).name.removeprefix("trial-")
+        placed = read_placement(f"{storage.rstrip('/')}/trial-{trial_id}") if storage else None
+        workers = sorted(placed or next((w for w in found if w), []), key=lambda w: w["rank"])
         last_reported = int(reported[-1].get("epoch", 0) or 0) if reported else 0
         if history is None or (history and int(history[-1]["epoch"]) < last_reported):
             history = reported  # no checkpoint of the last reported epoch: Tune's table is the latest word
@@ -242,7 +246,7 @@ def trial_rows(grid, epochs: int, labels=point_of) -> list[dict[str, Any]]:
         epoch = int(last.get("epoch", 0) or 0)
         knn = [h["knn_acc"] for h in history if isinstance(h.get("knn_acc"), float) and not math.isnan(h["knn_acc"])]
         rows.append({
-            "trial_id": Path(result.path).name.removeprefix("trial-"),
+            "trial_id": trial_id,
             **labels(result.config),
             "view_noise": float(last.get("view_noise", math.nan)),
             "knn_acc": float(last.get("knn_acc", math.nan)),

@@ -42,6 +42,7 @@ from pipeline.runs.storage import (
     join,
     read_status,
     stage_prepared,
+    write_placement,
     write_status,
 )
 from pipeline.training.loop import EpochMetrics, PretrainLoop, data_budget
@@ -221,6 +222,8 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
         _progress(f"[pretrain] {data_line(loop)}")
         _progress(f"[pretrain] {loop.head_plan.describe()}")
     workers = _placement(rank, world, device)
+    if rank == 0:
+        write_placement(spec.run_dir, workers)
 
     checkpoint = session.get_checkpoint()
     if checkpoint is None and spec.resume_dir:  # Ray's own record of the run was lost: ours is the checkpoint

@@ -245,3 +245,24 @@ def test_where_ranks_ran_comes_from_the_newest_checkpoint_that_has_it(tmp_path):
 
     (row,) = trial_rows([Result()], epochs=20, labels=lambda config: {})
     assert (row["workers"], row["gpu_ids"], row["epochs"], row["stopped_early"]) == (2, "2 3", 10, True)
+
+
+def test_where_ranks_ran_comes_from_the_run_directory_when_no_checkpoint_has_it(tmp_path):
+    """Seen on a resumed two-worker trial that ASHA stopped: none of its reported checkpoints held workers.json. The
+    placement rank 0 left in the trial's Ray Train run directory (``storage/trial-<id>``) gives the row its GPUs."""
+    import pandas as pd
+
+    from pipeline.runs.storage import write_placement
+    from pipeline.runs.sweep import trial_rows
+
+    gone = tmp_path / "trial-y" / "checkpoint_000009"  # pruned, or torn: nothing readable there
+
+    class Result:
+        metrics_dataframe = pd.DataFrame([{"epoch": 10, "loss": 0.9, "checkpoint_path": str(gone)}])
+        path, config, error, checkpoint = str(tmp_path / "tune" / "trial-y"), {}, None, None
+
+    (row,) = trial_rows([Result()], epochs=20, labels=lambda config: {}, storage=str(tmp_path))
+    assert (row["workers"], row["gpu_ids"]) == (0, "")  # nothing to read: "" (not a made-up placement)
+    write_placement(str(tmp_path / "trial-y"), [{"rank": 1, "gpu_ids": ["1"]}, {"rank": 0, "gpu_ids": ["0"]}])
+    (row,) = trial_rows([Result()], epochs=20, labels=lambda config: {}, storage=str(tmp_path))
+    assert (row["workers"], row["gpu_ids"], row["epochs"]) == (2, "0 1", 10)
