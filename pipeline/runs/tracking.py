@@ -98,8 +98,9 @@ def _check_sqlite(path: Path, uri: str) -> None:
                             f"{fix}")
     import sqlite3
 
-    try:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10)
+    try:  # read-write: a hot journal (a writer killed mid-transaction) is rolled back on open, which a read-only
+        # connection cannot do ("attempt to write a readonly database"); quick_check itself writes nothing
+        con = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=10)
         try:
             result = con.execute("PRAGMA quick_check").fetchone()
         finally:

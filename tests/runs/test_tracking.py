@@ -64,6 +64,38 @@ def test_a_damaged_sqlite_file_is_refused(tmp_path):
         check_reachable(f"sqlite:///{db}")
 
 
+def test_a_store_left_mid_write_by_a_killed_process_is_recovered_not_refused(tmp_path):
+    """A process SIGKILLed inside a write (a driver killed mid-epoch, seen in CI) leaves a hot journal; SQLite rolls
+    it back on the next read-write open. A read-only probe cannot (SQLITE_READONLY_ROLLBACK: "attempt to write a
+    readonly database") and called such a store damaged."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    db = tmp_path / "mlflow.db"
+    con = sqlite3.connect(db)
+    con.execute("create table t (x integer)")
+    con.executemany("insert into t values (?)", [(i,) for i in range(3000)])
+    con.commit()
+    con.close()
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sqlite3, sys, time\n"
+        f"con = sqlite3.connect({str(db)!r}, isolation_level=None)\n"
+        "con.execute('pragma cache_size=1'); con.execute('begin')\n"
+        "con.execute('delete from t'); con.execute('insert into t values (-1)')\n"
+        "print('mid-write', flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "mid-write"
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait()
+    journal = tmp_path / "mlflow.db-journal"
+    assert journal.exists() and journal.stat().st_size > 0  # hot: the killed transaction's pages
+    check_reachable(f"sqlite:///{db}")  # recovered, not refused
+    con = sqlite3.connect(db)
+    assert con.execute("select count(*), min(x) from t").fetchone() == (3000, 0)  # the killed write rolled back
+    con.close()
+
+
 @pytest.mark.slow
 def test_a_sqlite_store_of_another_program_is_one_paragraph(tmp_path):
     db = tmp_path / "mlflow.db"
