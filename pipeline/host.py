@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def usable_cpus() -> int:
@@ -39,3 +42,22 @@ def one_thread() -> Iterator[None]:
             yield
     finally:
         torch.set_num_threads(before)
+
+
+def spawned_map(fn: Callable[..., T], cells: Sequence[tuple], workers: int, on_done: Callable[[int, T], None],
+                order: Sequence[int] | None = None) -> None:
+    """``fn(*cell)`` for every cell, on ``workers`` spawned processes (1: in this process, in order), calling
+    ``on_done(index, result)`` in this process as each ends; ``order``: the submission order (e.g. slowest first).
+    Spawned, not forked: a fork of a process whose OpenMP pool has run can hang. ``fn`` must be importable (a module's
+    function), and the program's entry point guarded by ``if __name__ == "__main__"``."""
+    if workers == 1:
+        for i, cell in enumerate(cells):
+            on_done(i, fn(*cell))
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(fn, *cells[i]): i for i in (range(len(cells)) if order is None else order)}
+        for future in as_completed(futures):
+            on_done(futures[future], future.result())

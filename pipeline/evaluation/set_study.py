@@ -24,10 +24,8 @@ per (data set, method, seed) their means over ``test_sets`` sets; reported as me
 from __future__ import annotations
 
 import math
-import multiprocessing
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
 import numpy as np
@@ -41,7 +39,7 @@ from pipeline.core.clustering import cluster, eigengap_k
 from pipeline.core.losses import make_loss
 from pipeline.core.model import TransFusionHead
 from pipeline.data.set_tasks import TEST, TRAIN, SetBatch, SetTask, make_task
-from pipeline.host import one_thread, usable_cpus
+from pipeline.host import one_thread, spawned_map, usable_cpus
 
 METRICS = ("nmi_known", "ari_known", "nmi_unknown", "ari_unknown", "k_error")
 
@@ -180,9 +178,9 @@ def run_one(method: str, task: SetTask, cfg: Any, seed: int, test: SetBatch) -> 
             "seconds": round(time.perf_counter() - start, 3)}
 
 
-# A spawned worker imports torch and scikit-learn before its first cell: ~4 s on a 2-core machine, the time of ~400
-# training steps of the study's models (the default's 7,200 steps took 78 s in one process). Below this many steps in
-# all, the pool costs more than it saves.
+# A spawned worker imports torch and scikit-learn before its first cell (3-4 s on a 2-core machine, as the theory
+# grid's), the time of ~400 training steps of the study's models (the default's 7,200 steps: 65.5 s in one process,
+# benchmarks/bench_sets.py). Below this many steps in all, the pool costs more than it saves.
 POOL_MIN_STEPS = 2000
 
 
@@ -213,14 +211,7 @@ def run_study(cfg: Any, progress: Callable[[str], Any] | None = print,
             progress(f"[sets] {row['dataset']:<9} {row['method']:<18} seed {row['seed']}: ARI {row['ari_known']:.3f} "
                      f"(k known), {row['ari_unknown']:.3f} (k̂, |k̂-k| {row['k_error']:.2f}) in {row['seconds']:.1f} s")
 
-    if workers == 1:
-        for i, cell in enumerate(cells):
-            collect(i, run_cell(cfg, *cell))
-    else:  # spawned, not forked: a fork of a process whose OpenMP pool has run can hang
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(run_cell, cfg, *cell): i for i, cell in enumerate(cells)}
-            for future in as_completed(futures):
-                collect(futures[future], future.result())
+    spawned_map(run_cell, [(cfg, *cell) for cell in cells], workers, collect)
     return [row for i in range(len(cells)) for row in done[i]]
 
 

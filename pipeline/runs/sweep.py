@@ -57,6 +57,7 @@ from pipeline.runs.tune import (
     trainable,
     trial_params,
     trial_placement,
+    trial_run_dir,
     tune_job,
 )
 
@@ -235,7 +236,7 @@ def trial_rows(grid, epochs: int, labels=point_of, storage: str | None = None) -
         # checkpoint was still uploading has it in the one before
         found = (checkpoint_history(path, WORKERS_FILE) for path in dict.fromkeys([last_path, *reversed(paths)]))
         trial_id = Path(result.path).name.removeprefix("trial-")
-        placed = read_placement(f"{storage.rstrip('/')}/trial-{trial_id}") if storage else None
+        placed = read_placement(trial_run_dir(storage, trial_id)) if storage else None
         workers = sorted(placed or next((w for w in found if w), []), key=lambda w: w["rank"])
         last_reported = int(reported[-1].get("epoch", 0) or 0) if reported else 0
         if history is None or (history and int(history[-1]["epoch"]) < last_reported):

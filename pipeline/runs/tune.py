@@ -124,6 +124,11 @@ class TrialRun:
     seconds: float  # wall time of the training: what its workers (and their GPUs) were held for
 
 
+def trial_run_dir(storage: str, trial_id: str) -> str:
+    """A Ray Train trial's run directory on the storage (a path or a URI): its checkpoints, status and placement."""
+    return f"{storage.rstrip('/')}/trial-{trial_id}"
+
+
 def inline(params: Params) -> bool:
     """A trial of one worker trains inside the Tune trial itself (:class:`TuneSession`): the same loop, checkpoints
     and resume, without a Ray Train run's start-up (about 25 s per trial on 2 cores). Several workers need Ray
@@ -172,7 +177,7 @@ def fit_trial(params: Params, fixed: dict[str, Any], trial_id: str) -> TrialRun:
     ``fixed``: what every trial of the job shares (staged data, manifest, storage, use_gpu).
     """
     storage = fixed["storage"]
-    run_dir = f"{storage.rstrip('/')}/trial-{trial_id}"
+    run_dir = trial_run_dir(storage, trial_id)
     spec = WorkerSpec(params=params.model_dump(), data_dir=fixed["data"], manifest=fixed["manifest"], run_dir=run_dir,
                       use_gpu=fixed["use_gpu"], quiet=True)
     start = time.time()
@@ -552,5 +557,5 @@ def cleanup(params: Params, root: Path, result: SweepResult) -> None:
     if not is_uri(storage):
         shutil.rmtree(Path(storage) / result.name, ignore_errors=True)
         for r in result.rows:
-            shutil.rmtree(Path(storage) / f"trial-{r['trial_id']}", ignore_errors=True)
+            shutil.rmtree(trial_run_dir(storage, r["trial_id"]), ignore_errors=True)
     shutil.rmtree(root / STATE_DIR / result.name, ignore_errors=True)

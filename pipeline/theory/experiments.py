@@ -36,9 +36,7 @@ output.
 from __future__ import annotations
 
 import math
-import multiprocessing
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +49,7 @@ from pipeline.core.clustering import cosine_affinity, spectral_scores
 from pipeline.core.losses import make_loss
 from pipeline.core.model import TransFusionHead
 from pipeline.data import synthetic
-from pipeline.host import one_thread, usable_cpus
+from pipeline.host import one_thread, spawned_map, usable_cpus
 from pipeline.theory import bound, measures
 
 if TYPE_CHECKING:
@@ -372,15 +370,8 @@ def run_empirical(grid: EmpiricalGrid, progress: Callable[[str], Any] | None = p
             if progress is not None:
                 progress(line)
 
-    if workers == 1:
-        for i, cell in enumerate(cells):
-            collect(i, run_cell(grid, *cell))
-    else:  # spawned, not forked: a fork of a process whose OpenMP pool has run can hang
-        order = sorted(range(len(cells)), key=lambda i: -cells[i][1])  # the slowest cells first
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(run_cell, grid, *cells[i]): i for i in order}
-            for future in as_completed(futures):
-                collect(futures[future], future.result())
+    order = sorted(range(len(cells)), key=lambda i: -cells[i][1])  # the slowest cells (largest n) first
+    spawned_map(run_cell, [(grid, *cell) for cell in cells], workers, collect, order)
     return [row for i in range(len(cells)) for row, _ in done[i]]
 
 

@@ -50,13 +50,18 @@ def test_a_garbage_file_is_named_with_the_fix(tmp_path):
     assert "\n" not in text
 
 
-def test_a_damaged_sqlite_file_is_refused(tmp_path):
-    db = tmp_path / "mlflow.db"
+def table_of(db: Path, rows: int) -> None:
+    """An SQLite file at ``db`` holding table t of the integers 0 .. rows - 1."""
     con = sqlite3.connect(db)
     con.execute("create table t (x integer)")
-    con.executemany("insert into t values (?)", [(i,) for i in range(5000)])
+    con.executemany("insert into t values (?)", [(i,) for i in range(rows)])
     con.commit()
     con.close()
+
+
+def test_a_damaged_sqlite_file_is_refused(tmp_path):
+    db = tmp_path / "mlflow.db"
+    table_of(db, 5000)
     blob = bytearray(db.read_bytes())
     blob[4096:8192] = b"\xff" * 4096  # a page of the table overwritten
     db.write_bytes(bytes(blob))
@@ -74,11 +79,7 @@ def test_a_store_left_mid_write_by_a_killed_process_is_recovered_not_refused(tmp
     import sys
 
     db = tmp_path / "mlflow.db"
-    con = sqlite3.connect(db)
-    con.execute("create table t (x integer)")
-    con.executemany("insert into t values (?)", [(i,) for i in range(3000)])
-    con.commit()
-    con.close()
+    table_of(db, 3000)
     writer = subprocess.Popen([sys.executable, "-c", (
         "import sqlite3, sys, time\n"
         f"con = sqlite3.connect({str(db)!r}, isolation_level=None)\n"

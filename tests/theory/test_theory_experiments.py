@@ -400,7 +400,7 @@ def test_a_small_grid_runs_in_this_process_a_large_one_on_the_pool(monkeypatch):
             future.set_result(fn(*args))
             return future
 
-    monkeypatch.setattr(TE, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Pool)  # what pipeline.host.spawned_map starts
     monkeypatch.setattr(TE, "run_cell", lambda grid, seed, n, eps: [({"seed": seed, "n": n, "eps": eps}, "")])
     small = empirical_grid(**TINY)  # 2 cells x 2 depths x 20 steps
     assert 2 * 2 * small.steps < TE.POOL_MIN_STEPS
