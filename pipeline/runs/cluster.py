@@ -62,6 +62,9 @@ RAY_CONSOLE_ENV = {
                                  r"|^Fatal Python error: |^(Stack|(Current thread|Thread) 0x[0-9a-f]+) \(most recent "
                                  r"call first\):|^  File \".*\", line \d+ in |^Extension modules: "
                                  r"|^terminate called |^  what\(\): "
+                                 # Ray's C++ terminate handler's backtrace, glibc's format: "/lib/libc.so.6(+0x91500)
+                                 # [0x7fe7f0aaf500] symbol" (printed by workers of ASHA-stopped multi-worker trials)
+                                 r"|^ ?/\S+\([^)]*\) \[0x[0-9a-f]+\]"
                                  # Abseil's raw log of Ray's native mutexes, which a process killed at shutdown (Ray
                                  # Train's placement-group cleaner) may print: "[mutex.cc : 452] RAW: Lock blocking ..."
                                  r"|^\[\w+\.(cc|h) : \d+\] RAW: "

@@ -1,7 +1,8 @@
 """The console filter (``pipeline.runs.cluster.RAY_CONSOLE_ENV``'s ``RAY_DEDUP_LOGS_SKIP_REGEX``, which Ray applies to
 every line a worker prints before forwarding it): a worker's native crash dump stays out, our lines and Python
 tracebacks stay in. The last two lines of the dump are Abseil's raw mutex log, which Ray Train's placement-group cleaner
-printed once at a rehearsal's shutdown here (its pid prefix removed).
+printed once at a rehearsal's shutdown here (its pid prefix removed), then frames of Ray's C++ terminate handler
+(glibc's backtrace format), which workers of ASHA-stopped two-worker trials printed in a GPU-preset rehearsal here.
 
 The dump below is what a Ray task that calls ``os.abort()`` printed here (Ray 2.60, its pid prefix removed; addresses
 and the module list shortened): Ray's failure-signal handler, then Python's faulthandler. tests/stages/test_console.py
@@ -38,6 +39,11 @@ terminate called after throwing an instance of 'gloo::IoException'
   what():  [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [192.0.2.2]:41923
 [mutex.cc : 452] RAW: Lock blocking 0x56539dd81fc0   @ 0x7fe195e2b1a2 0x7fe194efb23c 0x7fe1957c2022 0x7fe195e4c3b0
 [mutex.cc : 452] RAW: Unlock 0x56539dd81fc0   @ 0x7fe1957c2037 0x7fe195e4c3b0
+ /usr/lib/python3.11/site-packages/ray/_raylet.so(+0x1812b9a) [0x7fe7efc12b9a] ray::operator<<()
+/usr/lib/python3.11/site-packages/ray/_raylet.so(+0x1815c08) [0x7fe7efc15c08] ray::TerminateHandler()
+/lib/x86_64-linux-gnu/libstdc++.so.6(+0xa8e1a) [0x7fe7ee0a8e1a]
+/lib/x86_64-linux-gnu/libgcc_s.so.1(_Unwind_ForcedUnwind+0x130) [0x7fe7f03b21b0] _Unwind_ForcedUnwind
+/usr/lib/libpython3.11.so.1.0(_PyEval_EvalFrameDefault+0x3598) [0x7fe7f0cfe108] _PyEval_EvalFrameDefault
 """
 
 KEPT = [

@@ -140,7 +140,8 @@ TWO_WORKERS = ["-S", "ray.num_workers=2", "-S", "ray.cpus_per_worker=0.5"]
 
 
 def dump_lines(lines: list[str]) -> list[str]:
-    return [line for line in lines if any(word in line for word in DUMP) or re.search(r"@ +0x[0-9a-f]+ ", line)]
+    return [line for line in lines if any(word in line for word in DUMP)
+            or re.search(r"@ +0x[0-9a-f]+ |\) \[0x[0-9a-f]+\]", line)]  # the signal handler's, glibc backtrace frames
 
 
 def test_a_worker_aborting_mid_epoch_keeps_its_native_dump_in_rays_logs(sandbox):

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow]
 
 AT_ONCE = re.compile(r"\[(sweep|tables)\] \d+ (?:trials|rows) in \d+ s, up to (\d+) training at once \((\d+) allowed\)")
 NOISE = ("Traceback", "TrainController", "ActorDiedError", "PlacementGroupCleaner", "Could not re-use actor",
-         "Stop signal received", "Tuner.restore", "(raylet)")
+         "Stop signal received", "Tuner.restore", "(raylet)", ") [0x")  # ") [0x": a native backtrace frame
 
 
 def read_csv(path):
