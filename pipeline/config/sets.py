@@ -36,8 +36,13 @@ class SetsConfig(Section):
     # the set models: `blocks` SAB (ABC) or TransFusion blocks (transfusion) of `width`, after the same
     # Linear-tanh-Linear pre-embedding; ABC's attention has `heads` heads (the paper's Omniglot model: 2, 4, 128)
     blocks: int = Field(2, ge=0, le=64)
-    heads: int = Field(4, ge=1, le=1024)
+    heads: int = Field(4, ge=1, le=1024)  # ABC's SAB heads, except on the circles (``circles_heads``)
     width: int = Field(64, ge=2, le=65_536)
+    # the SABs as ABC's code builds them: each variant attends as its similarity is computed ("matched": the additive
+    # model's SABs softmax(uᵀtanh(q_i + k_j)), unscaled, the multiplicative model's softmax(q·k/√width)), or every
+    # SAB softmax(q·k/√width) ("multiplicative"); the heads' output projection W_O (the code's circles: none)
+    abc_attention: Literal["matched", "multiplicative"] = "matched"
+    abc_projection: bool = False
     kernel: Literal["logits", "paper"] = "logits"  # ABC's kernel form (pipeline.core.abc)
     pos_weight: float | Literal["balanced"] = 1.0  # ABC's BCE weight on same-class pairs
     # testing
@@ -48,6 +53,8 @@ class SetsConfig(Section):
     rbf_select_sets: int = Field(30, ge=1, le=100_000)  # training sets that choose the RBF's γ
     # the data sets: set sizes and the number of clusters per set
     circles_points: int = Field(20, ge=4, le=100_000)  # 4 circles per set, as in the paper
+    circles_heads: int = Field(1, ge=1, le=1024)  # ABC's SAB heads on the circles (the code's circles models: 1)
+    circles_angles: Literal["stratified", "iid"] = "stratified"  # the code's m equal arcs | section 6.1's i.i.d.
     subspaces_size: int = Field(32, ge=4, le=100_000)
     subspaces_k: KRange = Field(default_factory=lambda: [2, 5])
     subspaces_dim: int = Field(16, ge=2, le=100_000)
@@ -63,8 +70,9 @@ class SetsConfig(Section):
     @model_validator(mode="after")
     def _consistent(self) -> SetsConfig:
         problems = []
-        if self.width % self.heads:
-            problems.append(f"sets.width ({self.width}) must be a multiple of sets.heads ({self.heads})")
+        for key in ("heads", "circles_heads"):
+            if self.width % getattr(self, key):
+                problems.append(f"sets.width ({self.width}) must be a multiple of sets.{key} ({getattr(self, key)})")
         for key in ("datasets", "methods", "seeds", "rbf_gammas"):
             values = getattr(self, key)
             if len(set(values)) != len(values):

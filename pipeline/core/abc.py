@@ -24,13 +24,21 @@ The pairwise ablation of section 6.1 is depth 0 with additive compatibility (:me
 
 Choices, each an option:
 
-- ``scale`` of the SAB attention: "width" (the code: softmax of q·k / √width with per-head q, k of width/heads, the
-  scale the Omniglot numbers were obtained with) or "head" (Vaswani et al.: / √(width/heads)). Default "width".
+- ``attention`` inside the SABs (the code's ``compatibility`` of its ``Attention``): "multiplicative", softmax of
+  s·q_i·k_j per head (through ``F.scaled_dot_product_attention``), or "additive", softmax of s·uᵀtanh(q_i + k_j) per
+  head with one u ∈ R^{width/heads} shared by the heads (the code's ``AddComp(head_size)``). The code builds each model's
+  SABs with its final similarity's kind: its additive circles and Omniglot models attend additively.
+- ``scale`` s of the SAB attention: "width" (the code's ``scaled_softmax``: 1/√width, with per-head q, k of
+  width/heads), "head" (Vaswani et al.: 1/√(width/heads)) or "none" (the code's plain ``softmax``, s = 1: its
+  additive circles model). Default "width".
+- ``project``: the heads' concatenation goes through an output projection W_O (the code's ``reduce: True``, its
+  Omniglot models) or straight into the residual (``reduce: False``, its circles models). Default True.
 - FF is one Linear layer, no activation (the code's ``rFF``), so a SAB is LN(H + W_F H + b_F).
-- Inside the SABs the attention is always multiplicative (softmax attention through
-  ``F.scaled_dot_product_attention``). The code's additive Omniglot model also uses additive attention inside its
-  SABs; here ``compatibility`` only chooses the final similarity.
 - The multiplicative similarity is unscaled by default, as in the code (Table 1 divides by √d).
+
+The code's circles models (``circles.py``), as :meth:`ABCHead.as_code_circles` builds them: 1 head, no output
+projection; the additive model's SABs attend additively with plain softmax, the multiplicative model's with softmax
+of q·k/√width.
 
 The additive compatibility needs tanh(q_i + k_j) ∈ R^width for every pair, n²·width numbers (n = 8192,
 width = 128: 8.6e9, 34 GB in fp32). :class:`AdditiveCompat` computes it in row tiles of ``tile`` rows forward and
@@ -50,7 +58,7 @@ from torch import Tensor, nn
 
 COMPATIBILITIES = ("multiplicative", "additive")
 KERNELS = ("logits", "paper")
-ATTENTION_SCALES = ("width", "head")
+ATTENTION_SCALES = ("width", "head", "none")
 TILE_ELEMENTS = 1 << 24  # default additive tile: rows such that tile * n * width <= 16M numbers (64 MiB in fp32)
 
 
@@ -62,23 +70,30 @@ def _check(value: str, allowed: tuple[str, ...], what: str) -> None:
 class SAB(nn.Module):
     """Set Attention Block, eq. (1)-(2), post-norm. x: (..., n, dim) -> (..., n, dim); the n rows attend to each other.
 
-        MHA(X) = concat_h(softmax(s Q_h K_hᵀ) V_h) W_O + b_O,   Q_h = X W_Q^h + b, K_h, V_h likewise, (n, dim/heads)
+        MHA(X) = concat_h(softmax(s E_h) V_h) W_O + b_O,   Q_h = X W_Q^h + b, K_h, V_h likewise, (n, dim/heads)
+        E_h[i, j] = q_i^h · k_j^h  ("multiplicative")  or  uᵀ tanh(q_i^h + k_j^h)  ("additive", u shared by the heads)
         H = LN(X + MHA(X)),   SAB(X) = LN(H + FF(H)),   FF(H) = H W_F + b_F
 
-    Softmax over all n keys, the diagonal included; s = 1/√dim (``scale="width"``) or 1/√(dim/heads) ("head").
+    Softmax over all n keys, the diagonal included; s = 1/√dim (``scale="width"``), 1/√(dim/heads) ("head") or 1
+    ("none"). Without ``project`` there is no W_O, b_O: the concatenation of the heads is MHA(X).
     """
 
-    def __init__(self, dim: int, heads: int = 4, scale: str = "width") -> None:
+    def __init__(self, dim: int, heads: int = 4, scale: str = "width", attention: str = "multiplicative",
+                 project: bool = True) -> None:
         super().__init__()
         _check(scale, ATTENTION_SCALES, "attention scale")
+        _check(attention, COMPATIBILITIES, "SAB attention")
         if dim % heads:
             raise ValueError(f"dim {dim} is not a multiple of heads {heads}")
-        self.heads = heads
-        self.scale = 1.0 / math.sqrt(dim if scale == "width" else dim // heads)
+        self.heads, self.attention = heads, attention
+        self.scale = {"width": 1.0 / math.sqrt(dim), "head": 1.0 / math.sqrt(dim // heads), "none": 1.0}[scale]
         self.query = nn.Linear(dim, dim)
         self.key = nn.Linear(dim, dim)
         self.value = nn.Linear(dim, dim)
-        self.out = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim) if project else None
+        if attention == "additive":  # u ~ U(±1/√(dim/heads)), as the code initialises its AddComp(head_size)
+            bound = 1.0 / math.sqrt(dim // heads)
+            self.u = nn.Parameter(torch.empty(dim // heads).uniform_(-bound, bound))
         self.ff = nn.Linear(dim, dim)
         self.norm1 = nn.LayerNorm(dim)
         self.norm2 = nn.LayerNorm(dim)
@@ -89,8 +104,13 @@ class SAB(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))  # (..., h, n, d/h)
-        o = F.scaled_dot_product_attention(q, k, v, scale=self.scale)  # (..., h, n, d/h)
-        h = self.norm1(x + self.out(o.transpose(-3, -2).flatten(-2)))  # (..., n, d)
+        if self.attention == "multiplicative":
+            o = F.scaled_dot_product_attention(q, k, v, scale=self.scale)  # (..., h, n, d/h)
+        else:
+            e = additive_energies(q, k, self.u)  # (..., h, n, n)
+            o = torch.softmax(e * self.scale if self.scale != 1.0 else e, dim=-1) @ v  # (..., h, n, d/h)
+        o = o.transpose(-3, -2).flatten(-2)  # (..., n, d): the heads concatenated
+        h = self.norm1(x + (self.out(o) if self.out is not None else o))  # (..., n, d)
         return self.norm2(h + self.ff(h))
 
 
@@ -141,6 +161,18 @@ class AdditiveCompat(torch.autograd.Function):
 def additive_compat(a: Tensor, b: Tensor, w: Tensor, tile: int | None = None) -> Tensor:
     """``E_ij = wᵀ tanh(a_i + b_j)`` (m, n) over row tiles (:class:`AdditiveCompat`); a (m, H), b (n, H), w (H,)."""
     return AdditiveCompat.apply(a, b, w, additive_tile(b.shape[0], b.shape[1], tile))
+
+
+def additive_energies(a: Tensor, b: Tensor, w: Tensor, tile: int | None = None) -> Tensor:
+    """``E_ij = wᵀ tanh(a_i + b_j)`` for a (..., m, H), b (..., n, H) with the same leading dims (sets, heads), w (H,)
+    -> (..., m, n). One set: :func:`additive_compat`'s row tiles. Several: all at once while the (..., m, n, H) tanh
+    holds at most TILE_ELEMENTS numbers and no ``tile`` is asked for, else set by set through the tiles."""
+    if a.dim() == 2:
+        return additive_compat(a, b, w, tile)
+    if tile is None and a[..., None, :].numel() * b.shape[-2] <= TILE_ELEMENTS:
+        return torch.tanh(a[..., :, None, :] + b[..., None, :, :]) @ w  # (..., m, n)
+    return torch.stack([additive_compat(x, y, w, tile) for x, y in zip(a.flatten(0, -3), b.flatten(0, -3),
+                                                                        strict=True)]).unflatten(0, a.shape[:-2])
 
 
 @dataclass
@@ -210,9 +242,10 @@ class ABCHead(nn.Module):
 
     dim: the backbone's feature size. With ``pre_embed=False`` there is no Linear–tanh–Linear and dim must equal width.
     depth, heads, width: SAB blocks, their heads and width (Omniglot in the paper: 2, 4, 128).
-    compatibility: "multiplicative" | "additive" (Table 1); kernel: "logits" | "paper"; scale: the SAB attention scale
-    ("width" | "head"); scale_compat: divide the multiplicative similarity by √width; tile: rows per additive tile
-    (None: :func:`additive_tile`'s default).
+    compatibility: "multiplicative" | "additive" (Table 1); kernel: "logits" | "paper"; attention: the SABs' energies
+    ("multiplicative" | "additive", :class:`SAB`); scale: the SAB attention scale ("width" | "head" | "none");
+    project: the SABs' output projection W_O; scale_compat: divide the multiplicative similarity by √width; tile: rows
+    per additive tile (None: :func:`additive_tile`'s default).
     """
 
     def __init__(
@@ -227,6 +260,8 @@ class ABCHead(nn.Module):
         scale: str = "width",
         scale_compat: bool = False,
         tile: int | None = None,
+        attention: str = "multiplicative",
+        project: bool = True,
     ) -> None:
         super().__init__()
         _check(compatibility, COMPATIBILITIES, "compatibility")
@@ -238,7 +273,7 @@ class ABCHead(nn.Module):
         self.compatibility, self.kernel, self.scale_compat = compatibility, kernel, scale_compat
         self.tile = None if tile is None else additive_tile(1, 1, tile)
         self.pre = nn.Sequential(nn.Linear(dim, width), nn.Tanh(), nn.Linear(width, width)) if pre_embed else None
-        self.blocks = nn.ModuleList(SAB(width, heads, scale) for _ in range(depth))
+        self.blocks = nn.ModuleList(SAB(width, heads, scale, attention, project) for _ in range(depth))
         self.query = nn.Linear(width, width)
         self.key = nn.Linear(width, width)
         if compatibility == "additive":  # w ~ U(±1/√width), as the code initialises it
@@ -250,15 +285,18 @@ class ABCHead(nn.Module):
         """Section 6.1's pairwise ablation: no embedding blocks, additive compatibility."""
         return cls(dim, depth=0, width=width, compatibility="additive", **kwargs)
 
+    @classmethod
+    def as_code_circles(cls, dim: int, compatibility: str, depth: int = 2, width: int = 128, **kwargs: object) -> ABCHead:
+        """The code's circles model (``circles.py``: ``AffinityAdd``/``AffinityMul``): 1-head SABs without an output
+        projection, attending as the similarity is computed: additive with plain softmax, or softmax of q·k/√width."""
+        additive = compatibility == "additive"
+        return cls(dim, depth=depth, heads=1, width=width, compatibility=compatibility, attention=compatibility,
+                   scale="none" if additive else "width", project=False, **kwargs)
+
     def compat(self, a: Tensor, b: Tensor) -> Tensor:
         """E_ij = compat(a_i, b_j), a (..., m, width), b (..., n, width) -> (..., m, n) (leading dims: sets)."""
         if self.compatibility == "additive":
-            if a.dim() > 2:  # a batch of sets: at once while (..., m, n, width) <= TILE_ELEMENTS, else per set
-                if a[..., None, :].numel() * b.shape[-2] <= TILE_ELEMENTS and self.tile is None:
-                    return torch.tanh(a[..., :, None, :] + b[..., None, :, :]) @ self.w  # (..., m, n)
-                return torch.stack([self.compat(x, y) for x, y in zip(a.flatten(0, -3), b.flatten(0, -3),
-                                                                      strict=True)]).unflatten(0, a.shape[:-2])
-            return additive_compat(a, b, self.w, self.tile)
+            return additive_energies(a, b, self.w, self.tile)
         e = a @ b.mT  # (..., m, n)
         return e / math.sqrt(a.shape[-1]) if self.scale_compat else e
 

@@ -71,7 +71,7 @@ class SetTask:
 
 def _circles(cfg) -> SetTask:
     def sample(n_sets: int, part: int, seed: int) -> SetBatch:
-        c = four_circles(n_sets, points=cfg.circles_points, circles=4, seed=seed)
+        c = four_circles(n_sets, points=cfg.circles_points, circles=4, seed=seed, angles=cfg.circles_angles)
         return SetBatch(c.points, c.labels)
 
     return SetTask("circles", 2, cfg.circles_points, (4, 4), sample)

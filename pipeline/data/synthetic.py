@@ -94,7 +94,11 @@ class CircleSets:
     radii: torch.Tensor
 
 
-def four_circles(n_sets: int, points: int = 20, circles: int = 4, seed: int = 0) -> CircleSets:
+ANGLES = ("stratified", "iid")  # how a circle's points are placed: the code's m equal arcs, or section 6.1's i.i.d.
+
+
+def four_circles(n_sets: int, points: int = 20, circles: int = 4, seed: int = 0,
+                 angles: str = "stratified") -> CircleSets:
     """ABC's circles problem: each set has ``circles`` random circles and ``points`` points on them.
 
     Per set, independently (as ABC's code, ``lib/utils/data/circles.py`` of github.com/DramaCow/ABC, with 20
@@ -105,10 +109,17 @@ def four_circles(n_sets: int, points: int = 20, circles: int = 4, seed: int = 0)
         r_c      = clip(0.3 + 0.1 g_c, 0.2, 0.4),           g_c ~ N(0, 1)
         counts   = 1 + Multinomial(P - C, (1/C, ..., 1/C))  (every circle gets a point, then each further point
                    picks a circle uniformly), the points in random order within the set
-        point_p  = centre_{c_p} + r_{c_p} (cos theta_p, sin theta_p),   theta_p ~ U[0, 2 pi) i.i.d.
+        point_p  = centre_{c_p} + r_{c_p} (cos theta_p, sin theta_p)
 
-    The angles are i.i.d. uniform on the circle, as section 6.1 states; ABC's code instead spreads a circle's m
-    points over m equal arcs (one uniform angle per arc). The paper also says every circle overlaps another; ABC's
+    with the angles of a circle's m points, u_p ~ U[0, 1) i.i.d.:
+
+        "stratified" (default, the code's ``np.linspace(0, 2 pi, m, endpoint=False) + U(0, 2 pi / m)``): the j-th
+                     point of the circle (j = 0..m-1, in the set's order) at theta = 2 pi (j + u_p) / m, one uniform
+                     angle in each of m equal arcs; two neighbouring points are never more than 2 arcs apart
+        "iid"        (section 6.1's words): theta_p = 2 pi u_p
+
+    Both use the same draws, so a seed gives the same circles and memberships either way. The paper also says every
+    circle overlaps another; ABC's
     code does not enforce it and neither does this function: in 17.6 % of 20 000 sets (seed 1, 4 circles) some
     circle crosses no other (circles cross iff |r_a - r_b| <= |centre_a - centre_b| <= r_a + r_b). Not
     scikit-learn's ``make_circles`` (two concentric circles). Computed in float64, returned in float32;
@@ -119,10 +130,13 @@ def four_circles(n_sets: int, points: int = 20, circles: int = 4, seed: int = 0)
         points: P >= circles, points per set.
         circles: C >= 1, circles per set.
         seed: the seed.
+        angles: "stratified" | "iid".
 
     Returns:
         ``CircleSets`` (points (S, P, 2), labels (S, P), centres (S, C, 2), radii (S, C)).
     """
+    if angles not in ANGLES:
+        raise ValueError(f"unknown angles {angles!r}; allowed: {', '.join(ANGLES)}")
     for name, value, low in (("n_sets", n_sets, 1), ("circles", circles, 1), ("points", points, circles)):
         if isinstance(value, bool) or int(value) != value or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -137,7 +151,14 @@ def four_circles(n_sets: int, points: int = 20, circles: int = 4, seed: int = 0)
     rest = torch.randint(0, circles, (n_sets, points - circles), generator=g)  # (S, P - C)
     order = torch.rand(n_sets, points, generator=g).argsort(dim=1)  # (S, P) a random permutation per set
     labels = torch.cat((first, rest), dim=1).gather(1, order)  # (S, P)
-    theta = 2.0 * math.pi * torch.rand(n_sets, points, generator=g, dtype=f64)  # (S, P)
+    u = torch.rand(n_sets, points, generator=g, dtype=f64)  # (S, P)
+    if angles == "iid":
+        theta = 2.0 * math.pi * u
+    else:
+        onehot = torch.nn.functional.one_hot(labels, circles)  # (S, P, C)
+        rank = (onehot.cumsum(1) - 1).gather(2, labels[..., None])[..., 0]  # (S, P) j: the point's rank on its circle
+        count = onehot.sum(1).gather(1, labels)  # (S, P) m: the points on its circle
+        theta = 2.0 * math.pi * (rank + u) / count
     on = centres.gather(1, labels[..., None].expand(-1, -1, 2))  # (S, P, 2) each point's centre
     xy = on + radii.gather(1, labels)[..., None] * torch.stack((theta.cos(), theta.sin()), dim=-1)  # (S, P, 2)
     return CircleSets(points=xy.float(), labels=labels.to(torch.int64), centres=centres.float(), radii=radii.float())

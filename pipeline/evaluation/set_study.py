@@ -5,8 +5,10 @@ clusters known or estimated by the eigengap (ABC, Coward et al., sections 4.4 an
 method               the kernel of a set X (n, d), what trains it
 ==================== ==================================================================================================
 abc_multiplicative   ABC (:class:`pipeline.core.abc.ABCHead`): pre-embedding, ``blocks`` SABs, κ = σ(½(E + Eᵀ)),
-                     E_ij = q_i·k_j; BCE against Y_ij = 1[y_i = y_j], diagonal included
-abc_additive         the same with E_ij = wᵀ tanh(q_i + k_j)
+                     E_ij = q_i·k_j; BCE against Y_ij = 1[y_i = y_j], diagonal included; the SABs softmax(q·k/√width)
+abc_additive         the same with E_ij = wᵀ tanh(q_i + k_j); with ``abc_attention: matched`` (the code's) its SABs
+                     attend additively too, softmax(uᵀ tanh(q_i + k_j)) unscaled
+                     (both: ``circles_heads`` heads on the circles, ``heads`` elsewhere; W_O with ``abc_projection``)
 pairwise             ABC without SABs, additive (section 6.1's ablation): each pair judged out of context
 transfusion          the same pre-embedding, then ``blocks`` TransFusion blocks of the same width
                      (:class:`pipeline.core.model.TransFusionHead`); its trained affinity cos(q_i, k_j)² (eq. 5 before
@@ -50,7 +52,7 @@ __all__ = ["METRICS", "SetModel", "build_set_model", "rbf_kernels", "run_study",
 class SetModel(nn.Module):
     """A trained set method: x (S, n, d), labels (S, n) -> ``loss``; x -> ``kernels`` (S, n, n), for clustering."""
 
-    def __init__(self, method: str, dim: int, cfg: Any) -> None:
+    def __init__(self, method: str, dim: int, cfg: Any, heads: int | None = None) -> None:
         super().__init__()
         self.method = method
         if method == "transfusion":
@@ -61,8 +63,10 @@ class SetModel(nn.Module):
             self.head = ABCHead.pairwise(dim, width=cfg.width, kernel=cfg.kernel)
         else:
             compat = method.removeprefix("abc_")
-            self.head = ABCHead(dim, depth=cfg.blocks, heads=cfg.heads, width=cfg.width, compatibility=compat,
-                                kernel=cfg.kernel)
+            attention = compat if cfg.abc_attention == "matched" else "multiplicative"
+            self.head = ABCHead(dim, depth=cfg.blocks, heads=heads or cfg.heads, width=cfg.width,
+                                compatibility=compat, kernel=cfg.kernel, attention=attention,
+                                scale="none" if attention == "additive" else "width", project=cfg.abc_projection)
         self.pos_weight = cfg.pos_weight
 
     def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -96,19 +100,21 @@ class SetModel(nn.Module):
         return self.head(x).kernel.double().numpy()
 
 
-def build_set_model(method: str, dim: int, cfg: Any, seed: int) -> SetModel:
-    """A :class:`SetModel` for a trained ``method``, initialised from ``seed`` (the global RNG state is kept)."""
+def build_set_model(method: str, dim: int, cfg: Any, seed: int, heads: int | None = None) -> SetModel:
+    """A :class:`SetModel` for a trained ``method``, initialised from ``seed`` (the global RNG state is kept); ABC's
+    SABs get ``heads`` heads (default ``cfg.heads``)."""
     if method not in TRAINED_METHODS:
         raise ValueError(f"unknown trained set method {method!r}; allowed: {', '.join(TRAINED_METHODS)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return SetModel(method, dim, cfg)
+        return SetModel(method, dim, cfg, heads)
 
 
 def train_set_model(method: str, task: SetTask, cfg: Any, seed: int) -> tuple[SetModel, list[float]]:
     """``cfg.steps`` Adam steps (``cfg.lr``) on ``cfg.batch_sets`` fresh training sets each; the model (eval mode) and
     the losses. All training sets are drawn up front (one draw: they are small)."""
-    model = build_set_model(method, task.dim, cfg, seed)
+    heads = cfg.circles_heads if task.name == "circles" else cfg.heads
+    model = build_set_model(method, task.dim, cfg, seed, heads)
     data = task.draw(cfg.steps * cfg.batch_sets, TRAIN, seed)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, foreach=True)
     losses = []
@@ -184,35 +190,53 @@ def run_one(method: str, task: SetTask, cfg: Any, seed: int, test: SetBatch) -> 
 POOL_MIN_STEPS = 2000
 
 
-def run_cell(cfg: Any, name: str, seed: int) -> list[dict[str, Any]]:
-    """One data set and seed: every method's row, on one thread (small matrices), in the order of ``cfg.methods``."""
+def run_cell(cfg: Any, name: str, seed: int, method: str) -> dict[str, Any]:
+    """One data set, seed and method: its row, on one thread (small matrices). The test sets are drawn from the
+    (data set, seed) alone, so every method of a seed is scored on the same sets."""
     with one_thread():
         task = make_task(name, cfg)
-        test = task.draw(cfg.test_sets, TEST, seed)
-        return [run_one(method, task, cfg, seed, test) for method in cfg.methods]
+        return run_one(method, task, cfg, seed, task.draw(cfg.test_sets, TEST, seed))
+
+
+def cell_cost(cfg: Any, name: str, method: str) -> float:
+    """A cell's relative cost, to hand out the slowest first: steps × the pairs a step scores (RBF: a little)."""
+    if method not in TRAINED_METHODS:
+        return 1.0
+    size = {"circles": cfg.circles_points, "subspaces": cfg.subspaces_size, "digits": cfg.digits_size,
+            "omniglot": cfg.omniglot_size}[name]  # the elements per set
+    return cfg.steps * cfg.batch_sets * size * size * (2.0 if method == "abc_additive" else 1.0)
+
+
+def run_cells(cells: list[tuple[Any, str, int, str]], progress: Callable[[str], Any] | None = print,
+              workers: int | None = None) -> list[dict[str, Any]]:
+    """:func:`run_cell` of every (cfg, data set, seed, method) on ``workers`` spawned processes (default: one per
+    usable CPU once the cells train at least :data:`POOL_MIN_STEPS` steps in all; fewer run in this process), the
+    costliest first; the rows in the order of ``cells``. The rows do not depend on ``workers`` (every draw and every
+    model is seeded by its cell; tests/evaluation/test_set_study.py compares)."""
+    trained = sum(c[0].steps for c in cells if c[3] in TRAINED_METHODS)
+    if workers is None and trained < POOL_MIN_STEPS:
+        workers = 1
+    workers = max(1, min(workers or usable_cpus(), len(cells)))
+    done: dict[int, dict[str, Any]] = {}
+
+    def collect(i: int, row: dict[str, Any]) -> None:
+        done[i] = row
+        if progress:
+            progress(f"[sets] {row['dataset']:<9} {row['method']:<18} seed {row['seed']}: ARI {row['ari_known']:.3f} "
+                     f"(k known), {row['ari_unknown']:.3f} (k̂, |k̂-k| {row['k_error']:.2f}) in {row['seconds']:.1f} s "
+                     f"({len(done)}/{len(cells)})")
+
+    order = sorted(range(len(cells)), key=lambda i: -cell_cost(cells[i][0], cells[i][1], cells[i][3]))
+    spawned_map(run_cell, cells, workers, collect, order=order)
+    return [done[i] for i in range(len(cells))]
 
 
 def run_study(cfg: Any, progress: Callable[[str], Any] | None = print,
               workers: int | None = None) -> list[dict[str, Any]]:
-    """Every data set × method × seed of ``cfg`` (a :class:`pipeline.config.sets.SetsConfig`): the rows, in that
-    order. Each (data set, seed) is a :func:`run_cell`, on ``workers`` processes (default: one per usable CPU once the
-    study trains at least :data:`POOL_MIN_STEPS` steps; a smaller one runs in this process). The rows do not depend on
-    ``workers`` (every draw and every model is seeded by its cell; tests/evaluation/test_set_study.py compares)."""
-    cells = [(name, seed) for name in cfg.datasets for seed in cfg.seeds]
-    trained = sum(m in TRAINED_METHODS for m in cfg.methods)
-    if workers is None and len(cells) * trained * cfg.steps < POOL_MIN_STEPS:
-        workers = 1
-    workers = max(1, min(workers or usable_cpus(), len(cells)))
-    done: dict[int, list[dict[str, Any]]] = {}
-
-    def collect(i: int, rows: list[dict[str, Any]]) -> None:
-        done[i] = rows
-        for row in rows if progress else ():
-            progress(f"[sets] {row['dataset']:<9} {row['method']:<18} seed {row['seed']}: ARI {row['ari_known']:.3f} "
-                     f"(k known), {row['ari_unknown']:.3f} (k̂, |k̂-k| {row['k_error']:.2f}) in {row['seconds']:.1f} s")
-
-    spawned_map(run_cell, [(cfg, *cell) for cell in cells], workers, collect)
-    return [row for i in range(len(cells)) for row in done[i]]
+    """Every data set × seed × method of ``cfg`` (a :class:`pipeline.config.sets.SetsConfig`): the rows, in that
+    order, each a :func:`run_cell` (:func:`run_cells`: on a process per CPU once the study is large enough)."""
+    cells = [(cfg, name, seed, method) for name in cfg.datasets for seed in cfg.seeds for method in cfg.methods]
+    return run_cells(cells, progress, workers)
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:

@@ -19,6 +19,7 @@ from pipeline.core.abc import (
     ABCHead,
     AdditiveCompat,
     additive_compat,
+    additive_energies,
     bce,
     kernel_stats,
 )
@@ -44,8 +45,9 @@ def layer_norm(v, ln):
 
 
 def sab_reference(block, x):
-    """One SAB by hand: per head h, per row i, an explicit softmax over j of s · q_i^h · k_j^h; concat, W_O,
-    residual, LN, FF, residual, LN."""
+    """One SAB by hand: per head h, per row i, an explicit softmax over j of s · q_i^h · k_j^h (multiplicative) or
+    s · uᵀtanh(q_i^h + k_j^h) (additive, one u for all heads); concat, W_O (when the block has one), residual, LN, FF,
+    residual, LN."""
     n, dim = x.shape
     d = dim // block.heads
     q, k, v = block.query(x), block.key(x), block.value(x)  # (n, dim)
@@ -54,10 +56,14 @@ def sab_reference(block, x):
         parts = []
         for h in range(block.heads):
             cols = slice(h * d, (h + 1) * d)
-            scores = [block.scale * (q[i, cols] @ k[j, cols]) for j in range(n)]
+            if block.attention == "additive":
+                scores = [block.scale * (block.u @ torch.tanh(q[i, cols] + k[j, cols])) for j in range(n)]
+            else:
+                scores = [block.scale * (q[i, cols] @ k[j, cols]) for j in range(n)]
             z = sum(torch.exp(s) for s in scores)
             parts.append(sum(torch.exp(scores[j]) / z * v[j, cols] for j in range(n)))
-        hidden = layer_norm(x[i] + block.out(torch.cat(parts)), block.norm1)
+        mixed = torch.cat(parts)
+        hidden = layer_norm(x[i] + (block.out(mixed) if block.out is not None else mixed), block.norm1)
         out.append(layer_norm(hidden + block.ff(hidden), block.norm2))
     return torch.stack(out)
 
@@ -82,12 +88,46 @@ def sigmoid(t):
 
 @pytest.mark.parametrize("n", [1, 5])
 @pytest.mark.parametrize("scale", ATTENTION_SCALES)
-def test_sab_matches_a_per_head_loop(n, scale):
+@pytest.mark.parametrize("attention", COMPATIBILITIES)
+@pytest.mark.parametrize("project", [True, False])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_sab_matches_a_per_head_loop(n, scale, attention, project, heads):
     torch.manual_seed(n)
-    block = SAB(8, heads=2, scale=scale).double()
-    assert block.scale == pytest.approx(1 / math.sqrt(8 if scale == "width" else 4))
+    block = SAB(8, heads=heads, scale=scale, attention=attention, project=project).double()
+    assert block.scale == pytest.approx({"width": 1 / math.sqrt(8), "head": 1 / math.sqrt(8 // heads), "none": 1.0}[scale])
+    assert (block.out is None) == (not project)
     x = torch.randn(n, 8, dtype=torch.float64)
     torch.testing.assert_close(block(x), sab_reference(block, x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("attention", COMPATIBILITIES)
+def test_sab_on_a_batch_of_sets_is_each_set_alone(attention):
+    """(B, n, dim): the B sets attend apart; the additive energies at once and set by set through the tiles agree."""
+    torch.manual_seed(0)
+    block = SAB(8, heads=2, attention=attention).double()
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    torch.testing.assert_close(block(x), torch.stack([block(s) for s in x]), rtol=0, atol=1e-12)
+
+
+def test_additive_energies_at_once_and_through_the_tiles_agree():
+    torch.manual_seed(0)
+    a, b, w = torch.randn(2, 3, 5, 4, dtype=torch.float64), torch.randn(2, 3, 6, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    loop = torch.stack([torch.stack([torch.stack([torch.stack([w @ torch.tanh(a[s, h, i] + b[s, h, j]) for j in range(6)])
+                                                   for i in range(5)]) for h in range(3)]) for s in range(2)])
+    torch.testing.assert_close(additive_energies(a, b, w), loop, rtol=0, atol=1e-12)
+    torch.testing.assert_close(additive_energies(a, b, w, tile=2), loop, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("compatibility", COMPATIBILITIES)
+def test_the_codes_circles_model(compatibility):
+    """``circles.py``'s AffinityAdd / AffinityMul: 1 head, no W_O; additive SABs with plain softmax, or q·k/√width."""
+    h = ABCHead.as_code_circles(2, compatibility, width=16)
+    for block in h.blocks:
+        assert (block.heads, block.out, block.attention) == (1, None, compatibility)
+        assert block.scale == (1.0 if compatibility == "additive" else pytest.approx(1 / 4))
+    assert len(h.blocks) == 2 and h.compatibility == compatibility
+    out = h(torch.randn(3, 20, 2))
+    assert out.kernel.shape == (3, 20, 20)
 
 
 @pytest.mark.parametrize("compatibility", COMPATIBILITIES)
@@ -291,7 +331,9 @@ def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="kernel"):
         ABCHead(4, kernel="rbf")
     with pytest.raises(ValueError, match="attention scale"):
-        SAB(8, scale="none")
+        SAB(8, scale="sqrt")
+    with pytest.raises(ValueError, match="SAB attention"):
+        SAB(8, attention="relu")
     with pytest.raises(ValueError, match="must equal width"):
         ABCHead(4, width=8, pre_embed=False)
     kappa, ids = torch.full((3, 3), 0.5), torch.tensor([0, 0, 1])

@@ -55,7 +55,49 @@ def test_deterministic_by_seed() -> None:
     assert not torch.equal(a.points, c.points)
 
 
+def largest_gaps(d) -> list[tuple[float, int]]:
+    """(the largest angular gap between neighbouring points of a circle, its m points) for every circle of every set,
+    by a loop over sets and circles."""
+    out = []
+    for s in range(d.points.shape[0]):
+        for c in range(d.centres.shape[1]):
+            on = d.points[s][d.labels[s] == c].double() - d.centres[s, c].double()  # (m, 2)
+            theta = sorted(math.atan2(float(y), float(x)) % (2 * math.pi) for x, y in on)
+            gaps = [b - a for a, b in zip(theta, theta[1:], strict=False)] + [theta[0] + 2 * math.pi - theta[-1]]
+            out.append((max(gaps), len(theta)))
+    return out
+
+
+@pytest.mark.parametrize("points", [20, 50])
+def test_stratified_neighbours_are_never_more_than_two_arcs_apart(points: int) -> None:
+    """The code's sampling (the default): a circle's m points, one in each of m equal arcs, so two neighbours are at
+    most 2 · 2π/m apart. i.i.d. angles (section 6.1) break it on most circles of 20-point sets."""
+    stratified = largest_gaps(four_circles(400, points=points, seed=3))
+    assert all(gap <= 2 * (2 * math.pi / m) + 1e-5 for gap, m in stratified)
+    iid = largest_gaps(four_circles(400, points=points, seed=3, angles="iid"))
+    broken = sum(gap > 2 * (2 * math.pi / m) + 1e-5 for gap, m in iid)
+    assert broken > len(iid) / 4, (broken, len(iid))
+
+
+def test_stratified_and_iid_share_the_circles_and_memberships() -> None:
+    a, b = four_circles(30, seed=5), four_circles(30, seed=5, angles="iid")
+    for field in ("labels", "centres", "radii"):
+        assert torch.equal(getattr(a, field), getattr(b, field))
+    assert not torch.equal(a.points, b.points)
+
+
+def test_stratified_angles_are_uniform_on_the_circle() -> None:
+    """Each point's angle (from its circle's centre) is still uniform on [0, 2π): the arcs are equal, each uniform."""
+    d = four_circles(2000, seed=7)
+    rel = d.points.double() - d.centres.double().gather(1, d.labels[..., None].expand(-1, -1, 2))
+    theta = torch.atan2(rel[..., 1], rel[..., 0]) % (2 * math.pi)  # (S, P)
+    hist = torch.histc(theta.flatten(), bins=8, min=0, max=2 * math.pi) / theta.numel()
+    assert float((hist - 1 / 8).abs().max()) < 0.01  # 40,000 angles: sd of a bin's share 0.0017
+
+
 def test_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="angles"):
+        four_circles(2, angles="grid")
     for kwargs in ({"n_sets": 0}, {"n_sets": 2, "circles": 0}, {"n_sets": 2, "points": 3}, {"n_sets": 1.5}):
         with pytest.raises(ValueError, match="must be an integer"):
             four_circles(**kwargs)
