@@ -13,33 +13,29 @@ usable CPU, the costliest first:
   core per seed and method).
 
 Each finished cell is appended to ``--out`` (CSV) at once, and a rerun skips the cells already there, so an
-interrupted study resumes. ``--plot`` only draws the figure and prints the tables from the CSV.
+interrupted study resumes. The ``sets`` stage reads that CSV (a DVC dependency): ``reports/sets.md`` and
+``reports/REPORT.md`` show its tables, ``plots/sets/circles.png`` its figure. ``--plot`` only prints the tables.
 
     python benchmarks/study_circles.py                      # both parts (≈ 2 h on 2 cores)
-    python benchmarks/study_circles.py --plot               # docs/sets-circles.png and the Markdown tables
+    python benchmarks/study_circles.py --plot               # the Markdown tables of the CSV
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import math
 from pathlib import Path
-
-import numpy as np
 
 from pipeline.config.base import load_section
 from pipeline.config.sets import SetsConfig
+from pipeline.evaluation import set_report
 from pipeline.evaluation.set_study import cell_cost, run_cell
 from pipeline.host import spawned_map, usable_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks/results/circles.csv"
-FIGURE = ROOT / "docs/sets-circles.png"
 METHODS = ("abc_additive", "abc_multiplicative", "transfusion", "pairwise", "rbf")
 FULL_METHODS = METHODS
-LABELS = {"abc_additive": "ABC additive", "abc_multiplicative": "ABC multiplicative", "transfusion": "TransFusion",
-          "pairwise": "pairwise (no context)", "rbf": "RBF spectral"}
 FIELDS = ("part", "points", "steps", "batch_sets", "dataset", "method", "seed", "nmi_known", "ari_known",
           "nmi_unknown", "ari_unknown", "k_error", "final_loss", "rbf_c", "seconds")
 
@@ -88,90 +84,15 @@ def run(args: argparse.Namespace) -> None:
         print(f"[circles] {row['part']:<6} {row['points']:>3} pts {row['method']:<18} seed {row['seed']}: ARI "
               f"{row['ari_known']:.3f} (k), {row['ari_unknown']:.3f} (k̂) in {row['seconds']:.0f} s", flush=True)
 
-    order = sorted(range(len(cells)), key=lambda i: -cell_cost(cells[i][0], "circles", cells[i][3]))
+    # the costliest first, TransFusion at full length last (not in ABC's Figure 2: the rest lands first)
+    order = sorted(range(len(cells)), key=lambda i: (meta[i]["part"] == "full" and cells[i][3] == "transfusion",
+                                                     -cell_cost(cells[i][0], "circles", cells[i][3])))
     spawned_map(run_cell, cells, max(1, min(usable_cpus(), len(cells))), collect, order=order)
 
 
 def load(path: Path) -> list[dict]:
     with path.open() as f:
         return list(csv.DictReader(f))
-
-
-def stats(rows: list[dict], metric: str) -> tuple[float, float, int]:
-    v = np.array([float(r[metric]) for r in rows])
-    return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else math.nan, v.size
-
-
-def tables(rows: list[dict]) -> str:
-    out = []
-    full = [r for r in rows if r["part"] == "full"]
-    if full:
-        r0 = full[0]
-        out.append(f"20 points per set, {r0['steps']} steps of {r0['batch_sets']} sets, mean ± sd over seeds:\n")
-        out.append("| method | seeds | ARI, k known | ARI, k̂ | NMI, k known | mean \\|k̂ − k\\| | final BCE |")
-        out.append("|---|---|---|---|---|---|---|")
-        for m in METHODS:
-            mine = [r for r in full if r["method"] == m]
-            if not mine:
-                continue
-            cells = [f"{a:.3f} ± {s:.3f}" for a, s, _ in (stats(mine, k) for k in ("ari_known", "ari_unknown",
-                                                                                     "nmi_known"))]
-            kerr = stats(mine, "k_error")
-            loss = stats(mine, "final_loss") if m != "rbf" else None
-            out.append(f"| {LABELS[m]} | {len(mine)} | {' | '.join(cells)} | {kerr[0]:.2f} ± {kerr[1]:.2f} | "
-                       f"{'' if loss is None else f'{loss[0]:.3f} ± {loss[1]:.3f}'} |")
-    pts = [r for r in rows if r["part"] == "points"]
-    if pts:
-        sizes = sorted({int(r["points"]) for r in pts})
-        r0 = pts[0]
-        out.append(f"\nARI with k known / with k̂ against the points per set, {r0['steps']} steps of "
-                   f"{r0['batch_sets']} sets:\n")
-        out.append("| method | " + " | ".join(f"{p} points" for p in sizes) + " |")
-        out.append("|---|" + "---|" * len(sizes))
-        for m in METHODS:
-            row = []
-            for p in sizes:
-                mine = [r for r in pts if r["method"] == m and int(r["points"]) == p]
-                if not mine:
-                    row.append("n/a")
-                    continue
-                (a, sa, _), (b, sb, _) = stats(mine, "ari_known"), stats(mine, "ari_unknown")
-                row.append(f"{a:.3f} ± {sa:.3f} / {b:.3f} ± {sb:.3f}")
-            out.append(f"| {LABELS[m]} | " + " | ".join(row) + " |")
-    return "\n".join(out)
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    from pipeline.plots import new_figure, save_figure
-
-    pts = [r for r in rows if r["part"] == "points"]
-    full = [r for r in rows if r["part"] == "full"]
-    fig = new_figure(10, 4.2)
-    axes = fig.subplots(1, 2)
-    for ax, metric, title in ((axes[0], "ari_known", "ARI, k known"), (axes[1], "ari_unknown", "ARI, eigengap k̂")):
-        for m in METHODS:
-            sizes = sorted({int(r["points"]) for r in pts if r["method"] == m})
-            if sizes:
-                ms = [stats([r for r in pts if r["method"] == m and int(r["points"]) == p], metric) for p in sizes]
-                line = ax.errorbar(sizes, [a for a, _, _ in ms], yerr=[0 if math.isnan(s) else s for _, s, _ in ms],
-                                   marker="o", capsize=3, label=LABELS[m])
-                mine = [r for r in full if r["method"] == m]
-                if mine:
-                    a, s, _ = stats(mine, metric)
-                    ax.errorbar([20], [a], yerr=[0 if math.isnan(s) else s], marker="*", markersize=12,
-                                color=line[0].get_color(), capsize=3, linestyle="none")
-        ax.set_xlabel("points per set")
-        ax.set_ylabel(title)
-        ax.set_xscale("log")
-        ax.set_xticks([20, 50, 100], ["20", "50", "100"])
-        ax.grid(alpha=0.3)
-    short = pts[0] if pts else None
-    note = f"lines: {short['steps']} steps of {short['batch_sets']} sets" if short else ""
-    if full:
-        note += f"; stars: 20 points, {full[0]['steps']} steps of {full[0]['batch_sets']} sets (ABC's code)"
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"The circles, ABC's Figure 2 measured (mean ± sd over seeds)\n{note}", fontsize=9)
-    save_figure(fig, path, None, None)
 
 
 def main() -> None:
@@ -183,13 +104,11 @@ def main() -> None:
     ap.add_argument("--short-steps", type=int, default=500)
     ap.add_argument("--short-sets", type=int, default=32)
     ap.add_argument("--test-sets", type=int, default=100)
-    ap.add_argument("--plot", action="store_true", help="only draw the figure and print the tables from --out")
+    ap.add_argument("--plot", action="store_true", help="only print the tables of --out (the sets stage draws them)")
     args = ap.parse_args()
     if not args.plot:
         run(args)
-    rows = load(args.out)
-    plot(rows, FIGURE)
-    print(tables(rows))
+    print(set_report.circles_section(set_report.circles_summary(load(args.out))))
 
 
 if __name__ == "__main__":

@@ -44,5 +44,8 @@ def report_cmd(params: Params) -> None:
         study = json.loads(sets.read_text())
         figure = "../plots/sets/ari.png" if Path("plots/sets/ari.png").is_file() else None
         text = text.rstrip("\n") + "\n\n" + set_report.render(study["summary"], study["setup"], figure=figure)
+        if study.get("circles"):  # the recorded full-length circles study the sets stage read
+            circles = "../plots/sets/circles.png" if Path("plots/sets/circles.png").is_file() else None
+            text = text.rstrip("\n") + "\n\n" + set_report.circles_section(study["circles"], figure=circles)
     write_text(OUT, text)
     click.echo(f"report -> {OUT}")

@@ -16,6 +16,7 @@ import gzip
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -172,6 +173,16 @@ def write_file(rel: str, data: bytes | Callable[[Path], bytes]) -> Setup:
     return run
 
 
+def emptied(rel: str) -> Setup:
+    """The folder ``rel``, emptied (kept, with nothing in it)."""
+
+    def run(p: Path) -> None:
+        shutil.rmtree(p / rel)
+        (p / rel).mkdir()
+
+    return run
+
+
 def truncate(rel: str, keep: int) -> Setup:
     def run(p: Path) -> None:
         path = p / rel
@@ -209,6 +220,11 @@ def omniglot(p: Path) -> None:
     write_omniglot(p / RAW, parts=("background",), drawings=2)
 
 
+def omniglot_parts(p: Path) -> None:
+    """Both parts under data/raw (sets.omniglot_root's default): 5 training and 4 test characters of 3 drawings."""
+    write_omniglot(p / RAW)
+
+
 def png_folder(p: Path) -> None:
     write_png_folder(p / RAW)
 
@@ -232,6 +248,13 @@ OMNIGLOT = ("-S", "data.dataset=omniglot", "-S", "data.test_fraction=0.5")
 CIFAR_DIR = f"{RAW}/cifar-10-batches-py"
 FMNIST_DIR = f"{RAW}/FashionMNIST/raw"
 RESNET = ("-S", "model.backbone=resnet18", "-S", "model.embed_dim=null")
+# the set study on Omniglot only, as small as it goes (every check fires before any training anyway); no --no-mlflow:
+# the tree check sees that no MLflow store (let alone a RUNNING run) is made
+SETS_OMNIGLOT = ("sets", "--quiet", "-S", "sets.datasets=[omniglot]", "-S", "sets.steps=1", "-S", "sets.methods=[rbf]",
+                 "-S", "sets.seeds=[0]", "-S", "sets.test_sets=1", "-S", "sets.rbf_select_sets=1",
+                 "-S", "sets.omniglot_size=4", "-S", "sets.omniglot_k=[2, 4]")
+OMNIGLOT_EVAL = f"{RAW}/omniglot-py/images_evaluation"
+LAYOUT = "omniglot-py/images_background/<Alphabet>/<characterNN>/*.png"
 VALID_YAML_HEAD = "data:\n  dataset: digits\n"
 
 CASES = [
@@ -353,6 +376,40 @@ CASES = [
     Case("omniglot-truncated-png", ("prepare", *OMNIGLOT), 1,
          ("Greek/character01/1001_02.png", "cannot be decoded", "re-extract"),
          (omniglot, truncate(f"{RAW}/omniglot-py/images_background/Greek/character01/1001_02.png", 60))),
+    # ---------------------------------------------------------------- the set study's inputs (exit 1 / 2)
+    Case("sets-omniglot-root-missing", ("sets", "-S", "sets.datasets=[omniglot]", "-S", "sets.omniglot_root=none",
+                                        "-S", "sets.steps=1"), 1,
+         ("sets.omniglot_root", "none does not exist", LAYOUT, "images_evaluation", "drop omniglot from")),
+    Case("sets-omniglot-root-is-file", (*SETS_OMNIGLOT, "-S", "sets.omniglot_root=params.yaml"), 1,
+         ("sets.omniglot_root", "params.yaml is not a directory", LAYOUT)),
+    Case("sets-omniglot-part-missing", SETS_OMNIGLOT, 1,
+         ("sets.omniglot_root", "images_evaluation is missing", LAYOUT), (omniglot,)),
+    Case("sets-omniglot-root-too-deep", (*SETS_OMNIGLOT, "-S", f"sets.omniglot_root={RAW}/omniglot-py"), 1,
+         ("sets.omniglot_root", "omniglot-py/omniglot-py/images_background is missing",
+          "point sets.omniglot_root at the folder holding omniglot-py"), (omniglot_parts,)),
+    Case("sets-omniglot-part-empty", SETS_OMNIGLOT, 1,
+         ("sets.omniglot_root", "images_evaluation holds no <Alphabet>/<characterNN> folder", LAYOUT),
+         (omniglot_parts, emptied(OMNIGLOT_EVAL))),
+    Case("sets-omniglot-character-without-png", SETS_OMNIGLOT, 1,
+         ("sets.omniglot_root", "without a .png", "Tengwar/character01", LAYOUT),
+         (omniglot_parts, emptied(f"{OMNIGLOT_EVAL}/Tengwar/character01"))),
+    Case("sets-omniglot-truncated-png", SETS_OMNIGLOT, 1,
+         ("Tengwar/character02/0002_02.png", "cannot be decoded", "re-extract"),
+         (omniglot_parts, truncate(f"{OMNIGLOT_EVAL}/Tengwar/character02/0002_02.png", 60))),
+    Case("sets-omniglot-k-beyond-characters", (*SETS_OMNIGLOT, "-S", "sets.omniglot_size=8", "-S",
+                                               "sets.omniglot_k=[3, 5]"), 2,
+         ("sets.omniglot_size (8)", "sets.omniglot_k ([3, 5])", "4 test classes", "min(4, 8) = 4"), (omniglot_parts,)),
+    Case("sets-omniglot-size-beyond-drawings", (*SETS_OMNIGLOT, "-S", "sets.omniglot_size=20", "-S",
+                                                "sets.omniglot_k=[5, 20]"), 2,
+         ("sets.omniglot_size (20)", "5 training classes of 3 to 3 elements", "need at least 20", "got 15"),
+         (omniglot_parts,)),
+    Case("sets-digits-size-beyond-classes", ("sets", "-S", "sets.datasets=[digits]", "-S", "sets.digits_size=400"), 2,
+         ("sets.digits_size (400)", "sets.digits_k ([2, 4])", "digits", "k >= 3", "smaller sets")),
+    Case("sets-circles-study-csv-garbled", ("sets", "-S", "sets.datasets=[circles]"), 1,
+         ("benchmarks/results/circles.csv", "not the circles study's CSV", "python benchmarks/study_circles.py"),
+         (write_file("benchmarks/results/circles.csv", b"part,points\nfull,many\n"),)),
+    Case("sets-seed-beyond-32-bit", ("sets", "-S", "sets.seeds=[18446744073709551615]"), 2,
+         ("sets.seeds.0", "less than or equal to 4294967295")),
     # ---------------------------------------------------------------- raw data: image_folder (exit 1)
     Case("folder-root-missing", ("prepare", *FOLDER), 1, ("data/raw", "does not exist", "one sub-folder")),
     Case("folder-no-classes", ("prepare", *FOLDER), 1, ("data/raw", "one sub-folder per class"),
@@ -476,6 +533,8 @@ def test_case_table_is_large_and_unique():
 SUBPROCESS_CASES = [
     Case("yaml-syntax", ("check",), 2, ("params.yaml", "not valid YAML"), (params_text("data: [1, 2\n"),)),
     Case("no-prepared-data", ("pretrain",), 1, ("data/prepared/manifest.json", "transfusion prepare")),
+    Case("sets-no-omniglot", ("sets", "-S", "sets.datasets=[omniglot]", "-S", "sets.omniglot_root=none", "-S",
+                              "sets.steps=1"), 1, ("sets.omniglot_root", LAYOUT, "images_evaluation")),
 ]
 
 

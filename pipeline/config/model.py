@@ -52,6 +52,8 @@ class AbcConfig(Section):
     compatibility: AbcCompatibility = "multiplicative"  # Table 1: multiplicative q·k | additive wᵀtanh(q + k)
     kernel: AbcKernel = "logits"  # logits (the code's σ(½(E + Eᵀ))) | paper (½(σ(E) + σ(Eᵀ)))
     pre_embed: bool = True  # the code's Linear–tanh–Linear after the backbone; false needs the backbone width = width
+    set_norm: bool = True  # standardise each backbone feature over the set (the global batch) before the head: ours,
+    # the kernel learns on a fresh backbone's features (docs/design.md#abc-as-a-method); false = the paper's maths
 
     @model_validator(mode="after")
     def _heads(self) -> AbcConfig:

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.config.base import Section
+from pipeline.config.base import MAX_SEED, Section
 
 # the tasks of pipeline.data.set_tasks and the methods of pipeline.evaluation.set_study (tests/config checks both)
 SET_DATASETS = ("circles", "subspaces", "digits", "omniglot")
@@ -28,7 +28,7 @@ class SetsConfig(Section):
 
     datasets: list[SetDataset] = Field(default_factory=lambda: ["circles", "subspaces", "digits"], min_length=1)
     methods: list[SetMethod] = Field(default_factory=lambda: list(SET_METHODS), min_length=1)
-    seeds: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [0, 1, 2, 3, 4], min_length=1)
+    seeds: list[Annotated[int, Field(ge=0, le=MAX_SEED)]] = Field(default_factory=lambda: [0, 1, 2, 3, 4], min_length=1)
     # training: the same for every trained method
     steps: int = Field(200, ge=1, le=10_000_000)
     batch_sets: int = Field(8, ge=1, le=4096)  # sets per step

@@ -26,8 +26,8 @@ Choices, each an option:
 
 - ``attention`` inside the SABs (the code's ``compatibility`` of its ``Attention``): "multiplicative", softmax of
   s·q_i·k_j per head (through ``F.scaled_dot_product_attention``), or "additive", softmax of s·uᵀtanh(q_i + k_j) per
-  head with one u ∈ R^{width/heads} shared by the heads (the code's ``AddComp(head_size)``). The code builds each model's
-  SABs with its final similarity's kind: its additive circles and Omniglot models attend additively.
+  head with one u ∈ R^{width/heads} shared by the heads (the code's ``AddComp(head_size)``). The code builds each
+  model's SABs with its final similarity's kind: its additive circles and Omniglot models attend additively.
 - ``scale`` s of the SAB attention: "width" (the code's ``scaled_softmax``: 1/√width, with per-head q, k of
   width/heads), "head" (Vaswani et al.: 1/√(width/heads)) or "none" (the code's plain ``softmax``, s = 1: its
   additive circles model). Default "width".
@@ -59,6 +59,7 @@ from torch import Tensor, nn
 COMPATIBILITIES = ("multiplicative", "additive")
 KERNELS = ("logits", "paper")
 ATTENTION_SCALES = ("width", "head", "none")
+SET_NORM_EPS = 1e-5  # ABCHead's set_norm: added to each feature's variance over the set (as BatchNorm's eps)
 TILE_ELEMENTS = 1 << 24  # default additive tile: rows such that tile * n * width <= 16M numbers (64 MiB in fp32)
 
 
@@ -246,6 +247,16 @@ class ABCHead(nn.Module):
     ("multiplicative" | "additive", :class:`SAB`); scale: the SAB attention scale ("width" | "head" | "none");
     project: the SABs' output projection W_O; scale_compat: divide the multiplicative similarity by √width; tile: rows
     per additive tile (None: :func:`additive_tile`'s default).
+    set_norm: standardise each feature over the set's rows before the pre-embedding (before the SABs without it):
+
+        μ = (1/n) Σ_i x_i,   σ² = (1/n) Σ_i (x_i − μ)²   (per feature, (dim,) each; per set for x (B, n, dim))
+        x̂_i = (x_i − μ) / √(σ² + ε),   ε = SET_NORM_EPS,   x̂ (n, dim) replaces x
+
+    μ and σ² are symmetric functions of the rows, so the head stays permutation-equivariant (κ of permuted rows is κ
+    permuted), and κ no longer depends on a part c common to every row (x_i + c gives the same x̂): the tanh of the
+    pre-embedding sees the rows' differences at unit scale instead of saturating on their shared part. A set function
+    of all n rows, like the SABs: the set must be whole (training runs the head on the gathered global batch). No
+    parameters. Default False (the paper's and the code's maths); ``model.abc.set_norm`` turns it on for ``pretrain``.
     """
 
     def __init__(
@@ -262,6 +273,7 @@ class ABCHead(nn.Module):
         tile: int | None = None,
         attention: str = "multiplicative",
         project: bool = True,
+        set_norm: bool = False,
     ) -> None:
         super().__init__()
         _check(compatibility, COMPATIBILITIES, "compatibility")
@@ -271,6 +283,7 @@ class ABCHead(nn.Module):
         if not pre_embed and dim != width:
             raise ValueError(f"without the pre-embedding dim ({dim}) must equal width ({width})")
         self.compatibility, self.kernel, self.scale_compat = compatibility, kernel, scale_compat
+        self.set_norm = set_norm
         self.tile = None if tile is None else additive_tile(1, 1, tile)
         self.pre = nn.Sequential(nn.Linear(dim, width), nn.Tanh(), nn.Linear(width, width)) if pre_embed else None
         self.blocks = nn.ModuleList(SAB(width, heads, scale, attention, project) for _ in range(depth))
@@ -286,7 +299,8 @@ class ABCHead(nn.Module):
         return cls(dim, depth=0, width=width, compatibility="additive", **kwargs)
 
     @classmethod
-    def as_code_circles(cls, dim: int, compatibility: str, depth: int = 2, width: int = 128, **kwargs: object) -> ABCHead:
+    def as_code_circles(cls, dim: int, compatibility: str, depth: int = 2, width: int = 128,
+                        **kwargs: object) -> ABCHead:
         """The code's circles model (``circles.py``: ``AffinityAdd``/``AffinityMul``): 1-head SABs without an output
         projection, attending as the similarity is computed: additive with plain softmax, or softmax of q·k/√width."""
         additive = compatibility == "additive"
@@ -301,6 +315,10 @@ class ABCHead(nn.Module):
         return e / math.sqrt(a.shape[-1]) if self.scale_compat else e
 
     def forward(self, x: Tensor) -> ABCOutput:
+        if self.set_norm:  # per feature over the set's n rows (per set for (B, n, dim)): (x − μ) / √(σ² + ε)
+            xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # the statistics in fp32 at least
+            var, mean = torch.var_mean(xf, dim=-2, correction=0, keepdim=True)  # (..., 1, dim) each
+            x = ((xf - mean) * torch.rsqrt(var + SET_NORM_EPS)).to(x.dtype)  # (..., n, dim)
         z = self.pre(x) if self.pre is not None else x  # (n, width)
         hidden = []
         for block in self.blocks:

@@ -344,7 +344,8 @@ def build_model(m: ModelConfig, input_shape: tuple[int, ...]) -> TransFusion | A
     if m.method == "abc":
         a = m.abc
         return ABCModel(backbone, dim, ABCHead(dim, depth=a.blocks, heads=a.heads, width=a.width,
-                                               compatibility=a.compatibility, kernel=a.kernel, pre_embed=a.pre_embed))
+                                               compatibility=a.compatibility, kernel=a.kernel, pre_embed=a.pre_embed,
+                                               set_norm=a.set_norm))
     if m.method != "transfusion":
         raise ValueError(f"unknown model.method {m.method!r}; allowed: {', '.join(METHODS)}")
     head = TransFusionHead(dim, m.depth, m.activation, m.block_norm, truncate_last=m.head == "truncated",

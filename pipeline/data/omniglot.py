@@ -31,10 +31,48 @@ OMNIGLOT_SIZE = 105  # every drawing is 105x105
 _DOWNLOAD_HINT = "set data.download: true to fetch it"
 
 
-def omniglot_place(root: Path) -> str:
-    """Where the Omniglot files go under ``root`` (``data.root``), for the messages about missing files."""
+def omniglot_place(root: Path, key: str = "data.root") -> str:
+    """Where the Omniglot files go under ``root`` (the param ``key``, ``data.root`` by default), for the messages
+    about missing files."""
     return (f"place the extracted '{OMNIGLOT_PARTS[True]}' and '{OMNIGLOT_PARTS[False]}' folders "
-            f"(<Alphabet>/<characterNN>/*.png) under {root / OMNIGLOT_FOLDER} (data.root is {root})")
+            f"(<Alphabet>/<characterNN>/*.png) under {root / OMNIGLOT_FOLDER} ({key} is {root})")
+
+
+def omniglot_counts(root: Path, key: str = "data.root", fix: str | None = None) -> dict[bool, np.ndarray]:
+    """The drawings per character of both parts under ``root`` (the param ``key``), from the folder listing alone
+    (no drawing is opened: a check before any work): {background: (C,) int64 in label order}, listed as
+    :func:`read_omniglot` lists them.
+
+    Raises :class:`DatasetError` naming ``key``, the folder and the layout expected, then ``fix`` (default: fetch it
+    with ``data.download`` or place the folders), for a missing root or part, a part without a character folder and
+    a character folder without a ``.png``.
+    """
+    from torchvision.datasets.utils import list_dir, list_files
+
+    root = Path(root)
+    fix = fix or f"{_DOWNLOAD_HINT}, or {omniglot_place(root, key)}"
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise DatasetError(f"{key}: {root} {what}; {fix}")
+    counts = {}
+    for background, part in OMNIGLOT_PARTS.items():
+        target = root / OMNIGLOT_FOLDER / part
+        if not target.is_dir():
+            what = "is not a directory" if target.exists() else "is missing"
+            raise DatasetError(f"{key}: Omniglot folder {target} {what}; {fix}")
+        try:
+            characters = [f"{a}/{c}" for a in sorted(list_dir(str(target))) for c in sorted(list_dir(f"{target}/{a}"))]
+            n = np.array([len(list_files(f"{target}/{c}", ".png")) for c in characters], dtype=np.int64)  # (C,)
+        except OSError as e:  # unreadable folder
+            raise DatasetError(f"{key}: Omniglot folder {target} cannot be listed ({e}); {fix}") from e
+        if not characters:
+            raise DatasetError(f"{key}: Omniglot folder {target} holds no <Alphabet>/<characterNN> folder; {fix}")
+        empty = [c for c, k in zip(characters, n, strict=True) if not k]
+        if empty:
+            raise DatasetError(f"{key}: Omniglot folder {target} has character folder(s) without a .png: "
+                               f"{', '.join(empty[:3])}{' ...' if len(empty) > 3 else ''}; {fix}")
+        counts[background] = n
+    return counts
 
 
 def _make_omniglot_class():
@@ -131,4 +169,4 @@ def read_omniglot(root: Path, background: bool, download: bool = False) -> tuple
     return x, y, ds.character_names
 
 
-__all__ = ["OMNIGLOT_FOLDER", "OMNIGLOT_PARTS", "OMNIGLOT_SIZE", "omniglot_place", "read_omniglot"]
+__all__ = ["OMNIGLOT_FOLDER", "OMNIGLOT_PARTS", "OMNIGLOT_SIZE", "omniglot_counts", "omniglot_place", "read_omniglot"]

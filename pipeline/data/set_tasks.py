@@ -23,14 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from pipeline.data.sets import sample_sets
+from pipeline.config.base import ParamsError
+from pipeline.data.sets import k_bounds, sample_sets
 from pipeline.data.synthetic import four_circles, union_of_subspaces
 
-__all__ = ["SetBatch", "SetTask", "make_task", "TASKS"]
+__all__ = ["SetBatch", "SetTask", "check_inputs", "make_task", "TASKS"]
 
 TRAIN, TEST = 1, 2  # the stream offsets of a seed: seed * 16 + TRAIN, seed * 16 + TEST
 
@@ -117,10 +119,64 @@ def _digits(cfg) -> SetTask:
     return _labelled("digits", x[seen], y[seen], x[~seen], y[~seen], cfg.digits_size, tuple(cfg.digits_k))
 
 
+def _digits_counts(cfg) -> tuple[str, tuple[np.ndarray, np.ndarray]]:
+    from sklearn.datasets import load_digits
+
+    counts = np.bincount(load_digits().target, minlength=10)  # (10,) drawings per digit
+    test = [c for c in range(10) if c not in DIGITS_TRAIN]
+    return "scikit-learn's digits", (counts[list(DIGITS_TRAIN)], counts[test])
+
+
+def _omniglot_root(cfg) -> Path:
+    return Path(cfg.omniglot_root).expanduser()
+
+
+def _omniglot_counts(cfg) -> tuple[str, tuple[np.ndarray, np.ndarray]]:
+    from pipeline.data.omniglot import OMNIGLOT_FOLDER, OMNIGLOT_PARTS, omniglot_counts
+
+    root = _omniglot_root(cfg)
+    fix = (f"the set study reads the training classes from {root / OMNIGLOT_FOLDER / OMNIGLOT_PARTS[True]}/<Alphabet>/"
+           f"<characterNN>/*.png and the test classes from {OMNIGLOT_PARTS[False]}/<Alphabet>/<characterNN>/*.png "
+           f"beside it: place the extracted folders there, point sets.omniglot_root at the folder holding "
+           f"{OMNIGLOT_FOLDER}, or drop omniglot from sets.datasets")
+    counts = omniglot_counts(root, "sets.omniglot_root", fix)
+    return f"Omniglot under {root}", (counts[True], counts[False])
+
+
+_CLASS_COUNTS = {"digits": _digits_counts, "omniglot": _omniglot_counts}  # the tasks that read labelled data
+
+
+def check_inputs(cfg) -> None:
+    """Check every input the tasks of ``cfg.datasets`` read, before any work: the files are there (Omniglot's
+    folders under ``sets.omniglot_root``, listed, not decoded) and hold enough classes and elements per class for
+    the training and the test sets of ``sets.<task>_size`` elements and ``sets.<task>_k`` clusters.
+
+    Raises :class:`~pipeline.data.types.DatasetError` for missing or malformed files (naming the key, the folder and
+    the layout expected) and :class:`~pipeline.config.base.ParamsError` for a set size or k range the data cannot
+    fill (naming the keys and what the data holds).
+    """
+    for name in cfg.datasets:
+        if name not in TASKS:
+            raise ParamsError(f"sets.datasets: unknown set task {name!r}; allowed: {', '.join(TASKS)}")
+        if name not in _CLASS_COUNTS:
+            continue
+        source, parts = _CLASS_COUNTS[name](cfg)
+        size, k_range = getattr(cfg, f"{name}_size"), tuple(getattr(cfg, f"{name}_k"))
+        for part, counts in zip(("training", "test"), parts, strict=True):
+            try:
+                k_bounds(counts, size, k_range)
+            except ValueError as e:
+                fix = "" if "smaller sets" in str(e) else f"; lower sets.{name}_size or change sets.{name}_k"
+                raise ParamsError(
+                    f"sets.{name}_size ({size}) and sets.{name}_k ({list(k_range)}) do not fit {source}: no {part} "
+                    f"set can be drawn from its {len(counts)} {part} classes of {counts.min()} to {counts.max()} "
+                    f"elements: {e}{fix}") from None
+
+
 def _omniglot(cfg) -> SetTask:
     from pipeline.data.sources import omniglot_sets_split
 
-    x_train, y_train, x_test, y_test = omniglot_sets_split(cfg.omniglot_root, cfg.omniglot_image_size)
+    x_train, y_train, x_test, y_test = omniglot_sets_split(_omniglot_root(cfg), cfg.omniglot_image_size)
     flat = [t.reshape(t.shape[0], -1).float() / (255.0 if t.dtype == torch.uint8 else 1.0) for t in (x_train, x_test)]
     return _labelled("omniglot", flat[0], y_train, flat[1], y_test, cfg.omniglot_size, tuple(cfg.omniglot_k))
 

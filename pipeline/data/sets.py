@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["composition_counts", "sample_sets"]
+__all__ = ["composition_counts", "k_bounds", "sample_sets"]
 
 
 def composition_counts(caps: np.ndarray, total: int) -> np.ndarray:
@@ -47,6 +47,39 @@ def composition_counts(caps: np.ndarray, total: int) -> np.ndarray:
         top = row.max()
         w[j] = row / top if top > 0 else row
     return w
+
+
+def k_bounds(counts, set_size: int, k_range: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The ``(k_lo, k_hi)`` :func:`sample_sets` draws k from, for classes of ``counts`` elements (C,) and sets of
+    ``set_size`` elements: ``k_range`` checked, or the default range; a ValueError saying why no set can be drawn
+    (fewer elements than ``set_size``, ``k_hi`` beyond ``min(C, L)``, ``k_lo`` below ``k_min``). No draw: a caller
+    can check a plan against its data before any work."""
+    counts = np.asarray(counts, dtype=np.int64)
+    size = int(set_size)
+    n_classes = counts.shape[0]
+    if n_classes == 0:
+        raise ValueError(f"sets of {size} elements need at least {size} labelled elements, got none")
+    reach = np.cumsum(np.sort(counts))  # (C,) reach[k - 1]: elements in the k smallest classes
+    if reach[-1] < size:
+        raise ValueError(f"sets of {size} elements need at least {size} labelled elements, got {reach[-1]}")
+    k_min = int(np.searchsorted(reach, size)) + 1  # smallest k with reach[k - 1] >= L
+    k_top = min(n_classes, size)
+    if k_range is None:
+        lo, hi = max(min(2, k_top), k_min), k_top
+    else:
+        lo, hi = (int(v) for v in k_range)
+    if not 1 <= lo <= hi <= k_top:
+        raise ValueError(
+            f"k_range must satisfy 1 <= k_lo <= k_hi <= min(C, L) = min({n_classes}, {size}) = {k_top}, "
+            f"got ({lo}, {hi})"
+        )
+    if lo < k_min:
+        raise ValueError(
+            f"k_range starts at {lo}, but {lo} of the classes can hold fewer than {size} elements together: "
+            f"every set of k classes can be filled without repeating an element only for k >= {k_min} (the "
+            f"{k_min} smallest classes hold {reach[k_min - 1]}); raise k_range[0] to >= {k_min} or draw smaller sets"
+        )
+    return lo, hi
 
 
 def sample_sets(
@@ -97,26 +130,7 @@ def sample_sets(
     _, counts = np.unique(y, return_counts=True)  # (C,) class sizes b_c
     members = np.split(order, np.cumsum(counts)[:-1])  # C arrays of indices
     n_classes = counts.shape[0]
-    reach = np.cumsum(np.sort(counts))  # (C,) reach[k - 1]: elements in the k smallest classes
-    if reach[-1] < size:
-        raise ValueError(f"sets of {size} elements need at least {size} labelled elements, got {reach[-1]}")
-    k_min = int(np.searchsorted(reach, size)) + 1  # smallest k with reach[k - 1] >= L
-    k_top = min(n_classes, size)
-    if k_range is None:
-        lo, hi = max(min(2, k_top), k_min), k_top
-    else:
-        lo, hi = (int(v) for v in k_range)
-    if not 1 <= lo <= hi <= k_top:
-        raise ValueError(
-            f"k_range must satisfy 1 <= k_lo <= k_hi <= min(C, L) = min({n_classes}, {size}) = {k_top}, "
-            f"got ({lo}, {hi})"
-        )
-    if lo < k_min:
-        raise ValueError(
-            f"k_range starts at {lo}, but {lo} of the classes can hold fewer than {size} elements together: "
-            f"every set of k classes can be filled without repeating an element only for k >= {k_min} (the "
-            f"{k_min} smallest classes hold {reach[k_min - 1]}); raise k_range[0] to >= {k_min} or draw smaller sets"
-        )
+    lo, hi = k_bounds(counts, size, k_range)
 
     rng = np.random.default_rng(int(seed))
     index = np.empty((n_sets, size), dtype=np.int64)  # (S, L)

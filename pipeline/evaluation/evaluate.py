@@ -41,6 +41,9 @@ from pipeline.theory.measures import affinity_contrast, quantile_sharpness, shar
 def load_pretrained(models_dir: Path) -> tuple[TransFusion | ABCModel, dict[str, Any]]:
     """The model written by the pretrain stage, rebuilt from its resolved params; weights_only loading."""
     config = json.loads((models_dir / "config.json").read_text())
+    abc = config["params"]["model"].get("abc")
+    if isinstance(abc, dict):  # a model saved before model.abc.set_norm existed was trained without it
+        abc.setdefault("set_norm", False)
     model = build_model(ModelConfig.model_validate(config["params"]["model"], strict=False),
                         tuple(config["input_shape"]))
     model.load_state_dict(load_torch(models_dir / "model.pt"))

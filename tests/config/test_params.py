@@ -136,6 +136,16 @@ def test_method_abc_with_bce_is_valid_in_both_modes(mode):
     assert defaults.loss.pos_weight == "balanced" and defaults.model.abc.blocks == 2 and defaults.model.abc.width == 128
 
 
+def test_abc_set_norm_is_on_by_default_and_can_be_turned_off():
+    """model.abc.set_norm: params.yaml's and the section's default is true; false gives the paper's maths."""
+    on = validate_params(apply_overrides(default_raw(), ABC_OK))
+    assert on.model.abc.set_norm is True and "set_norm" in default_raw()["model"]["abc"]
+    off = validate_params(apply_overrides(default_raw(), [*ABC_OK, "model.abc.set_norm=false"]))
+    assert off.model.abc.set_norm is False
+    with pytest.raises(ParamsError, match="model.abc"):  # like every model.abc key, read only with method abc
+        validate_params(apply_overrides(default_raw(), ["model.abc.set_norm=false"]))
+
+
 def test_grad_cache_is_fine_without_batchnorm():
     raw = apply_overrides(default_raw(), ["train.grad_cache_chunk=8"])  # cnn_small: GroupNorm, caching is exact
     assert validate_params(raw).train.grad_cache_chunk == 8

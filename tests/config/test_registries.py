@@ -75,7 +75,8 @@ def test_abc_names_are_what_abc_implements():
     assert abc.COMPATIBILITIES == C_model.ABC_COMPATIBILITIES and abc.KERNELS == C_model.ABC_KERNELS
     assert tuple(model.ABC_LOSSES) == C_loss.ABC_LOSSES
     assert set(C_model.TRANSFUSION_ONLY) < set(C_model.ModelConfig.model_fields)
-    assert set(C_model.AbcConfig.model_fields) == {"blocks", "heads", "width", "compatibility", "kernel", "pre_embed"}
+    assert set(C_model.AbcConfig.model_fields) == {"blocks", "heads", "width", "compatibility", "kernel", "pre_embed",
+                                                  "set_norm"}
     x, classes = torch.randn(8, 6), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
     for compatibility in C_model.ABC_COMPATIBILITIES:
         for kernel in C_model.ABC_KERNELS:

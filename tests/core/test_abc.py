@@ -94,7 +94,8 @@ def sigmoid(t):
 def test_sab_matches_a_per_head_loop(n, scale, attention, project, heads):
     torch.manual_seed(n)
     block = SAB(8, heads=heads, scale=scale, attention=attention, project=project).double()
-    assert block.scale == pytest.approx({"width": 1 / math.sqrt(8), "head": 1 / math.sqrt(8 // heads), "none": 1.0}[scale])
+    expected = {"width": 1 / math.sqrt(8), "head": 1 / math.sqrt(8 // heads), "none": 1.0}[scale]
+    assert block.scale == pytest.approx(expected)
     assert (block.out is None) == (not project)
     x = torch.randn(n, 8, dtype=torch.float64)
     torch.testing.assert_close(block(x), sab_reference(block, x), rtol=0, atol=1e-12)
@@ -111,9 +112,14 @@ def test_sab_on_a_batch_of_sets_is_each_set_alone(attention):
 
 def test_additive_energies_at_once_and_through_the_tiles_agree():
     torch.manual_seed(0)
-    a, b, w = torch.randn(2, 3, 5, 4, dtype=torch.float64), torch.randn(2, 3, 6, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
-    loop = torch.stack([torch.stack([torch.stack([torch.stack([w @ torch.tanh(a[s, h, i] + b[s, h, j]) for j in range(6)])
-                                                   for i in range(5)]) for h in range(3)]) for s in range(2)])
+    a, b = torch.randn(2, 3, 5, 4, dtype=torch.float64), torch.randn(2, 3, 6, 4, dtype=torch.float64)
+    w = torch.randn(4, dtype=torch.float64)
+    loop = torch.zeros(2, 3, 5, 6, dtype=torch.float64)
+    for s in range(2):
+        for h in range(3):
+            for i in range(5):
+                for j in range(6):
+                    loop[s, h, i, j] = w @ torch.tanh(a[s, h, i] + b[s, h, j])
     torch.testing.assert_close(additive_energies(a, b, w), loop, rtol=0, atol=1e-12)
     torch.testing.assert_close(additive_energies(a, b, w, tile=2), loop, rtol=0, atol=1e-12)
 
@@ -368,3 +374,69 @@ def test_a_batch_of_sets_equals_each_set_alone(compatibility, kernel, big, monke
     torch.testing.assert_close(batched, each, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="numeric pos_weight"):
         bce(out.logits, ids, pos_weight="balanced")
+
+
+def set_norm_reference(x, eps):
+    """x (n, dim) standardised per feature over the n rows, by loops: (x_id − μ_d) / √(σ²_d + ε), σ² the biased
+    variance."""
+    n, dim = x.shape
+    out = torch.empty_like(x)
+    for d in range(dim):
+        mean = sum(float(x[i, d]) for i in range(n)) / n
+        var = sum((float(x[i, d]) - mean) ** 2 for i in range(n)) / n
+        for i in range(n):
+            out[i, d] = (float(x[i, d]) - mean) / math.sqrt(var + eps)
+    return out
+
+
+@pytest.mark.parametrize(("compatibility", "kernel"), KINDS)
+@pytest.mark.parametrize("pre_embed", [True, False])
+def test_set_norm_is_the_plain_head_on_the_standardised_set(compatibility, kernel, pre_embed):
+    """set_norm: the same weights without it on x̂ = (x − μ) / √(σ² + ε), μ, σ² per feature over the set (a loop);
+    a batch of sets (B, n, dim) standardises each set alone. Off by default."""
+    import pipeline.core.abc as abc
+
+    dim = 6 if pre_embed else 8
+    h = head(compatibility, kernel, dim=dim, pre_embed=pre_embed, set_norm=True)
+    plain = head(compatibility, kernel, dim=dim, pre_embed=pre_embed)
+    assert h.set_norm and not plain.set_norm and not ABCHead(dim, width=8, heads=2, pre_embed=pre_embed).set_norm
+    x = 3.0 + 2.0 * torch.randn(9, dim, dtype=torch.float64)
+    want = plain(set_norm_reference(x, abc.SET_NORM_EPS))
+    out = h(x)
+    for name in ("embedding", "energies", "logits", "kernel"):
+        torch.testing.assert_close(getattr(out, name), getattr(want, name), rtol=0, atol=1e-10)
+    sets = torch.randn(3, 5, dim, dtype=torch.float64) * torch.tensor([[[1.0]], [[10.0]], [[0.1]]]) + 4.0
+    batched = h(sets)
+    for b in range(3):
+        torch.testing.assert_close(batched.kernel[b], plain(set_norm_reference(sets[b], abc.SET_NORM_EPS)).kernel,
+                                   rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("n", [7, 100])
+@pytest.mark.parametrize(("compatibility", "kernel"), KINDS)
+def test_set_norm_keeps_permutation_equivariance(n, compatibility, kernel):
+    h = head(compatibility, kernel, dim=5, width=16, heads=4, tile=13, set_norm=True)
+    x = torch.randn(n, 5, dtype=torch.float64)
+    perm = torch.randperm(n)
+    out, out_p = h(x), h(x[perm])
+    torch.testing.assert_close(out_p.kernel, out.kernel[perm][:, perm], rtol=0, atol=1e-12)
+    torch.testing.assert_close(out_p.embedding, out.embedding[perm], rtol=0, atol=1e-12)
+    assert not torch.allclose(out.kernel, out.kernel[perm][:, perm])
+
+
+@pytest.mark.parametrize(("compatibility", "kernel"), KINDS)
+def test_set_norm_makes_the_kernel_blind_to_an_offset_common_to_every_row(compatibility, kernel):
+    """x_i + c for every row i gives the same κ with set_norm (and not without: the offset saturates the tanh)."""
+    torch.manual_seed(3)
+    x, c = torch.randn(12, 6, dtype=torch.float64), 30.0 * torch.randn(6, dtype=torch.float64)
+    normed = head(compatibility, kernel, set_norm=True)
+    torch.testing.assert_close(normed(x + c).kernel, normed(x).kernel, rtol=0, atol=1e-9)
+    plain = head(compatibility, kernel)
+    assert not torch.allclose(plain(x + c).kernel, plain(x).kernel, atol=1e-3)
+
+
+def test_gradcheck_head_loss_with_set_norm():
+    h = head("multiplicative", "logits", dim=3, width=4, depth=1, heads=2, set_norm=True)
+    ids = torch.tensor([0, 1, 0, 1, 2])
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: h(x).loss(ids, pos_weight="balanced"), (x,))

@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.config.data import DataConfig
-from pipeline.data.omniglot import OMNIGLOT_SIZE, read_omniglot
+from pipeline.data.omniglot import OMNIGLOT_SIZE, omniglot_counts, read_omniglot
 from pipeline.data.prepared import load_prepared
 from pipeline.data.sources import load_dataset, omniglot_sets_split
 from pipeline.data.types import DatasetError
@@ -184,6 +184,26 @@ def test_omniglot_missing_root_and_folder(tmp_path):
         load_dataset(DataConfig(dataset="omniglot", root=str(root)))
     msg = str(e.value)
     assert str(root / "omniglot-py" / "images_background") in msg and "missing" in msg and "data.download" in msg
+
+
+def test_omniglot_counts_lists_without_decoding(tmp_path):
+    """Drawings per character of each part in label order, from the listing; the layout problems name the key."""
+    write_omniglot(tmp_path, drawings=2)
+    (tmp_path / "omniglot-py/images_background/Latin/character02/0002_02.png").write_bytes(b"not decoded here")
+    (tmp_path / "omniglot-py/images_background/Greek/character01/1001_01.png").unlink()
+    counts = omniglot_counts(tmp_path)
+    assert counts[True].tolist() == [1, 2, 2, 2, 2] and counts[False].tolist() == [2, 2, 2, 2]  # Greek/... sorts first
+    for name in ("Latin/character02", "Latin/character03"):  # a folder left without a drawing
+        for f in (tmp_path / "omniglot-py/images_background" / name).glob("*.png"):
+            f.unlink()
+    with pytest.raises(DatasetError, match=r"sets\.omniglot_root: .* without a \.png: Latin/character02, "
+                                           r"Latin/character03; do this"):
+        omniglot_counts(tmp_path, "sets.omniglot_root", "do this")
+    with pytest.raises(DatasetError, match=r"data\.root: .* does not exist; set data\.download: true to fetch it, "
+                                           r".*/omniglot-py"):
+        omniglot_counts(tmp_path / "nowhere")
+    with pytest.raises(DatasetError, match=r"k: .*omniglot-py/omniglot-py/images_background is missing; fix"):
+        omniglot_counts(tmp_path / "omniglot-py", "k", "fix")
 
 
 def test_omniglot_broken_files_are_named(tmp_path):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.data.sets import composition_counts, sample_sets
+from pipeline.data.sets import composition_counts, k_bounds, sample_sets
 
 
 def _labels(sizes: list[int], seed: int = 0) -> torch.Tensor:
@@ -105,3 +105,16 @@ def test_refusals() -> None:
         kwargs = {"n_sets": 3, "set_size": 3, **bad}
         with pytest.raises(ValueError, match="must be an integer >= 1"):
             sample_sets(y, **kwargs)
+
+
+def test_k_bounds_check_a_plan_without_drawing() -> None:
+    """What sample_sets would refuse, refused from the class sizes alone (a check before any work)."""
+    assert k_bounds([2, 3, 10], 5) == (2, 3) and k_bounds(np.array([2, 3, 10]), 5, (2, 3)) == (2, 3)
+    with pytest.raises(ValueError, match=r"min\(C, L\) = min\(3, 5\) = 3"):
+        k_bounds([2, 3, 10], 5, (2, 4))
+    with pytest.raises(ValueError, match=r"k >= 3 .* raise k_range\[0\] to >= 3"):
+        k_bounds([2, 2, 10], 5, (2, 3))
+    with pytest.raises(ValueError, match="need at least 20 labelled elements, got 15"):
+        k_bounds([2, 3, 10], 20)
+    with pytest.raises(ValueError, match="got none"):
+        k_bounds([], 4)

@@ -70,3 +70,27 @@ def test_a_batch_too_large_for_the_dense_head_is_fused_over_tiles_with_the_same_
             got = tiled[1][block][key]
             assert (got is None) == (value is None) and (value is None or got == pytest.approx(value, rel=1e-5,
                                                                                                 abs=1e-7)), key
+
+
+def test_an_abc_model_saved_before_set_norm_loads_without_it(tmp_path):
+    """config.json written before ``model.abc.set_norm`` existed: the model is rebuilt as it was trained (no set
+    normalisation), not with today's default; one that says set_norm keeps it."""
+    import json
+
+    from pipeline.config.model import ModelConfig
+    from pipeline.core.model import build_model
+    from pipeline.evaluation.evaluate import load_pretrained
+    from pipeline.io import save_torch
+
+    m = ModelConfig.model_validate({"method": "abc", "backbone": "mlp", "qk_init": "default",
+                                    "abc": {"width": 8, "heads": 2}})
+    model = build_model(m, (64,))
+    params = m.model_dump()
+    for saved, expected in ((None, False), (True, True)):
+        params["abc"].pop("set_norm", None)
+        if saved is not None:
+            params["abc"]["set_norm"] = saved
+        (tmp_path / "config.json").write_text(json.dumps({"params": {"model": params}, "input_shape": [64]}))
+        save_torch(tmp_path / "model.pt", model.state_dict())
+        loaded, _ = load_pretrained(tmp_path)
+        assert loaded.head.set_norm is expected

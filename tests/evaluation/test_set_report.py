@@ -48,3 +48,50 @@ def test_rows_and_figure(tmp_path):
     assert {"dataset": "digits", "method": "rbf", "metric": "ari_known", "mean": 0.6} | {"sd": rows[-4]["sd"]} in rows
     set_report.figure(summary, tmp_path / "ari.png")
     assert (tmp_path / "ari.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def study_rows():
+    """The circles study's CSV rows (strings, as csv.DictReader gives them): a full part and a points part."""
+    rows = []
+    aris = {"abc_additive": [0.36, 0.38, 0.34], "abc_multiplicative": [0.30, 0.29, 0.31], "pairwise": [0.10, 0.12, 0.11],
+            "rbf": [0.13, 0.12, 0.14]}
+    for method, values in aris.items():
+        for seed, ari in enumerate(values):
+            rows.append({"part": "full", "points": "20", "steps": "7812", "batch_sets": "128", "dataset": "circles",
+                         "method": method, "seed": str(seed), "ari_known": str(ari), "ari_unknown": str(ari / 2),
+                         "nmi_known": "0.5", "nmi_unknown": "0.3", "k_error": "1.5",
+                         "final_loss": "" if method == "rbf" else "0.4", "rbf_c": "2.0" if method == "rbf" else ""})
+    for points in ("20", "50"):
+        for seed in range(2):
+            rows.append({**rows[0], "part": "points", "points": points, "steps": "500", "batch_sets": "32",
+                         "seed": str(seed), "ari_known": str(0.1 * int(points) / 20 + 0.01 * seed)})
+    return rows
+
+
+def test_the_circles_study_summary_is_the_mean_and_sd_over_seeds_per_cell():
+    summary = set_report.circles_summary(study_rows())
+    full = summary["full"]["20"]
+    assert (full["steps"], full["batch_sets"]) == (7812, 128)
+    assert list(full["methods"]) == ["abc_multiplicative", "abc_additive", "pairwise", "rbf"]  # the report's order
+    e = full["methods"]["abc_additive"]
+    assert e["seeds"] == 3 and math.isclose(e["ari_known"], 0.36) and math.isclose(e["ari_known_sd"], 0.02)
+    assert "final_loss" not in full["methods"]["rbf"]  # nothing trained: no loss, not a zero
+    points = summary["points"]
+    assert sorted(points) == ["20", "50"] and points["50"]["methods"]["abc_additive"]["seeds"] == 2
+    assert math.isclose(points["50"]["methods"]["abc_additive"]["ari_known"], 0.255)
+
+
+def test_the_circles_section_states_the_papers_orderings():
+    text = set_report.circles_section(set_report.circles_summary(study_rows()), figure="../plots/sets/circles.png")
+    assert "| ABC additive | 3 | 0.360 ± 0.020 |" in text
+    assert "ABC additive > RBF: holds beyond the spread (0.360 vs 0.130, 2.8×)" in text
+    assert "RBF > pairwise: a tie within the spread (0.130 vs 0.110)" in text  # 0.130 ± 0.010 vs 0.110 ± 0.010
+    assert "| ABC additive | 0.105 ± 0.007 / 0.180 ± 0.000 | 0.255 ± 0.007 / 0.180 ± 0.000 |" in text
+    assert "| RBF spectral | n/a | n/a |" not in text and "![ARI against the points per set]" in text
+    reversed_ = set_report.circles_orderings({"rbf": entry(0.1), "pairwise": entry(0.3)})
+    assert reversed_ == ["RBF > pairwise: does not hold (0.100 vs 0.300)"]
+
+
+def test_the_circles_figure(tmp_path):
+    set_report.circles_figure(set_report.circles_summary(study_rows()), tmp_path / "circles.png")
+    assert (tmp_path / "circles.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
