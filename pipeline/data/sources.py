@@ -47,6 +47,9 @@ _CIFAR_META = "batches.meta"
 _CIFAR_ROW = 3 * 32 * 32
 
 _FMNIST_FOLDER = "FashionMNIST"
+_FMNIST_APT = "apt-get install dataset-fashion-mnist"  # Debian's (Ubuntu's) package of the idx files, flat in:
+FMNIST_DEBIAN_ROOT = Path("/usr/share/datasets/fashion-mnist")
+_FMNIST_SIZES = {True: 60_000, False: 10_000}  # train / test images, a tenth of each of the 10 classes
 _IDX_IMAGES_MAGIC = 2051  # 0x00000803: uint8, 3 dims
 _IDX_LABELS_MAGIC = 2049  # 0x00000801: uint8, 1 dim
 
@@ -291,47 +294,78 @@ def _read_idx_pair(raw: Path, train: bool) -> tuple[Tensor, Tensor]:
     return images.clone(), labels.to(torch.int64)
 
 
-def _make_fashion_mnist_class():
+def _make_fashion_mnist_class(raw: Path):
     from torchvision.datasets import FashionMNIST
 
     class _FashionMNIST(FashionMNIST):
-        """torchvision's FashionMNIST, also accepting ``*.gz`` idx files and validating headers first."""
+        """torchvision's FashionMNIST on the idx files in ``raw`` (either layout), ``*.gz`` too, headers checked."""
 
         @property
         def raw_folder(self) -> str:  # torchvision derives it from the class name
-            return os.path.join(self.root, _FMNIST_FOLDER, "raw")
+            return str(raw)
 
         @property
         def processed_folder(self) -> str:
             return os.path.join(self.root, _FMNIST_FOLDER, "processed")
 
         def _check_exists(self) -> bool:
-            raw = Path(self.raw_folder)
-            stems = [*_idx_stems(True), *_idx_stems(False)]
-            return all((raw / s).is_file() or (raw / f"{s}.gz").is_file() for s in stems)
+            return not _fmnist_missing(raw)
 
         def _load_data(self):
-            return _read_idx_pair(Path(self.raw_folder), self.train)
+            return _read_idx_pair(raw, self.train)
 
     return _FashionMNIST
 
 
-def _load_fashion_mnist(data: DataConfig, root: Path) -> Splits:
-    """Fashion-MNIST from ``root/FashionMNIST/raw/*-ubyte[.gz]`` (its own split; fetched first with
-    ``data.download``): uint8 (N, 1, 28, 28)."""
-    cls = _make_fashion_mnist_class()
+def _fmnist_missing(raw: Path) -> list[str]:
+    return [s for s in (*_idx_stems(True), *_idx_stems(False)) if not any((raw / n).is_file() for n in (s, f"{s}.gz"))]
+
+
+def fmnist_raw_folder(root: Path) -> tuple[Path, list[str]]:
+    """The folder to read Fashion-MNIST's idx files from, and the stems it lacks (none: all there): torchvision's
+    layout ``root/FashionMNIST/raw/`` (what ``data.download`` fills) if complete, else ``root`` itself if complete (a
+    flat folder, as Zalando's repository and Debian's ``dataset-fashion-mnist`` have them), else the one holding
+    more of the files (torchvision's on a tie)."""
+    layouts = [root / _FMNIST_FOLDER / "raw", root]
+    return min(((raw, _fmnist_missing(raw)) for raw in layouts), key=lambda found: len(found[1]))
+
+
+def _fmnist_fix(root: Path, fetch: bool = True) -> str:
+    """The ways to get the idx files for data root ``root`` (``fetch``: data.download's first), for a message."""
     raw = root / _FMNIST_FOLDER / "raw"
-    if not data.download:
-        missing = [
-            s
-            for s in (*_idx_stems(True), *_idx_stems(False))
-            if not ((raw / s).is_file() or (raw / f"{s}.gz").is_file())
-        ]
-        if missing:
-            raise DatasetError(
-                f"Fashion-MNIST file(s) {', '.join(missing)} (or .gz) missing in {raw}; {_DOWNLOAD_HINT}, "
-                f"or place the idx files under {raw}"
-            )
+    return (f"{f'{_DOWNLOAD_HINT} (into {raw}), or ' if fetch else ''}`{_FMNIST_APT}` (Debian, Ubuntu), which puts "
+            f"them in {FMNIST_DEBIAN_ROOT}, and set data.root to that folder, or place the four idx files (plain or "
+            f".gz) in {root} itself or in {raw}")
+
+
+def _check_fmnist_counts(y: Tensor, train: bool, raw: Path) -> None:
+    """Fashion-MNIST's sizes, on the decoded labels ``y`` (N,) of a split: 60,000 train / 10,000 test, a tenth of each
+    class. Not the ``.gz`` files' MD5s: Debian recompressed them (the same images, other bytes), so the decoded data is
+    what is checked, and what the manifest's sha256s are of."""
+    expected, in_range = _FMNIST_SIZES[train], bool(len(y)) and 0 <= int(y.min()) and int(y.max()) < 10
+    counts = torch.bincount(y, minlength=10).tolist() if in_range else None
+    if len(y) == expected and counts == [expected // 10] * 10:
+        return
+    found = (f"{', '.join(f'{c:,}' for c in counts)} of classes 0-9" if counts is not None
+             else f"labels {int(y.min())}..{int(y.max())}" if len(y) else "no labels")
+    raise DatasetError(
+        f"Fashion-MNIST's {'train' if train else 'test'} split in {raw} ({_idx_stems(train)[1]}[.gz]) holds "
+        f"{len(y):,} images ({found}); Fashion-MNIST's has {expected:,}, {expected // 10:,} of each of 10 classes: "
+        "these files are not Fashion-MNIST's, or are damaged. Replace them with the originals (`apt-get install "
+        f"--reinstall dataset-fashion-mnist` for {FMNIST_DEBIAN_ROOT}, or delete them and {_DOWNLOAD_HINT})")
+
+
+def _load_fashion_mnist(data: DataConfig, root: Path) -> Splits:
+    """Fashion-MNIST from the idx files (plain or ``.gz``) of :func:`fmnist_raw_folder` (fetched into torchvision's
+    layout first with ``data.download`` when neither layout has them); its own split, uint8 (N, 1, 28, 28), checked
+    to be Fashion-MNIST's sizes once every file is read (:func:`_check_fmnist_counts`)."""
+    raw, missing = fmnist_raw_folder(root)
+    if missing and not data.download:
+        what = (f"no Fashion-MNIST idx file in {root} or in {root / _FMNIST_FOLDER / 'raw'}" if len(missing) == 4
+                else f"Fashion-MNIST file(s) {', '.join(missing)} (or .gz) missing in {raw}")
+        raise DatasetError(f"{what}; {_fmnist_fix(root)}")
+    raw = root / _FMNIST_FOLDER / "raw" if missing else raw  # data.download fetches into torchvision's layout
+    cls = _make_fashion_mnist_class(raw)
     splits = []
     for train in (True, False):
         try:
@@ -339,12 +373,12 @@ def _load_fashion_mnist(data: DataConfig, root: Path) -> Splits:
         except DatasetError:
             raise
         except Exception as e:  # download failure or a file changed under our feet
-            raise DatasetError(
-                f"could not load Fashion-MNIST from {raw} ({type(e).__name__}: {e}); check the network if "
-                f"data.download is true, or place the idx files under {raw}"
-            ) from e
+            raise DatasetError(f"could not load Fashion-MNIST from {raw} ({type(e).__name__}: {e}); check the network "
+                               f"if data.download is true, or {_fmnist_fix(root, fetch=False)}") from e
         x = ds.data.unsqueeze(1).contiguous()  # (N, 1, 28, 28) uint8
         splits.append(Split(x, torch.as_tensor(ds.targets, dtype=torch.int64)))
+    for split, train in zip(splits, (True, False), strict=True):
+        _check_fmnist_counts(split.y, train, raw)
     return splits[0], splits[1], tuple(cls.classes)
 
 
@@ -496,8 +530,6 @@ def _resize(x: Tensor, size: int, chunk: int = 4096) -> Tensor:
     return out.clamp_(0.0, 1.0) if out.is_floating_point() else out
 
 
-
-
 def checked_root(data: DataConfig) -> Path:
     """``data.root`` with ``~`` expanded, once the request is one :func:`load_dataset` can serve: ValueError for
     bad values (a :class:`DataConfig` refuses them already; this guards one built without validation),
@@ -527,7 +559,7 @@ def checked_root(data: DataConfig) -> Path:
         elif name == "omniglot":
             fix = f"{_DOWNLOAD_HINT}, or {omniglot_place(root)}"
         else:
-            fix = f"{_DOWNLOAD_HINT}, or place the idx files under {root / _FMNIST_FOLDER / 'raw'}"
+            fix = _fmnist_fix(root)
         raise DatasetError(f"data root {root} for dataset '{name}' does not exist; {fix}")
     if name == "image_folder" and image_size is None:
         raise ValueError(
@@ -562,5 +594,5 @@ def load_dataset(data: DataConfig) -> Dataset:
     return Dataset(name=name, train=train, test=test, classes=tuple(classes), input_shape=input_shape)
 
 
-__all__ = ["DATASET_NAMES", "READERS", "FolderPlan", "checked_root", "folder_images", "load_dataset",
-           "omniglot_sets_split", "plan_image_folder"]
+__all__ = ["DATASET_NAMES", "FMNIST_DEBIAN_ROOT", "READERS", "FolderPlan", "checked_root", "fmnist_raw_folder",
+           "folder_images", "load_dataset", "omniglot_sets_split", "plan_image_folder"]

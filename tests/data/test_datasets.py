@@ -69,10 +69,19 @@ def idx_bytes(arr: np.ndarray, magic: int) -> bytes:
     return struct.pack(f">I{arr.ndim}I", magic, *arr.shape) + np.ascontiguousarray(arr, dtype=np.uint8).tobytes()
 
 
-def write_fmnist(root: Path, n_train: int = 30, n_test: int = 12, gz: bool = False, seed: int = 0) -> dict:
+FMNIST_FULL = {"train": 60_000, "t10k": 10_000}  # Fashion-MNIST's split sizes, which the reader checks
+FMNIST_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",  # in the order the reader names them
+                "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+def write_fmnist(root: Path, n_train: int = 30, n_test: int = 12, gz: bool = False, seed: int = 0,
+                 flat: bool = False) -> dict:
+    """Fabricated idx files (random images, labels 0..9 in turn) in torchvision's ``root/FashionMNIST/raw``, or in
+    ``root`` itself with ``flat`` (Debian's and Zalando's layout); ``gz``: gzip'd (stored, fast). Returns
+    ``{"train" | "t10k": (images uint8 (n, 28, 28), labels uint8 (n,))}``."""
     rng = np.random.default_rng(seed)
-    raw = root / "FashionMNIST" / "raw"
-    raw.mkdir(parents=True)
+    raw = root if flat else root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=flat)
     out = {}
     for prefix, n in (("train", n_train), ("t10k", n_test)):
         images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
@@ -83,11 +92,32 @@ def write_fmnist(root: Path, n_train: int = 30, n_test: int = 12, gz: bool = Fal
         ):
             blob = idx_bytes(arr, magic)
             if gz:
-                (raw / f"{stem}.gz").write_bytes(gzip.compress(blob))
+                (raw / f"{stem}.gz").write_bytes(gzip.compress(blob, compresslevel=0))
             else:
                 (raw / stem).write_bytes(blob)
         out[prefix] = (images, labels)
     return out
+
+
+@pytest.fixture(scope="module")
+def fmnist_full(tmp_path_factory) -> dict:
+    """Fabricated Fashion-MNIST of the real sizes (60,000 / 10,000, a tenth of each class), written once for the
+    module: flat folders ``plain`` and ``gz``, and the arrays; tests point data.root at them (or link them into
+    torchvision's layout), and never write there."""
+    base = tmp_path_factory.mktemp("fmnist-full")
+    written = write_fmnist(base / "plain", *FMNIST_FULL.values(), flat=True)
+    write_fmnist(base / "gz", *FMNIST_FULL.values(), gz=True, flat=True)
+    return {"plain": base / "plain", "gz": base / "gz", "arrays": written}
+
+
+def fmnist_root(tmp_path: Path, folder: Path, layout: str) -> Path:
+    """A data root for the idx files in ``folder``: ``folder`` itself (``flat``), or ``tmp_path`` with
+    ``FashionMNIST/raw`` a link to it (``torchvision``), as a user links Debian's folder into torchvision's layout."""
+    if layout == "flat":
+        return folder
+    (tmp_path / "FashionMNIST").mkdir()
+    (tmp_path / "FashionMNIST" / "raw").symlink_to(folder, target_is_directory=True)
+    return tmp_path
 
 
 def write_png_folder(root: Path) -> dict[str, tuple[int, int, int]]:
@@ -370,44 +400,49 @@ def test_cifar10_bad_meta(tmp_path):
 # Fashion-MNIST
 
 
+@pytest.mark.parametrize("layout", ["torchvision", "flat"])
 @pytest.mark.parametrize("gz", [False, True])
-def test_fashion_mnist_values(tmp_path, gz):
+def test_fashion_mnist_values(tmp_path, fmnist_full, gz, layout):
     from torchvision.datasets import FashionMNIST
 
-    written = write_fmnist(tmp_path, gz=gz)
-    ds = load_dataset(DataConfig(dataset="fashion_mnist", root=str(tmp_path)))
+    folder = fmnist_full["gz" if gz else "plain"]
+    before = sorted(p.name for p in folder.iterdir())
+    ds = load_dataset(DataConfig(dataset="fashion_mnist", root=str(fmnist_root(tmp_path, folder, layout))))
     assert ds.classes == tuple(FashionMNIST.classes) and ds.input_shape == (1, 28, 28)
-    assert ds.train.x.dtype == torch.uint8 and ds.train.x.shape == (30, 1, 28, 28)
-    assert ds.test.x.shape == (12, 1, 28, 28)
-    for split, (images, labels) in ((ds.train, written["train"]), (ds.test, written["t10k"])):
-        x, y = split.x.numpy(), split.y.tolist()
-        for k in range(len(labels)):
+    assert ds.train.x.dtype == torch.uint8 and ds.train.x.shape == (60_000, 1, 28, 28)
+    assert ds.test.x.shape == (10_000, 1, 28, 28)
+    arrays = fmnist_full["arrays"]
+    for split, (images, labels) in ((ds.train, arrays["train"]), (ds.test, arrays["t10k"])):
+        x, y = split.x.numpy(), split.y.numpy()
+        for k in (0, 1, len(labels) - 1):  # rows, then columns, of the first and last images, pixel by pixel
             assert y[k] == int(labels[k])
             for h in range(0, 28, 3):
                 for w in range(28):
                     assert x[k, 0, h, w] == images[k, h, w]
-        assert np.array_equal(x[:, 0], images)
-    if gz:  # read without writing anything into the user's data folder
-        assert sorted(p.name for p in (tmp_path / "FashionMNIST" / "raw").iterdir()) == sorted(
-            f"{s}.gz"
-            for s in (
-                "train-images-idx3-ubyte",
-                "train-labels-idx1-ubyte",
-                "t10k-images-idx3-ubyte",
-                "t10k-labels-idx1-ubyte",
-            )
-        )
+        assert np.array_equal(x[:, 0], images) and np.array_equal(y, labels.astype(np.int64))
+        assert np.bincount(y).tolist() == [len(y) // 10] * 10
+    # read without writing anything into the user's data folder
+    assert sorted(p.name for p in folder.iterdir()) == before == sorted(f"{s}.gz" if gz else s for s in FMNIST_STEMS)
 
 
-def test_fashion_mnist_present_files_never_download(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["torchvision", "flat"])
+def test_fashion_mnist_present_files_never_download(tmp_path, fmnist_full, monkeypatch, layout):
     import torchvision.datasets.mnist as tv_mnist
 
     def no_network(*a, **k):
         raise AssertionError("download attempted although the files are present")
 
     monkeypatch.setattr(tv_mnist, "download_and_extract_archive", no_network)
-    write_fmnist(tmp_path)
-    assert len(load_dataset(DataConfig(dataset="fashion_mnist", root=str(tmp_path), download=True)).train) == 30
+    root = fmnist_root(tmp_path, fmnist_full["gz"], layout)
+    assert len(load_dataset(DataConfig(dataset="fashion_mnist", root=str(root), download=True)).train) == 60_000
+    assert not (fmnist_full["gz"] / "FashionMNIST").exists()
+
+
+def test_fashion_mnist_a_stratified_subset_of_the_real_sizes(fmnist_full):
+    ds = load_dataset(DataConfig(dataset="fashion_mnist", root=str(fmnist_full["plain"]), limit_train=500,
+                                 limit_test=200))
+    assert ds.train.x.shape == (500, 1, 28, 28) and ds.test.x.shape == (200, 1, 28, 28)
+    assert torch.bincount(ds.train.y).tolist() == [50] * 10 and torch.bincount(ds.test.y).tolist() == [20] * 10
 
 
 def test_fashion_mnist_download_failure_is_explained(tmp_path, monkeypatch):
@@ -431,8 +466,73 @@ def test_fashion_mnist_missing_file(tmp_path):
 
 
 def test_fashion_mnist_missing_root(tmp_path):
-    with pytest.raises(DatasetError, match="does not exist.*data.download: true"):
+    with pytest.raises(DatasetError, match="does not exist.*data.download: true") as e:
         load_dataset(DataConfig(dataset="fashion_mnist", root=str(tmp_path / "nowhere")))
+    msg = str(e.value)
+    assert "`apt-get install dataset-fashion-mnist`" in msg and "/usr/share/datasets/fashion-mnist" in msg
+
+
+def test_fashion_mnist_no_file_in_either_layout_names_every_way_to_get_them(tmp_path):
+    (tmp_path / "FashionMNIST" / "raw").mkdir(parents=True)
+    with pytest.raises(DatasetError) as e:
+        load_dataset(DataConfig(dataset="fashion_mnist", root=str(tmp_path)))
+    msg = str(e.value)
+    assert f"no Fashion-MNIST idx file in {tmp_path} or in {tmp_path / 'FashionMNIST' / 'raw'}" in msg
+    assert "data.download: true" in msg  # fetches into torchvision's layout
+    # Debian's package and the folder it fills, which data.root then names
+    assert "`apt-get install dataset-fashion-mnist`" in msg and "/usr/share/datasets/fashion-mnist" in msg
+    assert "data.root" in msg
+
+
+def test_fashion_mnist_a_flat_folder_missing_a_file_is_named(tmp_path):
+    write_fmnist(tmp_path, gz=True, flat=True)
+    (tmp_path / "train-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(DatasetError) as e:
+        load_dataset(DataConfig(dataset="fashion_mnist", root=str(tmp_path)))
+    msg = str(e.value)
+    assert f"train-labels-idx1-ubyte (or .gz) missing in {tmp_path};" in msg and "t10k" not in msg.split(";")[0]
+    assert "apt-get install dataset-fashion-mnist" in msg and "data.download: true" in msg
+
+
+def test_fashion_mnist_the_layout_read(tmp_path):
+    """torchvision's layout when it is complete, else a complete flat folder, else the one with the most files."""
+    from pipeline.data.sources import fmnist_raw_folder
+
+    tv = tmp_path / "FashionMNIST" / "raw"
+    assert fmnist_raw_folder(tmp_path) == (tv, list(FMNIST_STEMS))  # nothing anywhere: torchvision's is named
+    write_fmnist(tmp_path, flat=True)
+    assert fmnist_raw_folder(tmp_path) == (tmp_path, [])
+    write_fmnist(tmp_path, gz=True)
+    assert fmnist_raw_folder(tmp_path) == (tv, [])
+    (tv / "t10k-images-idx3-ubyte.gz").unlink()
+    assert fmnist_raw_folder(tmp_path) == (tmp_path, [])
+    (tmp_path / "t10k-images-idx3-ubyte").unlink()
+    (tmp_path / "t10k-labels-idx1-ubyte").unlink()
+    assert fmnist_raw_folder(tmp_path) == (tv, ["t10k-images-idx3-ubyte"])
+
+
+def test_fashion_mnist_other_sizes_are_refused(tmp_path):
+    write_fmnist(tmp_path, flat=True)  # 30 / 12 images: well-formed idx files, not Fashion-MNIST's
+    with pytest.raises(DatasetError) as e:
+        load_dataset(DataConfig(dataset="fashion_mnist", root=str(tmp_path)))
+    msg = str(e.value)
+    assert f"train split in {tmp_path} (train-labels-idx1-ubyte[.gz]) holds 30 images (3, 3, 3," in msg
+    assert "60,000, 6,000 of each of 10 classes" in msg and "apt-get install --reinstall dataset-fashion-mnist" in msg
+
+
+@pytest.mark.parametrize("labels, found", [
+    (lambda y: np.where(np.arange(len(y)) == 0, 1, y), "999, 1,001, 1,000"),  # one image of class 0 said to be 1
+    (lambda y: np.where(np.arange(len(y)) == 5, 10, y), "labels 0..10"),  # a class Fashion-MNIST has not
+], ids=["unbalanced", "out-of-range"])
+def test_fashion_mnist_classes_must_be_a_tenth_each(tmp_path, fmnist_full, labels, found):
+    """The real sizes with the test split's classes off: refused, the counts named."""
+    for stem in FMNIST_STEMS[:3]:
+        (tmp_path / stem).symlink_to(fmnist_full["plain"] / stem)
+    y = labels(fmnist_full["arrays"]["t10k"][1].astype(np.int64)).astype(np.uint8)
+    (tmp_path / FMNIST_STEMS[3]).write_bytes(idx_bytes(y, 2049))
+    with pytest.raises(DatasetError, match="test split") as e:
+        load_dataset(DataConfig(dataset="fashion_mnist", root=str(tmp_path)))
+    assert f"holds 10,000 images ({found}" in str(e.value) and "1,000 of each of 10 classes" in str(e.value)
 
 
 @pytest.mark.parametrize(
