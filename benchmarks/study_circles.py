@@ -16,7 +16,7 @@ Each finished cell is appended to ``--out`` (CSV) at once, and a rerun skips the
 interrupted study resumes. The ``sets`` stage reads that CSV (a DVC dependency): ``reports/sets.md`` and
 ``reports/REPORT.md`` show its tables, ``plots/sets/circles.png`` its figure. ``--plot`` only prints the tables.
 
-    python benchmarks/study_circles.py                      # both parts (≈ 2 h on 2 cores)
+    python benchmarks/study_circles.py                      # both parts (1 h 46 min on 2 cores)
     python benchmarks/study_circles.py --plot               # the Markdown tables of the CSV
 """
 

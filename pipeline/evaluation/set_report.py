@@ -168,9 +168,9 @@ def circles_orderings(methods: Mapping[str, Mapping[str, Any]], key: str = "ari_
     rbf, pair = methods.get("rbf"), methods.get("pairwise")
     for abc in ("abc_additive", "abc_multiplicative"):
         if abc in methods and rbf:
-            ratio = methods[abc][key] / rbf[key] if rbf[key] > 0 else math.inf
+            ratio = f", {methods[abc][key] / rbf[key]:.1f}×" if rbf[key] > 0 else ""
             out.append(f"{LABELS[abc]} > RBF: {_beats(methods[abc], rbf, key)} ({methods[abc][key]:.3f} vs "
-                       f"{rbf[key]:.3f}, {ratio:.1f}×)")
+                       f"{rbf[key]:.3f}{ratio})")
     if rbf and pair:
         out.append(f"RBF > pairwise: {_beats(rbf, pair, key)} ({rbf[key]:.3f} vs {pair[key]:.3f})")
     if "abc_additive" in methods and pair:
@@ -190,7 +190,7 @@ def circles_section(summary: Mapping[str, Any], figure: str | None = None, level
                   "(1 head, no W_O; additive attention in the additive model); mean ± sd over seeds of the mean over "
                   "100 test sets:", "",
                   "| method | seeds | ARI, k known | ARI, k̂ | NMI, k known | NMI, k̂ | mean \\|k̂ − k\\| "
-                  "| final BCE |",
+                  "| final loss (ABC, pairwise: BCE; TransFusion: JSD) |",
                   "|---|---|---|---|---|---|---|---|"]
         for method, e in cell["methods"].items():
             cells = [_cell(e, k) for k in ("ari_known", "ari_unknown", "nmi_known", "nmi_unknown", "k_error",
