@@ -53,8 +53,8 @@ def test_rows_and_figure(tmp_path):
 def study_rows():
     """The circles study's CSV rows (strings, as csv.DictReader gives them): a full part and a points part."""
     rows = []
-    aris = {"abc_additive": [0.36, 0.38, 0.34], "abc_multiplicative": [0.30, 0.29, 0.31], "pairwise": [0.10, 0.12, 0.11],
-            "rbf": [0.13, 0.12, 0.14]}
+    aris = {"abc_additive": [0.36, 0.38, 0.34], "abc_multiplicative": [0.30, 0.29, 0.31],
+            "pairwise": [0.10, 0.12, 0.11], "rbf": [0.13, 0.12, 0.14]}
     for method, values in aris.items():
         for seed, ari in enumerate(values):
             rows.append({"part": "full", "points": "20", "steps": "7812", "batch_sets": "128", "dataset": "circles",
