@@ -72,13 +72,12 @@ def run(args: argparse.Namespace) -> None:
                     meta.append({"part": part, "points": cfg.circles_points, "batch_sets": cfg.batch_sets})
     print(f"{len(cells)} cells to run ({len(have)} in {args.out}) on {usable_cpus()} processes", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    new = not args.out.exists()
 
     def collect(i: int, row: dict) -> None:
         row = {**meta[i], **row}
         with args.out.open("a", newline="") as f:
             w = csv.DictWriter(f, FIELDS, extrasaction="ignore")
-            if new and f.tell() == 0:
+            if f.tell() == 0:  # a new file: its header first
                 w.writeheader()
             w.writerow(row)
         print(f"[circles] {row['part']:<6} {row['points']:>3} pts {row['method']:<18} seed {row['seed']}: ARI "
