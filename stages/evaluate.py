@@ -60,6 +60,8 @@ def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, fil
                 if acc is not None:  # None: the probe could not run (n/a)
                     metrics[f"{rep}.{probe}.{round(float(frac) * 100)}pct"] = acc
     metrics.update({f"spectral.{k}": v for k, v in ev.metrics["spectral"].items() if isinstance(v, float)})
+    metrics.update({f"layers.{rep}.{k}": v for rep, scores in ev.metrics["layers"].items()
+                    for k, v in scores.items() if v is not None and math.isfinite(v)})
     for key in ("sharpness", "sharpness_q10"):
         metrics.update({f"{key}.{k}": v for k, v in ev.metrics[key].items() if math.isfinite(v)})
     metrics.update({f"health.{block}.{k}": v for block, h in ev.metrics["health"].items() for k, v in h.items()

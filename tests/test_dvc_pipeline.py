@@ -211,6 +211,8 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
     evaluation = json.loads((repo / "metrics/evaluate.json").read_text())
     assert set(evaluation["probes"]) == {"input", "backbone", "block_1"}
     assert 0.5 < evaluation["probes"]["input"]["svm"]["1"] <= 1.0  # raw digits pixels: ~0.98
+    assert set(evaluation["layers"]) == {"input", "backbone", "block_1"}  # each one's own clusters (Figure 4)
+    assert all(-1 <= v["silhouette"] <= 1 and 0 <= v["nmi"] <= 1 for v in evaluation["layers"].values())
     for name in ("tsne.png", "tsne.csv", "sharpness.png", "sharpness.csv", "curves.png", "probes.csv"):
         assert (repo / "plots/evaluate" / name).stat().st_size > 0, name
     report = (repo / "reports/REPORT.md").read_text()

@@ -129,6 +129,7 @@ def render(params: Mapping[str, Any], pretrain: Mapping[str, Any], evaluation: M
         f"Spectral clustering of the `{spectral.get('affinity')}` affinity of a test batch: "
         f"NMI {fmt_cell(spectral.get('nmi'))}, ARI {fmt_cell(spectral.get('ari'))}.",
         "",
+        *_layer_table(evaluation.get("layers", {})),
         "Definition 2's sharpness takes the worst pairs: it is 0 as soon as one same-class pair of the batch has a "
         "zero ReLU affinity, which is nearly always, so a 0 there says little. The 10 % quantile version "
         "(10th percentile of same-class affinities over the 90th of different-class ones) and the contrast "
@@ -195,3 +196,17 @@ def _yaml(params: Mapping[str, Any]) -> str:
     import yaml
 
     return yaml.safe_dump(dict(params), sort_keys=False).rstrip()
+
+
+def _layer_table(layers: dict) -> list[str]:
+    """Each representation's own clusters (the paper's Figure 4 in numbers): spectral NMI of its cosine affinity and
+    its cosine silhouette, on the same test batch; nothing for an evaluation written before they existed."""
+    if not layers:
+        return []
+    def cell(v: Any) -> str:
+        return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt_cell(v)
+
+    rows = [f"| {name} | {cell(v.get('nmi'))} | {cell(v.get('silhouette'))} |" for name, v in layers.items()]
+    return ["Each representation's own clusters on that batch (do the classes condense with depth?): spectral NMI of "
+            "its cosine affinity, and its cosine silhouette (1 = condensed classes, 0 = overlapping).", "",
+            "| representation | NMI | silhouette |", "|---|---|---|", *rows, ""]

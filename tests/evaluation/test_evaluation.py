@@ -94,3 +94,42 @@ def test_an_abc_model_saved_before_set_norm_loads_without_it(tmp_path):
         save_torch(tmp_path / "model.pt", model.state_dict())
         loaded, _ = load_pretrained(tmp_path)
         assert loaded.head.set_norm is expected
+
+
+def naive_cosine_silhouette(z: np.ndarray, y: np.ndarray) -> float:
+    """Rousseeuw's silhouette with the cosine distance 1 - cos, by loops over i and j."""
+    n = len(z)
+    unit = z / np.linalg.norm(z, axis=1, keepdims=True)
+    scores = []
+    for i in range(n):
+        by_class: dict[int, list[float]] = {}
+        for j in range(n):
+            if j != i:
+                by_class.setdefault(int(y[j]), []).append(1.0 - float(unit[i] @ unit[j]))
+        own = by_class.get(int(y[i]), [])
+        if not own:  # a class of one sample: silhouette 0 (sklearn's convention)
+            scores.append(0.0)
+            continue
+        a = sum(own) / len(own)
+        b = min(sum(d) / len(d) for c, d in by_class.items() if c != int(y[i]))
+        scores.append((b - a) / max(a, b))
+    return sum(scores) / n
+
+
+@pytest.mark.parametrize("n,d,k", [(12, 3, 2), (30, 5, 3), (40, 8, 4)])
+def test_layer_clusters_match_a_loop_reference_and_rank_condensed_classes_first(n, d, k):
+    from pipeline.core.clustering import cosine_affinity, spectral_scores
+    from pipeline.evaluation.evaluate import layer_clusters
+
+    rng = np.random.default_rng(n)
+    y = np.arange(n) % k
+    centres = rng.normal(size=(k, d)) * 3
+    tight = centres[y] + 0.1 * rng.normal(size=(n, d))  # (n, d) condensed classes
+    loose = centres[y] + 3.0 * rng.normal(size=(n, d))  # (n, d) overlapping classes
+    got = layer_clusters([loose, tight], ["input", "block_1"], y, seed=0)
+    assert list(got) == ["input", "block_1"]
+    for name, z in (("input", loose), ("block_1", tight)):
+        assert got[name]["silhouette"] == pytest.approx(naive_cosine_silhouette(z, y), abs=1e-9)
+        assert got[name]["nmi"] == pytest.approx(spectral_scores(cosine_affinity(z), y, seed=0)["nmi"])
+    assert got["block_1"]["silhouette"] > got["input"]["silhouette"] + 0.3
+    assert got["block_1"]["nmi"] == pytest.approx(1.0)

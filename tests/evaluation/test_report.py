@@ -61,3 +61,13 @@ def test_a_probe_that_could_not_run_is_na_and_a_dead_block_is_warned_about():
 def test_short_runs_keep_two_significant_digits_of_their_minutes(minutes, text):
     # a 2-epoch row on a fast machine trains in a fraction of a second: "0.00" would read as no time at all
     assert fmt_minutes(minutes) == text and float(text) > 0
+
+
+def test_each_representations_own_clusters_are_a_table_and_absent_from_older_evaluations():
+    params, pre, ev = sample()
+    assert "| representation | NMI | silhouette |" not in render(params, pre, ev, {})  # written before the key existed
+    ev["layers"] = {"input": {"nmi": 0.5, "ari": 0.3, "silhouette": 0.05},
+                    "block_1": {"nmi": 0.75, "ari": 0.6, "silhouette": None}}
+    text = render(params, pre, ev, {})
+    assert "| representation | NMI | silhouette |" in text
+    assert "| input | 0.5000 | 0.0500 |" in text and "| block_1 | 0.7500 | n/a |" in text
