@@ -118,6 +118,8 @@ def _check_runs(net: nn.Module, input_shape: tuple[int, ...], width: int, what: 
     meta = {k: torch.empty_like(v, device="meta") for k, v in chain(net.named_parameters(), net.named_buffers())}
     try:
         out = torch.func.functional_call(net, meta, (torch.zeros(2, *input_shape, device="meta"),))
+    except NotImplementedError:  # an op without a meta kernel: the first real forward will tell
+        return
     except (RuntimeError, ValueError, AssertionError, IndexError) as err:  # sizes that do not fit the model
         raise ValueError(f"{what}: the model does not run on this size ({' '.join(str(err).split())}); choose a "
                          "model for images this small or larger images") from None
