@@ -5,7 +5,6 @@ from __future__ import annotations
 import click
 
 from pipeline.config.base import flatten
-from pipeline.config.model import FIXED_DIMS
 from pipeline.config.params import Params, load_params
 from pipeline.core.plan import budget_bytes, largest_batch, plan_head
 from stages._common import params_options
@@ -35,7 +34,7 @@ def head_lines(params: Params) -> list[str]:
     if m.method == "abc":
         return [f"head: ABC's, not planned: every worker runs it dense on all {2 * params.train.batch_size:,} rows of "
                 "the global batch (pipeline.training.step; the additive similarity in row tiles, pipeline.core.abc)"]
-    width = FIXED_DIMS.get(m.backbone) or m.embed_dim or (128 if m.backbone != "pixels" else None)
+    width = m.width()
     if width is None:
         return ["head: n/a here (the pixels backbone's width is the input's size: see `transfusion pretrain`)"]
     memory, device = _device(params)

@@ -7,9 +7,10 @@ subsection. Each method refuses the other's keys set away from their defaults, n
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.config.base import Section
 
@@ -18,6 +19,16 @@ BACKBONE_NAMES = ("pixels", "mlp", "cnn_small", "resnet18_cifar", "resnet18")
 FIXED_DIMS = {"resnet18_cifar": 512, "resnet18": 512}
 BATCHNORM_BACKBONES = ("resnet18_cifar", "resnet18")  # gradient caching is refused with these
 IMAGE_BACKBONES = ("cnn_small", "resnet18_cifar", "resnet18")  # need (C, H, W) inputs
+# model.backbone: torchvision:<name> for any classification model of torchvision (pipeline.core.backbones builds it,
+# without weights); image backbones, fixed width (their classifier's input), BatchNorm or not by model
+TORCHVISION = "torchvision:"
+TORCHVISION_LIST = "torchvision.models.list_models(module=torchvision.models)"  # where the names are
+TORCHVISION_KWARGS = {  # builder arguments besides weights=None: no auxiliary classifiers (their training forward
+    # returns a tuple), and the initialisation torchvision has always done without its FutureWarning
+    "googlenet": {"aux_logits": False, "init_weights": True},
+    "inception_v3": {"aux_logits": False, "init_weights": True},
+}
+NO_LINEAR_CLASSIFIER = ("squeezenet1_0", "squeezenet1_1")  # a 1x1 conv classifies: no Linear for the LayerNorm
 # the blocks' options (pipeline.core.model checks its arguments against them)
 ACTIVATIONS = ("relu", "softmax", "sigmoid", "identity")
 BLOCK_NORMS = ("layernorm", "l2", "none")
@@ -32,7 +43,6 @@ ABC_KERNELS = ("logits", "paper")
 TRANSFUSION_ONLY = ("depth", "activation", "block_norm", "head", "fusion_scope", "qk_init")
 AFFINITY_EPS = 1e-10  # Appendix E's additive constant in the row normalisation (the model, the losses, health)
 
-BackboneName = Literal[BACKBONE_NAMES]  # type: ignore[valid-type]
 Activation = Literal[ACTIVATIONS]  # type: ignore[valid-type]
 BlockNorm = Literal[BLOCK_NORMS]  # type: ignore[valid-type]
 FusionScope = Literal[FUSION_SCOPES]  # type: ignore[valid-type]
@@ -41,6 +51,61 @@ HeadName = Literal[HEADS]  # type: ignore[valid-type]
 MethodName = Literal[METHODS]  # type: ignore[valid-type]
 AbcCompatibility = Literal[ABC_COMPATIBILITIES]  # type: ignore[valid-type]
 AbcKernel = Literal[ABC_KERNELS]  # type: ignore[valid-type]
+
+
+def torchvision_names() -> list[str]:
+    """The names ``torchvision:<name>`` takes: torchvision's classification models (imports torchvision)."""
+    import torchvision
+
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+@cache
+def torchvision_facts(name: str) -> tuple[int, bool]:
+    """(width, BatchNorm) of torchvision's classification model ``name``: the in_features of its last Linear (the
+    classifier that ``pipeline.core.backbones`` replaces by Flatten + LayerNorm(width)) and whether it has BatchNorm.
+
+    Built without weights on the meta device (shapes only: no memory, no initialisation; 0.01-0.6 s a model measured
+    here), except the models whose builder computes with tensor values (RegNet), built on the CPU (regnet_x_400mf
+    0.07 s, regnet_y_32gf 3 s, regnet_y_128gf 4 s and 3.2 GB measured here). Called only by the checks that need the
+    facts (model.embed_dim set, model.abc.pre_embed: false, train.grad_cache_chunk set, `transfusion check`), once
+    per process.
+    """
+    import torch
+    from torch import nn
+    from torchvision.models import get_model
+
+    kwargs = {"weights": None, **TORCHVISION_KWARGS.get(name, {})}
+    try:
+        with torch.device("meta"):
+            net = get_model(name, **kwargs)
+    except NotImplementedError:  # "Cannot copy out of meta tensor": the builder reads a tensor's values
+        net = get_model(name, **kwargs)
+    width = [m for m in net.modules() if isinstance(m, nn.Linear)][-1].in_features
+    return width, any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
+
+
+def is_torchvision(backbone: str) -> bool:
+    return backbone.startswith(TORCHVISION)
+
+
+def image_backbone(backbone: str) -> bool:
+    """True if ``backbone`` needs (C, H, W) inputs."""
+    return backbone in IMAGE_BACKBONES or is_torchvision(backbone)
+
+
+def batchnorm_backbone(backbone: str) -> bool:
+    """True if ``backbone`` has BatchNorm (builds a torchvision model's skeleton: :func:`torchvision_facts`)."""
+    if is_torchvision(backbone):
+        return torchvision_facts(backbone.removeprefix(TORCHVISION))[1]
+    return backbone in BATCHNORM_BACKBONES
+
+
+def fixed_width(backbone: str) -> int | None:
+    """The width of a backbone whose width is fixed (resnet18*, torchvision:*), else None."""
+    if is_torchvision(backbone):
+        return torchvision_facts(backbone.removeprefix(TORCHVISION))[0]
+    return FIXED_DIMS.get(backbone)
 
 
 class AbcConfig(Section):
@@ -64,7 +129,7 @@ class AbcConfig(Section):
 
 class ModelConfig(Section):
     method: MethodName = "transfusion"
-    backbone: BackboneName = "cnn_small"
+    backbone: str = "cnn_small"  # BACKBONE_NAMES, or torchvision:<name> (TORCHVISION)
     embed_dim: int | None = Field(None, ge=2, le=65_536)
     hidden_dim: int = Field(256, ge=2, le=65_536)
     depth: int = Field(1, ge=0, le=64)
@@ -76,6 +141,23 @@ class ModelConfig(Section):
     weights: str | None = None
     abc: AbcConfig = Field(default_factory=AbcConfig)
 
+    @field_validator("backbone", mode="before")
+    @classmethod
+    def _known_backbone(cls, name: object) -> str:
+        if not isinstance(name, str):  # e.g. `torchvision:` alone, which YAML reads as a mapping
+            name = f"{name!r} ({type(name).__name__}, not a name)"
+        model = name.removeprefix(TORCHVISION)
+        if name in BACKBONE_NAMES or (is_torchvision(name) and model in torchvision_names()
+                                      and model not in NO_LINEAR_CLASSIFIER):
+            return name
+        why = "unknown backbone"
+        if model in NO_LINEAR_CLASSIFIER and is_torchvision(name):
+            why = "its classifier is a 1x1 convolution, not the Linear a backbone's Flatten + LayerNorm replaces"
+        raise ValueError(f"model.backbone: {name}: {why}; allowed: {', '.join(BACKBONE_NAMES)}, or "
+                         f"{TORCHVISION}<name> for any <name> in {TORCHVISION_LIST} except "
+                         f"{', '.join(NO_LINEAR_CLASSIFIER)} (built without weights; e.g. {TORCHVISION}resnet50, "
+                         f"{TORCHVISION}convnext_tiny)")
+
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
         if self.method == "abc":
@@ -86,16 +168,21 @@ class ModelConfig(Section):
             raise ValueError("model.head: truncated needs model.depth >= 1 (its last block gives the affinity)")
         if self.backbone == "pixels" and self.depth == 0:
             raise ValueError("model.backbone: pixels with model.depth: 0 has nothing to train; use depth >= 1")
-        if self.backbone in FIXED_DIMS and self.embed_dim not in (None, FIXED_DIMS[self.backbone]):
-            raise ValueError(
-                f"model.embed_dim: {self.backbone} produces {FIXED_DIMS[self.backbone]}-d embeddings; "
-                f"set embed_dim to null or {FIXED_DIMS[self.backbone]}"
-            )
+        width = None if self.embed_dim is None else fixed_width(self.backbone)
+        if width is not None and self.embed_dim != width:
+            raise ValueError(f"model.embed_dim: {self.backbone} produces {width}-d embeddings; "
+                             f"set embed_dim to null or {width}")
         if self.backbone == "pixels" and self.embed_dim is not None:
             raise ValueError("model.embed_dim: the pixels backbone's width is the input size; set it to null")
         if self.weights is not None and self.backbone != "resnet18":
             raise ValueError("model.weights: only the resnet18 backbone loads weights from a file")
         return self
+
+    def width(self) -> int | None:
+        """The backbone's output width: fixed, or embed_dim (null: 128); None for pixels (the input's size)."""
+        if self.backbone == "pixels":
+            return None
+        return fixed_width(self.backbone) or self.embed_dim or 128
 
     def _abc_only(self) -> None:
         """Method abc: the TransFusion head's keys at their defaults; without the pre-embedding, widths that match."""
@@ -106,8 +193,8 @@ class ModelConfig(Section):
             raise ValueError(f"{'; '.join(bad)}: TransFusion's head only, but model.method is abc (ABC's head is "
                              f"model.abc.*); set them to their defaults ({defaults}) or remove them")
         if not self.abc.pre_embed:
-            dim = FIXED_DIMS.get(self.backbone, self.embed_dim if self.embed_dim is not None else 128)
-            if self.backbone == "pixels" or dim != self.abc.width:
+            dim = self.width()
+            if dim is None or dim != self.abc.width:
                 raise ValueError(f"model.abc.pre_embed: false feeds the backbone's output to the SABs directly, so "
                                  f"its width must be model.abc.width ({self.abc.width}); {self.backbone} gives "
                                  f"{'the input size' if self.backbone == 'pixels' else dim}: set model.embed_dim "
@@ -130,5 +217,15 @@ __all__ = [
     "METHODS",
     "ModelConfig",
     "QK_INITS",
+    "NO_LINEAR_CLASSIFIER",
+    "TORCHVISION",
+    "TORCHVISION_KWARGS",
+    "TORCHVISION_LIST",
     "TRANSFUSION_ONLY",
+    "batchnorm_backbone",
+    "fixed_width",
+    "image_backbone",
+    "is_torchvision",
+    "torchvision_facts",
+    "torchvision_names",
 ]

@@ -17,7 +17,7 @@ from pipeline.config.augment import AugmentConfig
 from pipeline.config.base import ParamsError, Section, apply_overrides, format_error, read_params_file
 from pipeline.config.data import DataConfig
 from pipeline.config.loss import ABC_LOSSES, SELF_SUPERVISED_ONLY, LossConfig
-from pipeline.config.model import BATCHNORM_BACKBONES, IMAGE_BACKBONES, ModelConfig
+from pipeline.config.model import ModelConfig, batchnorm_backbone, image_backbone
 from pipeline.config.probe import ProbeConfig
 from pipeline.config.ray import RayConfig
 from pipeline.config.sets import SetsConfig
@@ -62,7 +62,7 @@ class Params(Section):
                             f"not {self.loss.name}")
         if not bce and self.loss.pos_weight != LossConfig.model_fields["pos_weight"].default:
             problems.append(f"loss.pos_weight: read only by loss.name: bce, not {self.loss.name}; remove it")
-        if self.data.dataset == "synthetic" and self.model.backbone in IMAGE_BACKBONES:
+        if self.data.dataset == "synthetic" and image_backbone(self.model.backbone):
             problems.append(
                 f"model.backbone: {self.model.backbone} needs images, but data.dataset: synthetic gives "
                 "vectors; use pixels or mlp"
@@ -74,12 +74,13 @@ class Params(Section):
             )
         if self.ray.use_gpu and self.train.device == "cpu":
             problems.append("ray.use_gpu: true conflicts with train.device: cpu")
-        if self.train.grad_cache_chunk is not None and self.model.backbone in BATCHNORM_BACKBONES:
+        if self.train.grad_cache_chunk is not None and batchnorm_backbone(self.model.backbone):
             problems.append(
                 f"train.grad_cache_chunk: gradient caching is not exact with the BatchNorm backbone "
                 f"{self.model.backbone}: its chunks would put the two views of an image in different BatchNorm "
                 "batches and update the running statistics in both passes; set train.grad_cache_chunk: null "
-                "or use a backbone without BatchNorm (pixels, mlp, cnn_small)"
+                "or use a backbone without BatchNorm (pixels, mlp, cnn_small, or a torchvision model without it, "
+                "e.g. torchvision:convnext_tiny)"
             )
         if problems:
             raise ValueError("; ".join(problems))

@@ -47,7 +47,25 @@ ABC_OK = ["model.method=abc", "model.qk_init=default", "loss.name=bce"]  # what 
 # (overrides, substrings the message must contain)
 BAD = [
     (["data.dataset=cifar"], ["data.dataset", "digits", "cifar10", "fashion_mnist"]),
-    (["model.backbone=vit"], ["model.backbone", "cnn_small", "resnet18_cifar"]),
+    (["model.backbone=vit"], ["model.backbone", "cnn_small", "resnet18_cifar", "torchvision:<name>"]),
+    (["model.backbone=torchvision:resnet5", "model.embed_dim=null"],
+     ["model.backbone: torchvision:resnet5: unknown backbone",
+      "torchvision.models.list_models(module=torchvision.models)", "torchvision:resnet50"]),
+    (["model.backbone=torchvision:", "model.embed_dim=null"],  # YAML reads a mapping
+     ["model.backbone: {'torchvision': None} (dict, not a name): unknown backbone", "torchvision:<name>"]),
+    (["model.backbone=3"], ["model.backbone: 3 (int, not a name): unknown backbone", "cnn_small"]),
+    (["model.backbone=resnet50", "model.embed_dim=null"], ["model.backbone", "torchvision:<name>"]),
+    (["model.backbone=torchvision:squeezenet1_1", "model.embed_dim=null"],
+     ["model.backbone", "squeezenet1_1", "1x1 convolution", "except squeezenet1_0, squeezenet1_1"]),
+    (["model.backbone=torchvision:resnet50"], ["model.embed_dim", "torchvision:resnet50", "2048-d", "null or 2048"]),
+    (["model.backbone=torchvision:mobilenet_v3_small", "model.embed_dim=null", "train.grad_cache_chunk=8"],
+     ["train.grad_cache_chunk", "torchvision:mobilenet_v3_small", "BatchNorm", "torchvision:convnext_tiny"]),
+    (["model.backbone=torchvision:resnet18", "model.embed_dim=null", "data.dataset=synthetic"],
+     ["model.backbone", "torchvision:resnet18", "vectors"]),
+    (["model.backbone=torchvision:resnet18", "model.embed_dim=null", "model.weights=w.pt"],
+     ["model.weights", "resnet18 backbone"]),
+    ([*ABC_OK, "model.abc.pre_embed=false", "model.backbone=torchvision:resnet18", "model.embed_dim=null"],
+     ["model.abc.pre_embed", "torchvision:resnet18 gives 512", "model.abc.width (128)"]),
     (["loss.name=triplet"], ["loss.name", "jsd", "barlow_twins"]),
     (["model.activation=gelu"], ["model.activation", "relu", "softmax"]),
     (["model.fusion_scope=pairs"], ["model.fusion_scope", "joint", "per_view"]),
@@ -151,6 +169,18 @@ def test_grad_cache_is_fine_without_batchnorm():
     assert validate_params(raw).train.grad_cache_chunk == 8
     raw = apply_overrides(default_raw(), ["model.backbone=resnet18_cifar", "model.embed_dim=null"])
     assert validate_params(raw).train.grad_cache_chunk is None
+
+
+def test_torchvision_backbones_take_their_width_and_grad_cache_without_batchnorm():
+    """torchvision:<name>: embed_dim null or the model's width; gradient caching where it has no BatchNorm."""
+    from pipeline.config.model import AbcConfig, ModelConfig
+
+    ok = validate_params(apply_overrides(default_raw(), ["model.backbone=torchvision:convnext_tiny",
+                                                         "model.embed_dim=null", "train.grad_cache_chunk=8"]))
+    assert ok.model.backbone == "torchvision:convnext_tiny" and ok.model.width() == 768
+    assert ModelConfig(backbone="torchvision:resnet50", embed_dim=2048).width() == 2048
+    abc = ModelConfig(method="abc", backbone="torchvision:resnet18", abc=AbcConfig(width=512, pre_embed=False))
+    assert abc.width() == 512 and ModelConfig(backbone="pixels").width() is None
 
 
 def test_every_problem_is_listed_at_once():

@@ -32,6 +32,11 @@ def test_backbone_names_and_fixed_widths_are_the_backbones():
     assert set(C_model.BATCHNORM_BACKBONES) | set(C_model.IMAGE_BACKBONES) <= set(C_model.BACKBONE_NAMES)
     with pytest.raises(ValueError, match="unknown backbone"):
         backbones.build_backbone("nope", (3, 32, 32), None)
+    # torchvision:<name>: the same prefix; a name outside torchvision's list refused by the builder too (the widths
+    # and BatchNorm flags: tests/core/test_torchvision_backbones.py)
+    assert backbones.TORCHVISION == C_model.TORCHVISION
+    with pytest.raises(ValueError, match="unknown backbone torchvision:nope"):
+        backbones.build_backbone("torchvision:nope", (3, 32, 32), None)
 
 
 @pytest.mark.slow

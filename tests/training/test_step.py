@@ -1,6 +1,7 @@
 """Global-batch fusion: 2 gloo workers give the gradients of one process on the concatenated batch.
 
-Every backbone family is checked, the BatchNorm ones (resnet18_cifar, resnet18) with global BatchNorm
+Every backbone family is checked (torchvision's models by one of them, mobilenet_v3_small), the BatchNorm ones
+(resnet18_cifar, resnet18, torchvision:mobilenet_v3_small) with global BatchNorm
 (``pipeline.core.batchnorm``): same loss, every gradient, and the BN running statistics (identical on both ranks
 and equal to one process's). Controls: without the gather, or with plain per-worker BN, the gradients differ.
 """
@@ -47,7 +48,7 @@ class Spec:
 def make_model(seed: int = 0, depth: int = 2, truncated: bool = False, backbone: str = "cnn_small",
                shape: tuple[int, ...] = SHAPE, dtype: torch.dtype = torch.float64) -> TransFusion:
     torch.manual_seed(seed)
-    embed = None if backbone in ("pixels", "resnet18_cifar", "resnet18") else 16
+    embed = None if backbone in ("pixels", "resnet18_cifar", "resnet18") or backbone.startswith("torchvision:") else 16
     bb, dim = build_backbone(backbone, shape, embed_dim=embed)
     return TransFusion(bb, dim, TransFusionHead(dim, depth, truncate_last=truncated)).to(dtype)
 
@@ -201,9 +202,11 @@ def test_non_finite_loss_raises_before_touching_grads():
 
 # ------------------------------------------------------------------------------------- every backbone, global BN
 # resnet18 (ImageNet stem) needs 32x32 to keep a spatial map past its stride-32 trunk; fp64 keeps the 1e-5 bound
-# meaningful (measured 5e-14 here); resnet18_cifar on 3x8x8 likewise.
+# meaningful (measured 5e-14 here); resnet18_cifar on 3x8x8 likewise. torchvision:mobilenet_v3_small (any torchvision
+# model, adapted: pipeline.core.backbones) stands for torchvision's: BatchNorm throughout, squeeze-excitation, and a
+# dropout in its classifier that the adaptation removes (with it the workers' draws would differ from one process's).
 BACKBONES = [("pixels", SHAPE), ("mlp", SHAPE), ("cnn_small", SHAPE), ("resnet18_cifar", (3, 8, 8)),
-             ("resnet18", (3, 32, 32))]
+             ("resnet18", (3, 32, 32)), ("torchvision:mobilenet_v3_small", (3, 32, 32))]
 
 
 @pytest.mark.slow
@@ -224,8 +227,9 @@ def test_every_backbone_two_gloo_workers_equal_one_process(tmp_path, backbone, s
     b = B // 2
     z = torch.cat([z0[:b], z1[:b], z0[b:], z1[b:]])  # the workers' embeddings in the one-process row order
     torch.testing.assert_close(z, ref_z, rtol=1e-5, atol=1e-8)
-    if backbone.startswith("resnet"):
-        assert ref_buffers and int(ref_buffers["backbone.bn1.num_batches_tracked"]) == 1
+    if backbone.startswith(("resnet", "torchvision:")):  # BatchNorm: every layer's statistics moved once
+        tracked = [v for k, v in ref_buffers.items() if k.endswith("num_batches_tracked")]
+        assert len(tracked) >= 20 and all(int(v) == 1 for v in tracked)
 
 
 @pytest.mark.slow
