@@ -2,26 +2,28 @@
 
 The store is resolved like every stage resolves it (:func:`pipeline.runs.tracking.tracking_uri`): the project's
 ``mlflow.db`` with artifacts in ``mlartifacts/``, or ``MLFLOW_TRACKING_URI``. A remote ``http(s)://``
-tracking URI already has a UI: its URL is printed and nothing is started. Otherwise ``mlflow server`` runs
-in its own process group (so a terminal's Ctrl-C reaches only this command), and that whole group is
-stopped on Ctrl-C, SIGTERM or SIGHUP (:mod:`pipeline.runs.mlflow_ui` supervises it). The experiment's saved view of
-the runs table (:func:`pipeline.runs.tracking.save_view`: dataset, metrics and main params as columns) is written
-first; its URL is printed after the runs table's.
+tracking URI already has a UI: its URL is printed and nothing is started. Otherwise the store and the port are
+checked, the experiment's saved view of the runs table (:func:`pipeline.runs.tracking.save_view`: dataset,
+metrics and main params as columns) is written, the URLs are printed, and the command hands its process to
+``mlflow server`` (:func:`pipeline.runs.mlflow_ui.exec_server`), which then owns the terminal: its own log says
+when it is ready, and Ctrl-C stops it.
 """
 
 from __future__ import annotations
+
+import os
 
 import click
 
 from pipeline.runs.mlflow_ui import (
     WILDCARD_HOSTS,
     UiError,
-    UiServer,
-    UiStopped,
+    base_url,
     check_port_free,
+    exec_server,
     remote_experiment_id,
     runs_url,
-    stop_signals,
+    server_command,
 )
 from pipeline.runs.tracking import (
     EXPERIMENT,
@@ -52,14 +54,12 @@ def show_remote(uri: str) -> None:
               help="Interface to bind. The UI has no login: bind beyond 127.0.0.1 (e.g. 0.0.0.0) only on purpose.")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
               help="Server worker processes (MLflow's own default, 4, is heavy on small machines).")
-@click.option("--start-timeout", default=180.0, show_default=True, type=click.FloatRange(min=1),
-              help="Seconds to wait for the server to answer /health.")
 @runtime_errors(UiError, TrackingError)
-def ui_cmd(port: int, host: str, workers: int, start_timeout: float) -> None:
-    """Browse the project's MLflow runs: start the MLflow UI on its tracking store until Ctrl-C.
+def ui_cmd(port: int, host: str, workers: int) -> None:
+    """Browse the project's MLflow runs: run the MLflow UI on its tracking store until Ctrl-C.
 
-    Prints the URL of the runs table of the `transfusion` experiment. With MLFLOW_TRACKING_URI set to a
-    remote http(s) tracking server, prints that server's URL instead of starting a UI.
+    Prints the URL of the runs table of the `transfusion` experiment, then becomes `mlflow server`. With
+    MLFLOW_TRACKING_URI set to a remote http(s) tracking server, prints that server's URL instead of starting a UI.
     """
     root = project_root()
     uri = tracking_uri(root)
@@ -74,21 +74,14 @@ def ui_cmd(port: int, host: str, workers: int, start_timeout: float) -> None:
     except Exception as exc:  # MLflow / SQLAlchemy errors: name the store instead of a traceback
         raise click.ClickException(f"cannot open the MLflow tracking store {uri}: {exc}") from None
 
-    server = UiServer(uri, root / "mlartifacts", host=host, port=port, workers=workers, cwd=root)
-    with stop_signals(), server:  # the server's whole process group is stopped on leaving, however
-        try:
-            click.echo(f"Starting the MLflow UI on {uri} (mlflow server pid {server.pid}, ~20 s) ...")
-            if host in WILDCARD_HOSTS:
-                click.echo(f"Listening on every interface ({host or '*'}): other machines reach it at this host's "
-                           "address (MLflow accepts only localhost and private-network Host headers by default).")
-            server.wait_healthy(start_timeout)
-            url = runs_url(server.base, exp_id)
-            click.echo(f"MLflow UI ready: {url}")
-            click.echo(f"Runs of experiment {EXPERIMENT!r} (id {exp_id}). Press Ctrl-C to stop.")
-            click.echo(f"The runs with their dataset, kNN accuracy, loss and main params as columns: {url}&{view}")
-            click.echo("One run by its id (mlflow_run_id in metrics/*.json, `dvc exp show`): "
-                       f"{server.base}/#/runs/<run id>")
-            raise UiError(f"mlflow server exited unexpectedly with code {server.wait()}")
-        except (KeyboardInterrupt, UiStopped):
-            click.echo("\nStopping the MLflow UI ...")
-    click.echo("MLflow UI stopped.")
+    base = base_url(host, port)
+    url = runs_url(base, exp_id)
+    click.echo(f"Starting the MLflow UI (mlflow server, pid {os.getpid()}) on {uri}: it answers in 15-40 s, once it "
+               "logs 'Uvicorn running on ...'. Press Ctrl-C to stop it.")
+    if host in WILDCARD_HOSTS:
+        click.echo(f"Listening on every interface ({host or '*'}): other machines reach it at this host's "
+                   "address (MLflow accepts only localhost and private-network Host headers by default).")
+    click.echo(f"Runs of experiment {EXPERIMENT!r} (id {exp_id}): {url}")
+    click.echo(f"The runs with their dataset, kNN accuracy, loss and main params as columns: {url}&{view}")
+    click.echo(f"One run by its id (mlflow_run_id in metrics/*.json, `dvc exp show`): {base}/#/runs/<run id>")
+    exec_server(server_command(uri, root / "mlartifacts", host, port, workers))

@@ -1,4 +1,6 @@
-"""Test helper: `transfusion ui` as a real subprocess in its own process group, always stopped afterwards."""
+"""Test helper: `transfusion ui` as a real subprocess in its own process group, always stopped afterwards.
+
+The command becomes `mlflow server` (exec): its pid and process group are the server's."""
 
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
-READY = re.compile(r"MLflow UI ready: (?P<url>\S+)")
-SERVER_PID = re.compile(r"mlflow server pid (?P<pid>\d+)")
+RUNS_URL = re.compile(r"Runs of experiment '\w+' \(id \w+\): (?P<url>\S+)")
 
 
 def free_port() -> int:
@@ -60,16 +63,30 @@ class UiProcess:
             if m := pattern.search(line):
                 return m
 
-    def server_pid(self) -> int | None:
-        m = SERVER_PID.search(self.output)
-        return int(m["pid"]) if m else None
+    def wait_ready(self, timeout: float) -> str:
+        """The runs table's URL the command printed, once its server answers /health (within ``timeout`` s)."""
+        deadline = time.monotonic() + timeout
+        url = self.wait_for(RUNS_URL, timeout)["url"]
+        base = url.partition("/#")[0]
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"`transfusion ui` exited ({self.proc.returncode}) before {base}/health "
+                                     f"answered:\n{self.output}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return url
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"{base}/health did not answer within {timeout:.0f} s:\n{self.output}")
 
     def ctrl_c(self) -> None:
-        """What a terminal does on Ctrl-C: SIGINT to the foreground process group (the server has its own)."""
+        """What a terminal does on Ctrl-C: SIGINT to the foreground process group (the server and its workers)."""
         os.killpg(self.proc.pid, signal.SIGINT)
 
     def stop(self) -> None:
-        """Teardown: Ctrl-C; if the command does not stop in time, kill it and its server's process group."""
+        """Teardown: Ctrl-C; if the server does not stop in time, kill its whole process group."""
         if self.proc.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
@@ -79,8 +96,6 @@ class UiProcess:
             return
         except subprocess.TimeoutExpired:
             pass
-        for pgid in (self.proc.pid, self.server_pid()):
-            if pgid is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)

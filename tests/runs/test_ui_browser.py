@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from stages.cli import main
-from tests.ui_server import READY, UiProcess, free_port
+from tests.ui_server import UiProcess, free_port
 
 VIEW = re.compile(r"main params as columns: (?P<url>\S+)")
 SEARCH = "params.train.seed = '1'"  # the form docs/tracking.md documents (`params.model.depth = '3'`)
@@ -100,7 +100,7 @@ def test_runs_table_and_run_comparison_in_chromium(project, ray_session, tmp_pat
 
     ui = UiProcess("--port", str(free_port()), cwd=project)
     try:
-        url = ui.wait_for(READY, timeout=300)["url"]
+        url = ui.wait_ready(timeout=300)
         base, _, fragment = url.partition("/#")
         assert fragment == f"/experiments/{exp_id}/runs?workflowType=machine_learning", url
 

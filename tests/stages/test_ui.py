@@ -1,12 +1,17 @@
-"""`transfusion ui`: a real MLflow server on the project's sqlite store, stopped by Ctrl-C; no browser needed."""
+"""`transfusion ui`: a real MLflow server on the project's sqlite store, stopped as a user stops it; no browser needed.
+
+The command hands its process to `mlflow server` (exec) instead of supervising it: these tests show that what the
+supervisor used to do still happens (the URL printed, the whole process tree gone and the port free after Ctrl-C or
+`kill PID`, exit code 0), and that nothing is started for a taken port or a remote tracking server.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import mlflow
@@ -15,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from stages.cli import main
-from tests.ui_server import READY, UiProcess, free_port
+from tests.ui_server import UiProcess, free_port
 
 
 def invoke(*args: str):
@@ -31,27 +36,28 @@ def gone(proc: psutil.Process) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_serves_the_project_store_and_ctrl_c_stops_the_whole_server(project):
+@pytest.mark.parametrize("stop", ["ctrl-c", "kill-pid"])
+def test_serves_the_project_store_until_stopped_then_nothing_is_left(project, stop):
     port = free_port()
     ui = UiProcess("--port", str(port), cwd=project)
     try:
-        url = ui.wait_for(READY, timeout=300)["url"]
+        url = ui.wait_ready(timeout=300)
         # the experiment exists (created with the project's artifact root) and the URL opens its runs table
         exp = mlflow.MlflowClient(f"sqlite:///{project / 'mlflow.db'}").get_experiment_by_name("transfusion")
         assert exp is not None and exp.artifact_location == (project / "mlartifacts").as_uri()
         assert url == f"http://127.0.0.1:{port}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:
-            assert resp.status == 200
-        # the server runs in its own process group, apart from the command's
-        server = psutil.Process(ui.server_pid())
+        # the command became the server (same pid) and its uvicorn child serves the UI, in the same process group
+        server = psutil.Process(ui.proc.pid)
+        assert server.cmdline()[1:4] == ["-m", "mlflow", "server"], server.cmdline()
         tree = [server, *server.children(recursive=True)]
         assert any("uvicorn" in " ".join(p.cmdline()) for p in tree), [p.cmdline() for p in tree]
-        assert {p.pid for p in psutil.Process(ui.proc.pid).children()} == {server.pid}
-        assert {os.getpgid(p.pid) for p in tree} == {server.pid} != {os.getpgid(ui.proc.pid)}
+        assert {os.getpgid(p.pid) for p in tree} == {ui.proc.pid}
 
-        ui.ctrl_c()
+        if stop == "ctrl-c":
+            ui.ctrl_c()  # SIGINT to the foreground group, as a terminal sends it
+        else:
+            os.kill(ui.proc.pid, signal.SIGTERM)  # `kill PID`: the command's pid alone
         assert ui.proc.wait(timeout=60) == 0, ui.output
-        assert "MLflow UI stopped." in ui.output
         psutil.wait_procs(tree, timeout=10)
         assert all(gone(p) for p in tree), [(p.pid, p.cmdline()) for p in tree if not gone(p)]
         with socket.socket() as sock:
@@ -99,7 +105,7 @@ def test_a_remote_tracking_server_is_shown_not_started(project, monkeypatch):
         def no_server(*args, **kwargs):
             raise AssertionError("no local server may be started")
 
-        monkeypatch.setattr("pipeline.runs.mlflow_ui.subprocess.Popen", no_server)
+        monkeypatch.setattr("pipeline.runs.mlflow_ui.os.execve", no_server)
         result = invoke("ui")
     finally:
         server.shutdown()
