@@ -5,7 +5,7 @@ package beside it on the same floor):
 
 ====  =======================================================================================================
 0     the ground floor: ``pipeline.config`` (which imports nothing else of ``pipeline``), ``io``, ``host``, ``plots``,
-      ``faults`` (the test-fault seam the training loop and the runs both call), ``legacy`` (old module paths)
+      ``legacy`` (old module paths)
 1     ``pipeline.core`` (model, losses, backbones, ...) and ``pipeline.data`` (sources, prepared format, augment)
 2     ``pipeline.theory`` (the paper's section 3)
 3     ``pipeline.evaluation`` (probes, health, figures, report)
@@ -34,7 +34,7 @@ from tests.test_dvc_deps import PACKAGES, imported_files
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 600
-GROUND = ("pipeline.config", "pipeline.io", "pipeline.host", "pipeline.plots", "pipeline.faults", "pipeline.legacy")
+GROUND = ("pipeline.config", "pipeline.io", "pipeline.host", "pipeline.plots", "pipeline.legacy")
 FLOORS = {**dict.fromkeys(GROUND, 0), "pipeline.core": 1, "pipeline.data": 1, "pipeline.theory": 2,
           "pipeline.evaluation": 3, "pipeline.training": 4, "pipeline.runs": 5, "stages": 6}
 PURE = (*GROUND, "pipeline.core", "pipeline.data", "pipeline.theory", "pipeline.evaluation",
