@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -195,7 +194,6 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
         uri, exp, parent = mlflow_run(root, name, stage="sweep", title=parent_title(params),
                                       logged=parent_params(params), manifest=manifest, data_dir=data_dir,
                                       tags={"sweep": name})
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     job = WorkerSpec(params=base, data_dir=stage_prepared(data_dir, storage), manifest=manifest, storage=storage,
                      name=name, use_gpu=gpu, callbacks=callbacks)
     sample = tune.grid_search if s.search == "grid" else tune.choice

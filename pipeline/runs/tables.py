@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,7 +303,6 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
         uri, exp, parent = mlflow_run(root, name, stage=STAGE, title=trk.tables_label([r.table for r in rows]),
                                       logged=logged, manifest=manifest, data_dir=data_dir, tags={STAGE: name})
     unit = hours_unit(gpu)
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     base = base_params(params)
     job = WorkerSpec(params=base, data_dir=stage_prepared(data_dir, storage), manifest=manifest, storage=storage,
                      name=name, use_gpu=gpu, callbacks=callbacks)

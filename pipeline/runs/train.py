@@ -427,9 +427,6 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     Raises :class:`ParamsError` (a request the cluster can never satisfy), :class:`ClusterError` (unreachable
     cluster, resources never free), :class:`PretrainError` (training failed or diverged).
     """
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
     callbacks = load_callbacks()  # a wrong name fails here, before Ray starts
     data = load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here, before Ray starts
     manifest = json.loads((data_dir / "manifest.json").read_text())
@@ -452,29 +449,11 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     spec = WorkerSpec(params=params.model_dump(), data_dir=stage_prepared(data_dir, storage), manifest=manifest,
                       storage=storage, name=name, use_gpu=gpu, callbacks=callbacks,
                       resume_dir=recover_run_snapshot(None if is_uri(run_dir) else run_dir))
-    # the controller collects each report when it polls (default every 2 s) and a worker's next report
-    # waits for that: with short epochs that idles the workers, so poll faster (propagated by Ray Train)
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"spec": spec},
-        torch_config=torch_config(params.ray.backend),
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=params.ray.num_workers, use_gpu=gpu,
-            resources_per_worker={"CPU": params.ray.cpus_per_worker},
-        ),
-        run_config=ray.train.RunConfig(
-            name=name, storage_path=storage,
-            failure_config=ray.train.FailureConfig(max_failures=params.ray.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
-            callbacks=[trk.epoch_logger(uri, run_id)] if run_id else [],
-            logging_config=train_logging(),
-        ),
-    )
     system = trk.SystemMetrics(uri, run_id) if run_id else None  # the driver's node while Ray trains
     fit_started, fit_start = time.time(), time.perf_counter()
     try:
-        result = trainer.fit()
+        state, _ = fit_run(spec, params, [trk.epoch_logger(uri, run_id)] if run_id else [], keep=2,
+                           max_failures=params.ray.max_failures)
     except Exception as exc:
         trk.end_run(uri, run_id, "FAILED")
         message = error_reason(exc)
@@ -490,16 +469,42 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
         trk.end_run(uri, run_id, "FAILED")
         raise PretrainError(f"pretraining stopped: {status['message']}; the last good checkpoint is kept in "
                             f"{run_dir} (lower train.lr, or check the data for NaN)")
-    if result.checkpoint is None:
+    if state is None:
         raise PretrainError("pretraining finished without a checkpoint")
-    with result.checkpoint.as_directory() as d:
-        state = load_torch(Path(d) / STATE_FILE)
     if run_id:  # epochs checkpointed before an interruption but never logged: the run shows every epoch once
         trk.log_missing_epochs(uri, run_id, state["history"], epoch_metric_names(state["history"]))
         if "head_plan" in state:  # the head's path on the workers (pipeline.core.plan): dense|tiled, sharded
             trk.set_tags(run_id, HeadPlan(**state["head_plan"]).tags(), uri=uri)
     return PretrainResult(state=state, run_name=name, mlflow_run_id=run_id, input_shape=data.input_shape,
                           n_classes=len(data.classes), fit_started=fit_started, fit_seconds=fit_seconds)
+
+
+def fit_run(spec: WorkerSpec, params: Params, callbacks: list[Any], keep: int,
+            max_failures: int = 0) -> tuple[dict[str, Any] | None, str | None]:
+    """Ray Train's run of ``spec``'s workers (``params.ray``: how many, their CPUs, the backend) with the Ray Train
+    ``callbacks``, keeping ``keep`` checkpoints, restarting a failed worker group ``max_failures`` times. Returns the
+    state in its final checkpoint and where that is (None, None without one)."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    # the controller collects each report when it polls (default every 2 s) and a worker's next report
+    # waits for that: with short epochs that idles the workers, so poll faster (propagated by Ray Train)
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    result = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"spec": spec},
+        torch_config=torch_config(params.ray.backend),
+        scaling_config=ray.train.ScalingConfig(num_workers=params.ray.num_workers, use_gpu=spec.use_gpu,
+                                               resources_per_worker={"CPU": params.ray.cpus_per_worker}),
+        run_config=ray.train.RunConfig(name=spec.name, storage_path=spec.storage, callbacks=callbacks,
+                                       failure_config=ray.train.FailureConfig(max_failures=max_failures),
+                                       checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
+                                       logging_config=train_logging()),
+    ).fit()
+    if result.checkpoint is None:
+        return None, None
+    with result.checkpoint.as_directory() as d:
+        return load_torch(Path(d) / STATE_FILE), result.checkpoint.path
 
 
 def mlflow_run(root: Path, name: str, *, stage: str, title: str, logged: Mapping[str, Any], manifest: dict[str, Any],

@@ -33,25 +33,21 @@ from typing import Any
 from ray import tune
 
 from pipeline.config.params import Params, validate_params
-from pipeline.io import load_torch
 from pipeline.runs import tracking as trk
-from pipeline.runs.cluster import train_logging
 from pipeline.runs.resources import NodeType, TrialShape, trials_at_once
 from pipeline.runs.storage import clear_status, is_uri, join
 from pipeline.runs.train import (
     HISTORY_FILE,
-    STATE_FILE,
     Session,
     TrialFailed,
     WorkerSpec,
     error_reason,
+    fit_run,
     read_status,
     recover_run_snapshot,
     run_worker,
     say,
     status_reason,
-    torch_config,
-    train_loop_per_worker,
     worker_device,
 )
 
@@ -172,13 +168,10 @@ def fit_trial(job: WorkerSpec, params: Params) -> TrialRun:
         loop = run_worker(spec, TuneSession(), device=device)
         state, path = (loop.state_dict() if loop else None), None
     else:
+        from ray.tune.integration.ray_train import TuneReportCallback
+
         spec.resume_dir = recover_run_snapshot(None if is_uri(run_dir) else run_dir)
-        result = _fit_train(params, spec)
-        state = None
-        if result.checkpoint is not None:
-            with result.checkpoint.as_directory() as d:
-                state = load_torch(Path(d) / STATE_FILE)
-        path = result.checkpoint.path if result.checkpoint is not None else None
+        state, path = fit_run(spec, params, [TuneReportCallback()], keep=1)
     seconds = time.time() - start
     status = read_status(run_dir)  # kept with the run: a restored trial whose run had diverged fails again
     if status:
@@ -186,28 +179,6 @@ def fit_trial(job: WorkerSpec, params: Params) -> TrialRun:
     if state is None:
         raise TrialFailed("the trial's training finished without a checkpoint")
     return TrialRun(state=state, checkpoint_path=path, seconds=seconds)
-
-
-def _fit_train(params: Params, spec: WorkerSpec) -> Any:
-    """A Ray Train run of the trial's workers; returns its ``Result``."""
-    import ray.train
-    from ray.train.torch import TorchTrainer
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"spec": spec},
-        torch_config=torch_config(params.ray.backend),
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=params.ray.num_workers, use_gpu=spec.use_gpu,
-            resources_per_worker={"CPU": params.ray.cpus_per_worker},
-        ),
-        run_config=ray.train.RunConfig(
-            name=spec.name, storage_path=spec.storage, callbacks=[TuneReportCallback()],
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1), logging_config=train_logging(),
-        ),
-    )
-    return trainer.fit()
 
 
 def trainable(trial: Any, job: WorkerSpec, placement: Any) -> Any:
