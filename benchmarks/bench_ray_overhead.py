@@ -19,7 +19,7 @@ import torch
 from pipeline.config.params import load_params
 from pipeline.data.prepared import load_prepared, save_prepared
 from pipeline.data.sources import load_dataset
-from pipeline.runs.train import cleanup_run, pretrain
+from pipeline.runs.train import cleanup, pretrain
 from pipeline.training.loop import PretrainLoop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def main() -> None:
         params_ray = params.model_copy(update={"ray": params.ray.model_copy(update={"storage_path": str(tmp / "ray")})})
         res = pretrain(params_ray, tmp / "prepared", tmp, tracking=False)
         ray_sps = steady_throughput(res.state["history"], params.train.batch_size, loop.steps_per_epoch)
-        cleanup_run(params_ray, tmp, res.run_name)
+        cleanup(params_ray, tmp, res.run_name)
 
     step_bare = statistics.median(h["samples_per_s"] for h in bare[1:])
     step_ray = statistics.median(h["samples_per_s"] for h in res.state["history"][1:])

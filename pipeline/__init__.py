@@ -61,6 +61,8 @@ _EXPORTS: dict[str, str] = {
     "GlobalBatchStep": "pipeline.training.step",
     "NonFiniteLossError": "pipeline.training.step",
     "broadcast_from_rank0": "pipeline.training.step",
+    # hooks into the pipeline's pretraining loop (every run and trial: $TRANSFUSION_CALLBACKS)
+    "Callback": "pipeline.training.loop",
     # the typed configs of params.yaml
     "Params": "pipeline.config.params",
     "load_params": "pipeline.config.params",

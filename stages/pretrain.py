@@ -21,7 +21,7 @@ from pipeline.io import atomic_dir, save_torch, write_csv, write_json
 from pipeline.runs.cluster import ClusterError
 from pipeline.runs.storage import StorageError
 from pipeline.runs.tracking import TrackingError, log_pytorch_model, project_root, set_tags, tracking_uri
-from pipeline.runs.train import PretrainError, PretrainResult, cleanup_run, pretrain
+from pipeline.runs.train import PretrainError, PretrainResult, cleanup, pretrain
 from stages._common import (
     ParamsUsageError,
     around,
@@ -105,7 +105,7 @@ def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     if res.mlflow_run_id:
         log_model(params, res, [paths[0] / "config.json", paths[1], paths[2]])
         set_tags(res.mlflow_run_id, {"workers": json.dumps(res.state.get("workers", []))})
-    cleanup_run(params, root, res.run_name)
+    cleanup(params, root, res.run_name)
     workers = res.state.get("workers", [])
     nodes = sorted({w["node_id"] for w in workers})
     click.echo(f"[pretrain] {len(workers)} worker(s) on {len(nodes)} node(s): " + ", ".join(

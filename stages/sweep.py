@@ -82,7 +82,8 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Sweep depth, batch size and augmentation strength with Ray Tune (each trial a Ray Train run)."""
     from pipeline.data.prepared import load_prepared
     from pipeline.runs.sweep import SPACE_KEYS, check_points, run_sweep
-    from pipeline.runs.tune import SweepError, cleanup, finish_tracking
+    from pipeline.runs.train import cleanup
+    from pipeline.runs.tune import SweepError, finish_tracking
 
     started = process_started()
     try:  # every point of the grid is valid params (e.g. batch vs workers) before any work
@@ -104,7 +105,7 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     best = write_outputs(params, result.rows, sweeps, plots, dataset)
     finish_tracking(root, result, best, [sweeps / "results.csv", sweeps / "best.json", plots / "phase.png",
                                          plots / "phase.csv", plots / "curves.csv"])
-    cleanup(params, root, result)
+    cleanup(params, root, result.name, result.trial_runs())
     failed = sum(r["status"] == "ERROR" for r in result.rows)
     if best:
         click.echo(f"swept {len(result.rows)} trials ({failed} failed) in {result.seconds:.0f} s; best knn_acc "

@@ -37,7 +37,8 @@ def tables_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Run the paper's Tables 1-2 (tables.rows) as one Ray Tune job and write reports/TABLES.md."""
     from pipeline.data.prepared import load_prepared
     from pipeline.runs.tables import COLUMNS, csv_records, render, resolve_rows, run_tables
-    from pipeline.runs.tune import SweepError, cleanup, finish_tracking
+    from pipeline.runs.train import cleanup
+    from pipeline.runs.tune import SweepError, finish_tracking
 
     try:  # every row resolves to valid params of its table before any work
         resolve_rows(params)
@@ -57,7 +58,7 @@ def tables_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     write_json(OUT / "results.json", {"dataset": dataset, "hours_unit": unit, "rows": csv_records(result.rows)})
     write_text(REPORT, render(result.rows, params, unit, dataset))
     finish_tracking(root, result, None, [REPORT, OUT / "results.csv", OUT / "results.json"])
-    cleanup(params, root, result)
+    cleanup(params, root, result.name, result.trial_runs())
     failed = sum(r["status"] != "TERMINATED" for r in result.rows)
     click.echo(f"tables: {len(result.rows)} rows ({failed} failed) in {result.seconds:.0f} s -> {REPORT}, "
                f"{OUT}/results.csv")

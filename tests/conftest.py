@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import faults
-
 ROOT = Path(__file__).resolve().parents[1]
 
 # The tests share one Ray (ray_session): a request that no node can hold (a test of the resource wait) would have its
@@ -64,20 +62,24 @@ def project(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
-    monkeypatch.delenv(faults.ENV, raising=False)
+    for var in ("TRANSFUSION_CALLBACKS", "TRANSFUSION_TEST_FAULTS"):  # no callbacks unless a test installs them
+        monkeypatch.delenv(var, raising=False)
     return tmp_path
 
 
 @pytest.fixture
 def install_faults(monkeypatch):
-    """Install a test-fault plan (``pipeline.faults``: ``install_faults(crash_at_epoch=2)``) in this process, whence
-    the stages carry it to the Ray processes they start; ``install_faults()`` removes it. Undone after the test."""
+    """Install a test-fault plan (``tests.faults``: ``install_faults(crash_at_epoch=2)``) in this process, whose stages
+    then ship it to the Ray processes they start; ``install_faults()`` removes it. Undone after the test."""
+    from tests import faults
 
     def install(**plan) -> None:
-        if plan:
-            monkeypatch.setenv(faults.ENV, faults.environment(**plan)[faults.ENV])
-        else:
-            monkeypatch.delenv(faults.ENV, raising=False)
+        env = faults.environment(**plan)
+        for var in (faults.ENV, faults.CALLBACKS_ENV):  # this process imports tests.faults already
+            if plan:
+                monkeypatch.setenv(var, env[var])
+            else:
+                monkeypatch.delenv(var, raising=False)
 
     return install
 

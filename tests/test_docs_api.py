@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -49,6 +50,18 @@ def test_the_plain_pytorch_loop_learns(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "JSD loss" in printed and printed.count("kNN accuracy") == 3, printed
     assert list(tmp_path.iterdir()) == [], "the plain loop writes nothing"
+    # the page's callback: a draw of its own per epoch, step and rank, the same again on a resumed run
+    import torch
+
+    from pipeline import Callback
+
+    noise, rank1 = namespace["InputNoise"](sigma=0.5), SimpleNamespace(rank=1)
+    assert isinstance(noise, Callback)
+    x = torch.zeros(64, 1, 8, 8)
+    a = noise.on_step_start(rank1, 2, 3, x)
+    assert torch.equal(a, noise.on_step_start(rank1, 2, 3, x)) and 0.45 < float(a.std()) < 0.55
+    assert not torch.equal(a, noise.on_step_start(rank1, 2, 4, x))
+    assert not torch.equal(a, noise.on_step_start(SimpleNamespace(rank=0), 2, 3, x))
 
 
 @pytest.mark.slow

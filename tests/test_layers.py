@@ -5,7 +5,7 @@ package beside it on the same floor):
 
 ====  =======================================================================================================
 0     the ground floor: ``pipeline.config`` (which imports nothing else of ``pipeline``), ``io``, ``host``, ``plots``,
-      ``faults`` (the test-fault seam the training loop and the runs both call), ``legacy`` (old module paths)
+      ``legacy`` (old module paths)
 1     ``pipeline.core`` (model, losses, backbones, ...) and ``pipeline.data`` (sources, prepared format, augment)
 2     ``pipeline.theory`` (the paper's section 3)
 3     ``pipeline.evaluation`` (probes, health, figures, report)
@@ -75,7 +75,7 @@ def skeleton(root: Path) -> None:
     write(root, "pipeline/__init__.py", "def __getattr__(name):\n    return name\n")
     for package in ("config", "core", "data", "theory", "evaluation", "training", "runs"):
         write(root, f"pipeline/{package}/__init__.py")
-    for module in ("io", "host", "plots", "faults", "legacy"):
+    for module in ("io", "host", "plots", "legacy"):
         write(root, f"pipeline/{module}.py")
     write(root, "stages/__init__.py")
     write(root, "stages/cli.py")

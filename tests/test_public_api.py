@@ -26,6 +26,7 @@ API = {
     **dict.fromkeys(("cluster_kernel", "eigengap_k", "cluster"), "pipeline.core.clustering"),
     **dict.fromkeys(("target_affinity", "self_supervised_ids"), "pipeline.core.targets"),
     **dict.fromkeys(("GlobalBatchStep", "NonFiniteLossError", "broadcast_from_rank0"), "pipeline.training.step"),
+    "Callback": "pipeline.training.loop",
     **dict.fromkeys(("Params", "load_params", "validate_params"), "pipeline.config.params"),
     "ParamsError": "pipeline.config.base",
     "DataConfig": "pipeline.config.data",

@@ -21,7 +21,6 @@ Pure orchestration: pyarrow's file systems (a Ray dependency) for URIs, no Ray, 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -33,6 +32,7 @@ from typing import Any
 
 from pipeline.data.prepared import MANIFEST, PREPARED_FILES, load_prepared
 from pipeline.data.types import Dataset, DatasetError
+from pipeline.runs.tracking import data_digest
 
 STAGED = "prepared-data"
 STATUS_FILE = "transfusion_status.json"
@@ -79,12 +79,6 @@ def _fs(path: str) -> tuple[Any, str]:
     if is_uri(path):
         return pafs.FileSystem.from_uri(path)
     return pafs.LocalFileSystem(), path
-
-
-def data_digest(manifest: dict[str, Any]) -> str:
-    """A name for one version of the prepared data: the sha256 of its files' digests."""
-    files = {name: f["sha256"] for name, f in sorted(manifest["files"].items())}
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

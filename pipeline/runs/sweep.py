@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -36,28 +35,31 @@ from pipeline.config.params import Params
 from pipeline.evaluation.health import dead_blocks, is_health_key, unflat
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import connect
-from pipeline.runs.storage import check_storage, read_placement, stage_prepared
-from pipeline.runs.train import WORKERS_FILE, storage_location
+from pipeline.runs.storage import check_storage, join, read_placement, stage_prepared
+from pipeline.runs.train import (
+    WORKERS_FILE,
+    WorkerSpec,
+    error_reason,
+    load_callbacks,
+    mlflow_run,
+    say,
+    storage_location,
+)
 from pipeline.runs.tune import (
     TRIAL_CPU,
     SweepResult,
     TrialTracker,
     at_once,
     checkpoint_history,
-    error_reason,
     fit_trial,
     inline,
     last_checkpoint_path,
     max_concurrent,
-    parent_run,
     point_of,
-    say,
-    stable_name,
-    start_trial,
     trainable,
+    trial_name,
     trial_params,
     trial_placement,
-    trial_run_dir,
     tune_job,
 )
 
@@ -138,7 +140,7 @@ def sweep_name(params: Params, manifest: dict[str, Any]) -> str:
         if dotted == SPACE_KEYS["depth"] and params.model.method == "abc":
             keyed["model"]["abc"].pop("blocks", None)
     keyed["ray"] = {"num_workers": params.ray.num_workers}
-    return stable_name("sweep", keyed, manifest)
+    return trk.stable_name("sweep", keyed, manifest)
 
 
 def parent_params(params: Params) -> dict[str, Any]:
@@ -155,14 +157,12 @@ def parent_title(params: Params) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- trial
-def _trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
-    """One Tune trial: a Ray Train run of the pretraining loop on this point of the space.
+def _trial(config: dict[str, Any], job: WorkerSpec) -> None:
+    """One Tune trial: the pretraining loop on this point of the space.
 
-    ``config`` holds the point (``{"model.depth": 1, ...}``); ``fixed`` what every trial shares.
+    ``config`` holds the point (``{"model.depth": 1, ...}``); ``job`` what every trial shares (its params: the base).
     """
-    point = point_of(config)
-    trial_id = start_trial(fixed, point)
-    fit_trial(point_params(fixed["base"], point), fixed, trial_id)
+    fit_trial(job, point_params(job.params, point_of(config)))
 
 
 class SweepTracker(TrialTracker):
@@ -179,6 +179,7 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     failed."""
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
+    callbacks = load_callbacks()  # a wrong name fails here, before Ray starts
     manifest = json.loads((data_dir / "manifest.json").read_text())
     name = sweep_name(params, manifest)
     storage = storage_location(params, root)
@@ -190,23 +191,23 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
                          what="a sweep trial")
     uri = exp = parent = None
     if tracking:  # the parent run only once the cluster can serve the sweep
-        uri, exp, parent = parent_run(root, name, stage="sweep", logged=parent_params(params),
-                                      title=parent_title(params), manifest=manifest, data_dir=data_dir)
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    fixed = {"base": base, "data": stage_prepared(data_dir, storage), "manifest": manifest, "storage": storage,
-             "use_gpu": gpu}
+        uri, exp, parent = mlflow_run(root, name, stage="sweep", title=parent_title(params),
+                                      logged=parent_params(params), manifest=manifest, data_dir=data_dir,
+                                      tags={"sweep": name})
+    job = WorkerSpec(params=base, data_dir=stage_prepared(data_dir, storage), manifest=manifest, storage=storage,
+                     name=name, use_gpu=gpu, callbacks=callbacks)
     sample = tune.grid_search if s.search == "grid" else tune.choice
     space = {k: sample(v) for k, v in axes(params).items()}
     samples = 1 if s.search == "grid" else s.num_samples
     scheduler = (ASHAScheduler(time_attr="epoch", max_t=s.epochs, grace_period=min(s.grace_period, s.epochs),
                                reduction_factor=2) if s.asha else FIFOScheduler())
-    job = trainable(_trial, fixed, trial_placement(trial_params(base, {}), gpu))
+    trainer = trainable(_trial, job, trial_placement(trial_params(base, {}), gpu))
     tracker = SweepTracker(s.epochs, uri, exp, parent)
     n = len(grid_points(params)) if s.search == "grid" else samples
     concurrent = max_concurrent(params, nodes, gpu, n)
     announce = (f"[sweep] {name}: {n} trials ({s.search}), {s.epochs} epochs each, up to {concurrent} at a time"
                 + (", ASHA early stopping" if s.asha else ""))
-    grid, resumed, seconds = tune_job(job, space, name=name, storage=storage, tracker=tracker,
+    grid, resumed, seconds = tune_job(trainer, space, name=name, storage=storage, tracker=tracker,
                                       concurrent=concurrent, announce=announce, scheduler=scheduler,
                                       num_samples=samples, reuse_actors=inline(trial_params(base, {})))
     started = time.time() - seconds
@@ -236,7 +237,7 @@ def trial_rows(grid, epochs: int, labels=point_of, storage: str | None = None) -
         # checkpoint was still uploading has it in the one before
         found = (checkpoint_history(path, WORKERS_FILE) for path in dict.fromkeys([last_path, *reversed(paths)]))
         trial_id = Path(result.path).name.removeprefix("trial-")
-        placed = read_placement(trial_run_dir(storage, trial_id)) if storage else None
+        placed = read_placement(join(storage, trial_name(trial_id))) if storage else None
         workers = sorted(placed or next((w for w in found if w), []), key=lambda w: w["rank"])
         last_reported = int(reported[-1].get("epoch", 0) or 0) if reported else 0
         if history is None or (history and int(history[-1]["epoch"]) < last_reported):

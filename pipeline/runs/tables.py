@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,20 +34,16 @@ from pipeline.config.base import ParamsError, flatten
 from pipeline.config.params import Params
 from pipeline.evaluation.report import HEADER, NA, PAPER_TABLES, RULE, fmt_cell, fmt_minutes, table_row
 from pipeline.runs import tracking as trk
+from pipeline.runs.train import WorkerSpec, error_reason, say
 from pipeline.runs.tune import (
     TRIAL_CPU,
     SweepResult,
     TrialTracker,
     at_once,
     checkpoint_history,
-    error_reason,
     fit_trial,
     inline,
     max_concurrent,
-    parent_run,
-    say,
-    stable_name,
-    start_trial,
     trainable,
     trial_params,
     trial_placement,
@@ -116,7 +111,7 @@ def job_name(params: Params, manifest: dict[str, Any]) -> str:
     """Stable name from everything that determines the job's result: the rows and their base, probes, data."""
     keyed = {s: getattr(params, s).model_dump() for s in ("model", "loss", "augment", "train", "probe", "tables")}
     keyed["ray"] = {"num_workers": params.ray.num_workers}
-    return stable_name(STAGE, keyed, manifest)
+    return trk.stable_name(STAGE, keyed, manifest)
 
 
 def hours_unit(gpu: bool) -> str:
@@ -149,7 +144,7 @@ def probe_backbone(params: Params, data, model) -> tuple[dict[str, float], int]:
 
 # --------------------------------------------------------------------------------------------------- trial
 def row_labels(row: dict[str, Any]) -> dict[str, Any]:
-    """A row's identity (MLflow params of its child run, the labels test faults match: ``pipeline.faults``)."""
+    """A row's identity: the MLflow params of its child run."""
     return {"table": row["table"], "row": row["name"], **row["params"]}
 
 
@@ -171,32 +166,31 @@ def probe_row(params: dict[str, Any], data_dir: str, manifest: dict[str, Any],
     return accuracies, n_probe, {k: float(v) for k, v in held.items() if k in ("CPU", "GPU")}
 
 
-def probe_where_trained(params: Params, fixed: dict[str, Any], model_state: dict[str, Any]):
+def probe_where_trained(params: Params, job: WorkerSpec, model_state: dict[str, Any]):
     """Run :func:`probe_row` where the row's resources are: a one-worker row in its trial, which holds the worker's
     bundle (its CPUs and GPU); a row of several workers, whose trial function holds only ``TRIAL_CPU`` on the head,
     as a Ray task with one worker's resources, scheduled like the row's workers (on a GPU node when they train on
     GPUs) once its Ray Train run has released them."""
-    args = (params.model_dump(), fixed["data"], fixed["manifest"], model_state)
+    args = (params.model_dump(), job.data_dir, job.manifest, model_state)
     if inline(params):
         return probe_row(*args)
     import ray
 
     # "DEFAULT": outside the trial's placement group (Tune's capture of child tasks would put it there, where only
     # the trial's own TRIAL_CPU is)
-    task = ray.remote(probe_row).options(num_cpus=params.ray.cpus_per_worker, num_gpus=1 if fixed["use_gpu"] else 0,
+    task = ray.remote(probe_row).options(num_cpus=params.ray.cpus_per_worker, num_gpus=1 if job.use_gpu else 0,
                                          max_retries=0, scheduling_strategy="DEFAULT")
     return ray.get(task.remote(*args))
 
 
-def _row_trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
+def _row_trial(config: dict[str, Any], job: WorkerSpec) -> None:
     """One row: the Train trial on the row's params, then the probes; reported to Tune as the last result."""
     row = config["row"]
-    trial_id = start_trial(fixed, row_labels(row))
-    params = trial_params(fixed["base"], row["params"], source=f"tables row {row['name']!r}")
-    run = fit_trial(params, fixed, trial_id)
+    params = trial_params(job.params, row["params"], source=f"tables row {row['name']!r}")
+    run = fit_trial(job, params)
     state = run.state
     start = time.time()
-    accuracies, n_probe, held = probe_where_trained(params, fixed, state["model"])
+    accuracies, n_probe, held = probe_where_trained(params, job, state["model"])
     history = state["history"]
     knn = [h["knn_acc"] for h in history if h.get("knn_acc") is not None]
     workers = params.ray.num_workers
@@ -204,7 +198,7 @@ def _row_trial(config: dict[str, Any], fixed: dict[str, Any]) -> None:
         "evaluated": 1, "epoch": int(state["epoch"]), "knn_acc": knn[-1] if knn else math.nan,
         **{f"probe.{k}": v for k, v in accuracies.items()}, "n_probe_train": n_probe,
         "train_seconds": float(sum(h["seconds"] for h in history)), "fit_seconds": run.seconds,
-        "eval_seconds": time.time() - start, "workers": workers, "gpus": workers if fixed["use_gpu"] else 0,
+        "eval_seconds": time.time() - start, "workers": workers, "gpus": workers if job.use_gpu else 0,
         "hours": run.seconds * workers / 3600, "checkpoint_path": run.checkpoint_path,
         "probe_cpus": held.get("CPU", 0.0), "probe_gpus": held.get("GPU", 0.0),
     })
@@ -292,8 +286,9 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     """
     from pipeline.runs.cluster import connect
     from pipeline.runs.storage import check_storage, stage_prepared
-    from pipeline.runs.train import storage_location
+    from pipeline.runs.train import load_callbacks, mlflow_run, storage_location
 
+    callbacks = load_callbacks()  # a wrong name fails here, before Ray starts
     manifest = json.loads((data_dir / "manifest.json").read_text())
     rows = resolve_rows(params, manifest.get("n_train"))
     name = job_name(params, manifest)
@@ -305,22 +300,21 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
         logged = {**{k: v for k, v in flatten(params).items() if k.split(".")[0] in ("model", "loss", "augment",
                                                                                         "train", "probe")},
                   **{f"tables.{r.table}.{r.name}": json.dumps(r.overrides, sort_keys=True) for r in rows}}
-        uri, exp, parent = parent_run(root, name, stage=STAGE, logged=logged, manifest=manifest,
-                                      data_dir=data_dir, title=trk.tables_label([r.table for r in rows]))
+        uri, exp, parent = mlflow_run(root, name, stage=STAGE, title=trk.tables_label([r.table for r in rows]),
+                                      logged=logged, manifest=manifest, data_dir=data_dir, tags={STAGE: name})
     unit = hours_unit(gpu)
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    fixed = {"base": base_params(params), "data": stage_prepared(data_dir, storage), "manifest": manifest,
-             "storage": storage, "use_gpu": gpu}
+    base = base_params(params)
+    job = WorkerSpec(params=base, data_dir=stage_prepared(data_dir, storage), manifest=manifest, storage=storage,
+                     name=name, use_gpu=gpu, callbacks=callbacks)
     space = {"row": tune.grid_search([r.config() for r in rows])}
-    base = fixed["base"]
-    job = trainable(_row_trial, fixed,  # a row's workers may differ from the base's: its own placement
-                    lambda config: trial_placement(trial_params(base, config["row"]["params"]), gpu))
+    trainer = trainable(_row_trial, job,  # a row's workers may differ from the base's: its own placement
+                        lambda config: trial_placement(trial_params(base, config["row"]["params"]), gpu))
     tracker = TablesTracker(params.train.epochs, uri, exp, parent, unit=unit)
     concurrent = max_concurrent(as_sweep(params), nodes, gpu, len(rows))
     announce = (f"[tables] {name}: {len(rows)} rows (table 1: {sum(r.table == 1 for r in rows)}, table 2: "
                 f"{sum(r.table == 2 for r in rows)}), up to {concurrent} at a time, {'GPU' if gpu else 'CPU'} workers")
     # no scheduler: results need not carry knn_acc (train.knn_every), and one-worker rows may reuse a process
-    grid, resumed, seconds = tune_job(job, space, name=name, storage=storage, tracker=tracker,
+    grid, resumed, seconds = tune_job(trainer, space, name=name, storage=storage, tracker=tracker,
                                       concurrent=concurrent, announce=announce, what="tables job", metric=None,
                                       reuse_actors=all(inline(r.params) for r in rows))
     records = collect(grid, rows, unit)

@@ -339,22 +339,40 @@ def tables_label(tables: Sequence[int]) -> str:
     return SEP.join(["tables", f"{len(tables)} row{'s' if len(tables) != 1 else ''}", counts])
 
 
+def _digest(value: Any) -> str:
+    """16 hex digits of the sha256 of ``value`` as JSON (keys sorted)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _files(manifest: Mapping[str, Any]) -> dict[str, str]:
+    return {name: f["sha256"] for name, f in sorted(manifest["files"].items())}
+
+
 def data_digest(manifest: Mapping[str, Any]) -> str:
-    """The prepared data's digest: 8 hex digits of a sha256 over its files' sha256 (the manifest's ``files``)."""
-    files = {name: f["sha256"] for name, f in sorted(manifest["files"].items())}
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:8]
+    """One version of the prepared data: 16 hex digits of a sha256 over its files' sha256 (the manifest's ``files``).
+    The name of its staged copy (``pipeline.runs.storage``); MLflow's dataset digest is its first 8
+    (:func:`dataset_input`)."""
+    return _digest(_files(manifest))
+
+
+def stable_name(prefix: str, keyed: dict[str, Any], manifest: Mapping[str, Any]) -> str:
+    """``<prefix>-<16 hex digits>``: the name of a Ray run or Tune job from everything that determines its result,
+    ``keyed`` (the params it reads) and the prepared data's files, so that a rerun resumes it exactly when it would
+    compute the same thing."""
+    return f"{prefix}-{_digest({**keyed, 'data': _files(manifest)})}"
 
 
 def dataset_input(manifest: Mapping[str, Any], source: str | os.PathLike, context: str = "training"):
-    """The prepared data as an MLflow dataset input: named by the manifest's ``dataset``, its digest
-    :func:`data_digest`, its source the prepared directory (a local source), its profile the sizes, classes, input
-    shape and the ``data`` params it was prepared with; tagged with ``context`` (training, evaluation)."""
+    """The prepared data as an MLflow dataset input: named by the manifest's ``dataset``, its digest the first 8 hex
+    digits of :func:`data_digest`, its source the prepared directory (a local source), its profile
+    the sizes, classes, input shape and the ``data`` params it was prepared with; tagged with ``context`` (training,
+    evaluation)."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
     profile = {"train": manifest.get("n_train"), "test": manifest.get("n_test"),
                "classes": len(manifest.get("classes", [])), "input_shape": manifest.get("input_shape"),
                "dtype": manifest.get("dtype"), "prepared_with": manifest.get("params", {}).get("data")}
-    dataset = Dataset(name=str(manifest["dataset"]), digest=data_digest(manifest), source_type="local",
+    dataset = Dataset(name=str(manifest["dataset"]), digest=data_digest(manifest)[:8], source_type="local",
                       source=json.dumps({"uri": str(source)}), profile=json.dumps(profile))
     return DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])
 

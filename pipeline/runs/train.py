@@ -7,12 +7,17 @@ and turns the final checkpoint into the stage's outputs. Rank 0 writes checkpoin
 through Ray's checkpoint API and reports per-epoch metrics, which Ray Train's controller (on the driver's node)
 logs to MLflow (``pipeline.runs.tracking.epoch_logger``); ``ray.max_failures``
 restarts a failed worker group from the last one. After a successful run the Ray run directory is
-removed, so a later forced rerun trains again instead of returning the old result.
+removed (:func:`cleanup`), so a later forced rerun trains again instead of returning the old result.
+
+Also what the Tune jobs (``pipeline.runs.tune``) share with it: the spec their workers get (:class:`WorkerSpec`, a
+job's trials each with their own params and name), the loop callbacks named in ``$TRANSFUSION_CALLBACKS``
+(:func:`load_callbacks`), the MLflow run kept across resumes (:func:`mlflow_run`), the one-line failure reason
+(:func:`error_reason`), progress lines (:func:`say`) and :func:`cleanup`.
 """
 
 from __future__ import annotations
 
-import hashlib
+import importlib
 import json
 import logging
 import os
@@ -20,19 +25,20 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pipeline import faults
 from pipeline.config.base import ParamsError, flatten
 from pipeline.config.params import Params
 from pipeline.core.plan import HeadPlan
 from pipeline.data.prepared import load_prepared, prepared_nbytes
 from pipeline.evaluation.health import KERNEL, is_health_key, unflat
 from pipeline.io import load_torch
+from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import connect, train_logging, wait_for_workers
 from pipeline.runs.storage import (
     check_storage,
@@ -45,13 +51,15 @@ from pipeline.runs.storage import (
     write_placement,
     write_status,
 )
-from pipeline.training.loop import EpochMetrics, PretrainLoop, data_budget
+from pipeline.training.loop import Callback, EpochMetrics, PretrainLoop, data_budget
 from pipeline.training.step import NonFiniteLossError
 
 EPOCH_METRICS = ("loss", "lr", "samples_per_s", "view_noise", "knn_acc", "seconds")  # per-epoch, in MLflow
 STATE_FILE = "state.pt"
 HISTORY_FILE = "history.json"  # per-epoch metrics up to the checkpoint, beside STATE_FILE
 WORKERS_FILE = "workers.json"  # where each rank ran (node, host, device, Ray's GPU ids), beside STATE_FILE
+STATE_DIR = ".transfusion"  # the driver's own state of a run or job under the project root (its MLflow run id)
+CALLBACKS_ENV = "TRANSFUSION_CALLBACKS"  # loop callbacks for every run and trial: "module:attr,module:attr"
 
 
 def epoch_metric_names(history: list[dict[str, Any]]) -> tuple[str, ...]:
@@ -77,17 +85,59 @@ class PretrainError(RuntimeError):
     """Training stopped (non-finite loss, failed workers); the last good checkpoint is kept."""
 
 
+class TrialFailed(RuntimeError):
+    """A trial's training ended with an error its worker reported (e.g. a non-finite loss): the message is the
+    one-line reason. Raised from the trial function, so that Tune marks the trial ERROR (MLflow: FAILED)."""
+
+
 @dataclass
 class WorkerSpec:
-    """Everything a worker needs; plain values so Ray can ship it."""
+    """Everything the workers of a Ray run need, shipped by Ray: a pretraining run's, or a Tune job's, whose trials
+    each train on their own ``params`` (the job's base with their point applied) under their own ``name``."""
 
-    params: dict[str, Any]
+    params: dict[str, Any]  # Params.model_dump()
     data_dir: str  # the prepared data as staged on the run storage (pipeline.runs.storage.stage_prepared)
     manifest: dict[str, Any]  # the manifest the driver saw: each worker checks its copy against it
-    run_dir: str  # the Ray run directory on the run storage (a path or a URI): the worker's status goes there
+    storage: str  # the run storage (storage_location: a path or a URI)
+    name: str  # the Ray run's name, its directory on the storage (a trial's: trial-<id>)
     use_gpu: bool
-    quiet: bool = False  # no per-epoch progress lines (sweep trials: the driver prints them)
+    quiet: bool = False  # no per-epoch progress lines (trials: the driver prints them)
     resume_dir: str | None = None  # a checkpoint to start from when Ray knows none (see recover_run_snapshot)
+    callbacks: list[Callback] = field(default_factory=list)  # the loop's, on every rank (load_callbacks)
+
+    @property
+    def run_dir(self) -> str:
+        """The Ray run directory on the storage: the workers' status and placement go there."""
+        return join(self.storage, self.name)
+
+
+def load_callbacks(refs: str | None = None) -> list[Callback]:
+    """The loop callbacks named by ``refs`` (default: ``$TRANSFUSION_CALLBACKS``; none when unset): comma-separated
+    ``module:attr``, each a :class:`pipeline.training.loop.Callback` subclass (made without arguments) or instance.
+
+    Made here, in the driver (a callback may read its settings from the driver's environment then), and shipped to the
+    workers inside the :class:`WorkerSpec`; each named module goes by value (cloudpickle), so a Ray worker needs no
+    copy of it, only what it imports. Raises :class:`ParamsError` naming a reference that does not resolve.
+    """
+    import ray.cloudpickle
+
+    refs = os.environ.get(CALLBACKS_ENV, "") if refs is None else refs
+    callbacks = []
+    for ref in (r.strip() for r in refs.split(",") if r.strip()):
+        module_name, _, attr = ref.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+            found = getattr(module, attr)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ParamsError(f"{CALLBACKS_ENV}: {ref!r} does not resolve ({type(exc).__name__}: {exc}); name each "
+                              "callback as module:attr, its module importable here (PYTHONPATH)") from None
+        callback = found() if isinstance(found, type) and issubclass(found, Callback) else found
+        if not isinstance(callback, Callback):
+            raise ParamsError(f"{CALLBACKS_ENV}: {ref!r} is a {type(found).__name__}, not a Callback subclass or "
+                              "instance (pipeline.training.loop.Callback)")
+        ray.cloudpickle.register_pickle_by_value(module)
+        callbacks.append(callback)
+    return callbacks
 
 
 def data_line(loop: PretrainLoop) -> str:
@@ -100,7 +150,8 @@ def data_line(loop: PretrainLoop) -> str:
             f"(data budget {loop.data_budget / 2**20:,.0f} MiB)")
 
 
-def _progress(line: str) -> None:
+def say(line: str) -> None:
+    """A progress line, flushed at once (a worker's reaches the driver's console through Ray's log stream)."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
@@ -172,30 +223,31 @@ class Session:
     def get_checkpoint(self) -> Any:  # a ``ray.train.Checkpoint`` (or Tune's, the same class) or None
         raise NotImplementedError
 
-    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, sync: bool) -> None:
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
         """Report one epoch; ``checkpoint_dir`` (a temp directory, the session deletes it after the upload) holds
-        its checkpoint, if any. ``sync``: the upload must finish before this returns (an injected crash follows:
-        ``pipeline.faults``)."""
+        its checkpoint, if any."""
         raise NotImplementedError
 
 
 class TrainSession(Session):
-    """Ray Train's: rank 0's checkpoint is uploaded in the background while training goes on."""
+    """Ray Train's: rank 0's checkpoint is uploaded in the background (``ASYNC``) while the next epoch trains, so
+    that a slow storage (a bucket) does not stall the workers; Ray uploads what is pending before the run ends, so the
+    final checkpoint is always there. The price: a worker that dies during an upload loses that checkpoint, and the
+    run resumes from the one before it."""
 
     def get_checkpoint(self) -> Any:
         import ray.train
 
         return ray.train.get_checkpoint()
 
-    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, sync: bool) -> None:
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
         import ray.train
 
         if checkpoint_dir is None:
             ray.train.report(metrics)
             return
-        mode = ray.train.CheckpointUploadMode
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir),
-                         checkpoint_upload_mode=mode.SYNC if sync else mode.ASYNC,
+                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
                          delete_local_checkpoint_after_upload=True)
 
 
@@ -219,8 +271,8 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
                           mmap=device.type == "cuda" or prepared_nbytes(spec.manifest) > budget)
     loop = PretrainLoop(params, data, device, rank=rank, world_size=world, budget=budget)
     if rank == 0 and not spec.quiet:
-        _progress(f"[pretrain] {data_line(loop)}")
-        _progress(f"[pretrain] {loop.head_plan.describe()}")
+        say(f"[pretrain] {data_line(loop)}")
+        say(f"[pretrain] {loop.head_plan.describe()}")
     workers = _placement(rank, world, device)
     if rank == 0:
         write_placement(spec.run_dir, workers)
@@ -232,25 +284,25 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
         with checkpoint.as_directory() as d:
             restore(loop, Path(d))
         if rank == 0 and not spec.quiet:
-            _progress(f"[pretrain] resumed from the checkpoint after epoch {loop.epoch}")
+            say(f"[pretrain] resumed from the checkpoint after epoch {loop.epoch}")
 
     def report(m: EpochMetrics, checkpoint_now: bool) -> None:
         metrics = {k: v for k, v in m.as_dict().items() if v is not None}
         if rank == 0 and not spec.quiet:
             knn = f" knn {m.knn_acc:.4f}" if m.knn_acc is not None else ""
-            _progress(f"[pretrain] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
-                      f"eps {m.view_noise:.4f} {m.samples_per_s:,.0f} samples/s{health_line(m.health)}")
+            say(f"[pretrain] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
+                f"eps {m.view_noise:.4f} {m.samples_per_s:,.0f} samples/s{health_line(m.health)}")
         if checkpoint_now and rank == 0:
             d = tempfile.mkdtemp(prefix="transfusion-ckpt-")
             torch.save({**loop.state_dict(), "workers": workers}, Path(d) / STATE_FILE)
             Path(d, HISTORY_FILE).write_text(json.dumps(loop.history))  # readable without loading the model
             Path(d, WORKERS_FILE).write_text(json.dumps(workers))
-            session.report(metrics, d, sync=faults.hit("checkpoint", epoch=m.epoch, rank=rank))
+            session.report(metrics, d)
         else:
-            session.report(metrics, None, sync=False)
+            session.report(metrics, None)
 
     try:
-        loop.fit(report)
+        loop.fit(report, spec.callbacks)
     except NonFiniteLossError as exc:  # every rank sees the same all-reduced loss and stops alike
         if rank == 0:
             write_status(spec.run_dir, {"error": "non_finite", "message": str(exc), "epoch": loop.epoch})
@@ -293,7 +345,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         _ctx.logger.setLevel(logging.WARNING)
     except (ImportError, AttributeError):
         pass
-    spec = WorkerSpec(**config)
+    spec: WorkerSpec = config["spec"]
     ctx = ray.train.get_context()
     device = worker_device(spec.use_gpu, spec.params["ray"]["backend"])
     try:
@@ -338,10 +390,10 @@ def recover_run_snapshot(run_dir: str | None) -> str | None:
             torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
         except Exception:  # a torn checkpoint: try the one before
             continue
-        _progress(f"[pretrain] Ray's run record {snapshot} was unreadable (torn by an interruption); "
-                  f"resuming from {ckpt.name}")
+        say(f"[pretrain] Ray's run record {snapshot} was unreadable (torn by an interruption); "
+            f"resuming from {ckpt.name}")
         return str(ckpt)
-    _progress(f"[pretrain] Ray's run record {snapshot} was unreadable and no checkpoint loads; starting afresh")
+    say(f"[pretrain] Ray's run record {snapshot} was unreadable and no checkpoint loads; starting afresh")
     return None
 
 
@@ -349,9 +401,7 @@ def run_name(params: Params, manifest: dict[str, Any]) -> str:
     """A stable name from everything that determines the result: the params pretraining reads, the data."""
     keyed = {s: getattr(params, s).model_dump() for s in ("model", "loss", "augment", "train")}
     keyed["ray"] = {"num_workers": params.ray.num_workers}
-    keyed["data"] = {name: f["sha256"] for name, f in sorted(manifest["files"].items())}
-    digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
-    return f"pretrain-{digest}"
+    return trk.stable_name("pretrain", keyed, manifest)
 
 
 def storage_location(params: Params, root: Path) -> str:
@@ -377,11 +427,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     Raises :class:`ParamsError` (a request the cluster can never satisfy), :class:`ClusterError` (unreachable
     cluster, resources never free), :class:`PretrainError` (training failed or diverged).
     """
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    from pipeline.runs import tracking as trk
-
+    callbacks = load_callbacks()  # a wrong name fails here, before Ray starts
     data = load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here, before Ray starts
     manifest = json.loads((data_dir / "manifest.json").read_text())
     if params.train.batch_size > len(data.train.y):
@@ -391,41 +437,26 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     storage = storage_location(params, root)
     check_storage(storage)
     run_dir = join(storage, name)
-    state_dir = root / ".transfusion" / name  # the driver's own state (the MLflow run id)
     clear_status(run_dir)
     gpu, _ = connect(params, root, tracking=tracking)
     wait_for_workers(params, gpu=gpu)
-    uri = trk.tracking_uri(root) if tracking else None
-    run_id = _mlflow_run(params, root, name, uri, state_dir, manifest, data_dir) if uri else None
+    uri = run_id = None
+    if tracking:  # named by what it trains (``pretrain · cnn_small · depth 1 · jsd · b128 · s0``)
+        flat = {k: v for k, v in flatten(params).items() if k.split(".")[0] in ("model", "loss", "augment", "train")
+                or k in ("ray.num_workers", "ray.use_gpu")}
+        uri, _, run_id = mlflow_run(root, name, stage="pretrain", title=trk.pretrain_label(flat), logged=flat,
+                                    manifest=manifest, data_dir=data_dir)
     spec = WorkerSpec(params=params.model_dump(), data_dir=stage_prepared(data_dir, storage), manifest=manifest,
-                      run_dir=run_dir, use_gpu=gpu,
+                      storage=storage, name=name, use_gpu=gpu, callbacks=callbacks,
                       resume_dir=recover_run_snapshot(None if is_uri(run_dir) else run_dir))
-    # the controller collects each report when it polls (default every 2 s) and a worker's next report
-    # waits for that: with short epochs that idles the workers, so poll faster (propagated by Ray Train)
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config=asdict(spec),
-        torch_config=torch_config(params.ray.backend),
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=params.ray.num_workers, use_gpu=gpu,
-            resources_per_worker={"CPU": params.ray.cpus_per_worker},
-        ),
-        run_config=ray.train.RunConfig(
-            name=name, storage_path=storage,
-            failure_config=ray.train.FailureConfig(max_failures=params.ray.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
-            callbacks=[trk.epoch_logger(uri, run_id)] if run_id else [],
-            logging_config=train_logging(), worker_runtime_env={"env_vars": faults.carried()},  # tests' faults
-        ),
-    )
     system = trk.SystemMetrics(uri, run_id) if run_id else None  # the driver's node while Ray trains
     fit_started, fit_start = time.time(), time.perf_counter()
     try:
-        result = trainer.fit()
+        state, _ = fit_run(spec, params, [trk.epoch_logger(uri, run_id)] if run_id else [], keep=2,
+                           max_failures=params.ray.max_failures)
     except Exception as exc:
         trk.end_run(uri, run_id, "FAILED")
-        message = failure_message(exc)
+        message = error_reason(exc)
         if "prepared data" not in message:  # a worker that cannot read the data has nothing to resume
             message += f"; rerun the stage to resume from the last checkpoint in {run_dir}"
         raise PretrainError(f"pretraining failed: {message}") from exc
@@ -438,10 +469,8 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
         trk.end_run(uri, run_id, "FAILED")
         raise PretrainError(f"pretraining stopped: {status['message']}; the last good checkpoint is kept in "
                             f"{run_dir} (lower train.lr, or check the data for NaN)")
-    if result.checkpoint is None:
+    if state is None:
         raise PretrainError("pretraining finished without a checkpoint")
-    with result.checkpoint.as_directory() as d:
-        state = load_torch(Path(d) / STATE_FILE)
     if run_id:  # epochs checkpointed before an interruption but never logged: the run shows every epoch once
         trk.log_missing_epochs(uri, run_id, state["history"], epoch_metric_names(state["history"]))
         if "head_plan" in state:  # the head's path on the workers (pipeline.core.plan): dense|tiled, sharded
@@ -450,50 +479,82 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
                           n_classes=len(data.classes), fit_started=fit_started, fit_seconds=fit_seconds)
 
 
-def _mlflow_run(params: Params, root: Path, name: str, uri: str, state_dir: Path, manifest: dict[str, Any],
-                data_dir: Path) -> str:
-    """The pretraining run's MLflow run: created once, continued when the Ray run resumes. Named by what it trains
-    (``pretrain · cnn_small · depth 1 · jsd · b128 · s0``), tagged with ``name`` (the identity it resumes by), the
-    params pretraining reads, the prepared data as its dataset input."""
-    from pipeline.runs import tracking as trk
+def fit_run(spec: WorkerSpec, params: Params, callbacks: list[Any], keep: int,
+            max_failures: int = 0) -> tuple[dict[str, Any] | None, str | None]:
+    """Ray Train's run of ``spec``'s workers (``params.ray``: how many, their CPUs, the backend) with the Ray Train
+    ``callbacks``, keeping ``keep`` checkpoints, restarting a failed worker group ``max_failures`` times. Returns the
+    state in its final checkpoint and where that is (None, None without one)."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
 
-    id_file = state_dir / "mlflow_run_id"
+    # the controller collects each report when it polls (default every 2 s) and a worker's next report
+    # waits for that: with short epochs that idles the workers, so poll faster (propagated by Ray Train)
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    result = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"spec": spec},
+        torch_config=torch_config(params.ray.backend),
+        scaling_config=ray.train.ScalingConfig(num_workers=params.ray.num_workers, use_gpu=spec.use_gpu,
+                                               resources_per_worker={"CPU": params.ray.cpus_per_worker}),
+        run_config=ray.train.RunConfig(name=spec.name, storage_path=spec.storage, callbacks=callbacks,
+                                       failure_config=ray.train.FailureConfig(max_failures=max_failures),
+                                       checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
+                                       logging_config=train_logging()),
+    ).fit()
+    if result.checkpoint is None:
+        return None, None
+    with result.checkpoint.as_directory() as d:
+        return load_torch(Path(d) / STATE_FILE), result.checkpoint.path
+
+
+def mlflow_run(root: Path, name: str, *, stage: str, title: str, logged: Mapping[str, Any], manifest: dict[str, Any],
+               data_dir: Path, tags: Mapping[str, str] | None = None) -> tuple[str, str, str]:
+    """(uri, experiment id, run id): the MLflow run of the pretraining run or Tune job ``name``, created once and
+    continued (RUNNING again) when it resumes, by the id kept in ``<root>/.transfusion/<name>/``. Named ``title``;
+    tagged ``stage``, ``tags`` and the identity ``name``; params ``logged``; the prepared data (``manifest``, in
+    ``data_dir``) its dataset input, which a job's children inherit."""
+    uri = trk.tracking_uri(root)
+    exp = trk.experiment_id(uri, root)
+    id_file = root / STATE_DIR / name / "mlflow_run_id"
     if id_file.exists():
-        return id_file.read_text().strip()
-    flat = {k: v for k, v in flatten(params).items()
-            if k.split(".")[0] in ("model", "loss", "augment", "train") or k in ("ray.num_workers", "ray.use_gpu")}
+        run_id = id_file.read_text().strip()
+        trk.resume_run(uri, run_id)
+        return uri, exp, run_id
     data = trk.dataset_input(manifest, data_dir if data_dir.is_absolute() else root / data_dir)
-    run_id = trk.create_run(uri, root, trk.pretrain_label(flat), {**trk.stage_tags("pretrain", root),
-                                                                  trk.IDENTITY_TAG: name}, flat, inputs=[data])
-    state_dir.mkdir(parents=True, exist_ok=True)
+    run_id = trk.create_run(uri, root, title, {**trk.stage_tags(stage, root), **(tags or {}), trk.IDENTITY_TAG: name},
+                            logged, inputs=[data])
+    id_file.parent.mkdir(parents=True, exist_ok=True)
     id_file.write_text(run_id)
-    return run_id
+    return uri, exp, run_id
 
 
-def failure_message(exc: BaseException) -> str:
-    """One paragraph from Ray Train's failure: each failed rank's own error, not Ray's wrapping and traceback."""
-    failures = getattr(exc, "worker_failures", None)
-    if isinstance(failures, dict) and failures:
-        return "; ".join(f"rank {rank}: {_root_message(e)}" for rank, e in sorted(failures.items()))
-    cause = getattr(exc, "controller_failure", None)
-    return _root_message(cause if cause is not None else exc)
+def error_reason(error: BaseException | None) -> str:
+    """One line saying why a run or a trial failed ("" without an error): a :class:`TrialFailed`'s message; a Ray
+    Train failure's failed ranks, each with its own reason (``rank 0: ...; rank 1: ...``); else the innermost error
+    through Ray's wrappers (``RayTaskError.cause``, a controller's failure, ``__cause__``): its type and first line."""
+    if error is None:
+        return ""
+    seen = error
+    for _ in range(8):
+        if type(seen) is TrialFailed:  # not Ray's copy of it (``as_instanceof_cause``), whose text is a traceback
+            return " ".join(str(seen).split())[:500]
+        failures = getattr(seen, "worker_failures", None)
+        if isinstance(failures, dict) and failures:
+            return "; ".join(f"rank {rank}: {error_reason(e)}" for rank, e in sorted(failures.items()))[:2000]
+        inner = getattr(seen, "cause", None) or getattr(seen, "controller_failure", None) or seen.__cause__
+        if not isinstance(inner, BaseException):
+            break
+        seen = inner
+    lines = [ln.strip() for ln in str(seen).splitlines() if ln.strip()]
+    return f"{type(seen).__name__}: {lines[0] if lines else ''}"[:500]
 
 
-def _root_message(exc: BaseException) -> str:
-    """The innermost error's message, on one line, without Ray's traceback text."""
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
-    inner = getattr(exc, "cause", None)  # RayTaskError keeps the user's exception here
-    if isinstance(inner, BaseException):
-        exc = inner
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    text = lines[-1] if lines else type(exc).__name__
-    return text if len(text) < 2000 else text[:2000] + "..."
-
-
-def cleanup_run(params: Params, root: Path, name: str) -> None:
-    """Forget a finished run so a forced rerun trains afresh (Ray would return the old result)."""
+def cleanup(params: Params, root: Path, name: str, runs: Iterable[str] = ()) -> None:
+    """Forget the finished run or Tune job ``name`` (its directory on a local run storage, the driver's state) and the
+    Ray Train runs ``runs`` beside it (a job's trials of several workers), so that a forced rerun trains afresh
+    instead of Ray returning the old result."""
     storage = storage_location(params, root)
     if not is_uri(storage):
-        shutil.rmtree(os.path.join(storage, name), ignore_errors=True)
-    shutil.rmtree(root / ".transfusion" / name, ignore_errors=True)
+        for run in (name, *runs):
+            shutil.rmtree(os.path.join(storage, run), ignore_errors=True)
+    shutil.rmtree(root / STATE_DIR / name, ignore_errors=True)

@@ -1,63 +1,57 @@
 """The Ray Tune machinery of the jobs whose trials pretrain, the sweep (``pipeline.runs.sweep``) and the paper's
 tables (``pipeline.runs.tables``): a library both use, knowing neither.
 
-- **A trial** (:func:`fit_trial`) runs the pretraining worker loop (``pipeline.runs.train.run_worker``). One worker
-  (:func:`inline`) trains in the trial itself, reporting epochs and checkpoints to Tune (:class:`TuneSession`): a
-  Ray Train run's start-up (about 25 s on 2 cores) would cost more than a small trial's training. Several workers
+- **A trial** (:func:`fit_trial`) runs the pretraining worker loop (``pipeline.runs.train.run_worker``) on the job's
+  :class:`pipeline.runs.train.WorkerSpec` (shipped once to every trial by :func:`trainable`) with its own params. One
+  worker (:func:`inline`) trains in the trial itself, reporting epochs and checkpoints to Tune (:class:`TuneSession`):
+  a Ray Train run's start-up (about 25 s on 2 cores) would cost more than a small trial's training. Several workers
   are a ``TorchTrainer`` run named after the trial id, so that a restored job resumes each trial's own run;
-  ``TuneReportCallback`` passes rank 0's metrics to Tune. A diverged trial raises :class:`TrialFailed`, and
-  :func:`error_reason` is the one line a failed trial's row and MLflow run show.
+  ``TuneReportCallback`` passes rank 0's metrics to Tune. A diverged trial raises ``TrialFailed``, and
+  ``pipeline.runs.train.error_reason`` is the one line a failed trial's row and MLflow run show.
 - **Resources**: a trial holds ``TRIAL_CPU`` and its workers' bundles (:func:`trial_placement`); :func:`max_concurrent`
   packs trials onto the cluster's nodes at the largest size its autoscaler can reach (CPUs and GPUs).
 - **Tracking and progress**: :class:`TrialTracker`, the driver-side Tune callback each job subclasses: a line per
-  trial event, MLflow from the driver only (the job's :func:`parent_run`, a child per trial), so trials never
-  contend for the sqlite store.
+  trial event, MLflow from the driver only (the job's ``pipeline.runs.train.mlflow_run``, a child per trial), so
+  trials never contend for the sqlite store.
 - **The job**: :func:`tune_job` runs it, or restores an interrupted one (finished trials kept, unfinished ones
   resumed from their checkpoints, the same MLflow runs continued); :func:`checkpoint_history` reads a trial's epochs
-  back from its last checkpoint; :func:`finish_tracking` and :func:`cleanup` end it. Test faults
-  (``pipeline.faults``) reach the trials through :func:`trainable`; :func:`start_trial` installs them.
+  back from its last checkpoint; :func:`finish_tracking` and ``pipeline.runs.train.cleanup`` end it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import os
 import shutil
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ray import tune
 
-from pipeline import faults
 from pipeline.config.params import Params, validate_params
-from pipeline.io import load_torch
 from pipeline.runs import tracking as trk
-from pipeline.runs.cluster import train_logging
 from pipeline.runs.resources import NodeType, TrialShape, trials_at_once
 from pipeline.runs.storage import clear_status, is_uri, join
 from pipeline.runs.train import (
     HISTORY_FILE,
-    STATE_FILE,
     Session,
+    TrialFailed,
     WorkerSpec,
+    error_reason,
+    fit_run,
     read_status,
     recover_run_snapshot,
     run_worker,
+    say,
     status_reason,
-    storage_location,
-    torch_config,
-    train_loop_per_worker,
     worker_device,
 )
 
 TRIAL_CPU = 0.25  # a trial's own CPUs (its function's; a one-worker trial also holds its worker's bundle)
-STATE_DIR = ".transfusion"  # driver-side state of a job under the project root (MLflow parent run id)
 
 
 class SweepError(RuntimeError):
@@ -89,12 +83,6 @@ def describe(point: dict[str, Any]) -> str:
     return ", ".join(f"{k.split('.')[-1]} {v}" for k, v in point.items())
 
 
-def stable_name(prefix: str, keyed: dict[str, Any], manifest: dict[str, Any]) -> str:
-    """``<prefix>-<digest>`` of ``keyed`` (what determines a job's result) and the data's file digests."""
-    keyed = {**keyed, "data": {n: f["sha256"] for n, f in sorted(manifest["files"].items())}}
-    return f"{prefix}-" + hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def max_concurrent(params: Params, nodes: list[NodeType], gpu: bool, n_trials: int) -> int:
     """``sweep.max_concurrent_trials`` if set, else as many trials as the cluster holds at the largest size its
     autoscaler can reach, packing each trial's bundles (its own ``TRIAL_CPU``, ``ray.num_workers`` workers of
@@ -112,11 +100,6 @@ def at_once(tracker: TrialTracker, concurrent: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- trial
-class TrialFailed(RuntimeError):
-    """A trial's training ended with an error its worker reported (e.g. a non-finite loss): the message is the
-    one-line reason. Raised from the trial function, so that Tune marks the trial ERROR (MLflow: FAILED)."""
-
-
 @dataclass
 class TrialRun:
     state: dict[str, Any]  # the final checkpoint's state (model, history, epoch, ...)
@@ -124,9 +107,9 @@ class TrialRun:
     seconds: float  # wall time of the training: what its workers (and their GPUs) were held for
 
 
-def trial_run_dir(storage: str, trial_id: str) -> str:
-    """A Ray Train trial's run directory on the storage (a path or a URI): its checkpoints, status and placement."""
-    return f"{storage.rstrip('/')}/trial-{trial_id}"
+def trial_name(trial_id: str) -> str:
+    """A trial's Ray Train run, and its directory on the storage: its checkpoints, status and placement."""
+    return f"trial-{trial_id}"
 
 
 def inline(params: Params) -> bool:
@@ -148,12 +131,12 @@ class TuneSession(Session):
     def get_checkpoint(self) -> Any:
         return tune.get_checkpoint()
 
-    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, sync: bool) -> None:
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
         if checkpoint_dir is None:
             tune.report(metrics)
             return
-        try:
-            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))  # persisted on return
+        try:  # Tune's function API has no background upload: the checkpoint is persisted when this returns
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
         finally:
             shutil.rmtree(checkpoint_dir, ignore_errors=True)
 
@@ -169,31 +152,26 @@ def trial_placement(params: Params, gpu: bool) -> tune.PlacementGroupFactory:
     return tune.PlacementGroupFactory([worker, {"CPU": TRIAL_CPU}])
 
 
-def fit_trial(params: Params, fixed: dict[str, Any], trial_id: str) -> TrialRun:
+def fit_trial(job: WorkerSpec, params: Params) -> TrialRun:
     """Inside a Tune trial: the pretraining loop on ``params``, its rank-0 metrics passed to Tune per epoch, in this
-    process (one worker, :func:`inline`) or as a Ray Train run (``trial-<trial_id>`` on the storage). Raises
+    process (one worker, :func:`inline`) or as a Ray Train run (:func:`trial_name` on the storage). Raises
     :class:`TrialFailed` with the reason when the loss became non-finite (the last good checkpoint is kept).
 
-    ``fixed``: what every trial of the job shares (staged data, manifest, storage, use_gpu).
+    ``job``: what every trial of the job shares (staged data, manifest, storage, use_gpu, callbacks).
     """
-    storage = fixed["storage"]
-    run_dir = trial_run_dir(storage, trial_id)
-    spec = WorkerSpec(params=params.model_dump(), data_dir=fixed["data"], manifest=fixed["manifest"], run_dir=run_dir,
-                      use_gpu=fixed["use_gpu"], quiet=True)
+    spec = replace(job, params=params.model_dump(), name=trial_name(tune.get_context().get_trial_id()), quiet=True)
+    run_dir = spec.run_dir
     start = time.time()
     if inline(params):
         clear_status(run_dir)
-        device = worker_device(fixed["use_gpu"], params.ray.backend, ray_train=False)
+        device = worker_device(spec.use_gpu, params.ray.backend, ray_train=False)
         loop = run_worker(spec, TuneSession(), device=device)
         state, path = (loop.state_dict() if loop else None), None
     else:
-        spec.resume_dir = recover_run_snapshot(None if is_uri(storage) else run_dir)
-        result = _fit_train(params, fixed, spec, trial_id)
-        state = None
-        if result.checkpoint is not None:
-            with result.checkpoint.as_directory() as d:
-                state = load_torch(Path(d) / STATE_FILE)
-        path = result.checkpoint.path if result.checkpoint is not None else None
+        from ray.tune.integration.ray_train import TuneReportCallback
+
+        spec.resume_dir = recover_run_snapshot(None if is_uri(run_dir) else run_dir)
+        state, path = fit_run(spec, params, [TuneReportCallback()], keep=1)
     seconds = time.time() - start
     status = read_status(run_dir)  # kept with the run: a restored trial whose run had diverged fails again
     if status:
@@ -203,59 +181,11 @@ def fit_trial(params: Params, fixed: dict[str, Any], trial_id: str) -> TrialRun:
     return TrialRun(state=state, checkpoint_path=path, seconds=seconds)
 
 
-def _fit_train(params: Params, fixed: dict[str, Any], spec: WorkerSpec, trial_id: str) -> Any:
-    """A Ray Train run of the trial's workers; returns its ``Result``."""
-    import ray.train
-    from ray.train.torch import TorchTrainer
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config=asdict(spec),
-        torch_config=torch_config(params.ray.backend),
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=params.ray.num_workers, use_gpu=fixed["use_gpu"],
-            resources_per_worker={"CPU": params.ray.cpus_per_worker},
-        ),
-        run_config=ray.train.RunConfig(
-            name=f"trial-{trial_id}", storage_path=fixed["storage"], callbacks=[TuneReportCallback()],
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
-            logging_config=train_logging(), worker_runtime_env={"env_vars": faults.carried()},
-        ),
-    )
-    return trainer.fit()
-
-
-def trainable(trial: Any, fixed: dict[str, Any], placement: Any) -> Any:
-    """The Tune trainable of a job's trial function ``trial(config, fixed)``: ``fixed`` (what every trial shares)
-    shipped once, with this process's fault plan (``pipeline.faults``; tests); each trial holds ``placement``
-    (a ``PlacementGroupFactory``, or a function of the trial's config returning one)."""
-    return tune.with_resources(tune.with_parameters(trial, fixed={**fixed, "faults": faults.carried()}), placement)
-
-
-def start_trial(fixed: dict[str, Any], labels: dict[str, Any]) -> str:
-    """A trial function's first step: its trial id, the driver's fault plan installed in this process (a reused
-    process gets it afresh) and the ``trial_start`` hook told the trial's ``labels`` (what identifies it)."""
-    faults.adopt(fixed.get("faults", {}))
-    trial_id = tune.get_context().get_trial_id()
-    faults.hit("trial_start", trial_id=trial_id, labels=labels)
-    return trial_id
-
-
-def error_reason(error: BaseException | None) -> str:
-    """One line saying why a trial failed: a :class:`TrialFailed`'s message, else the innermost error's first line
-    (Ray wraps the trial's exception: ``RayTaskError.cause``, ``__cause__``)."""
-    if error is None:
-        return ""
-    seen, chain = error, []
-    while isinstance(seen, BaseException) and len(chain) < 8:
-        if type(seen) is TrialFailed:
-            return " ".join(str(seen).split())[:500]
-        chain.append(seen)
-        seen = getattr(seen, "cause", None) or seen.__cause__
-    last = chain[-1]
-    lines = [ln.strip() for ln in str(last).splitlines() if ln.strip()]
-    return f"{type(last).__name__}: {lines[0] if lines else ''}"[:500]
+def trainable(trial: Any, job: WorkerSpec, placement: Any) -> Any:
+    """The Tune trainable of a job's trial function ``trial(config, job)``: ``job`` (what every trial shares) shipped
+    once; each trial holds ``placement`` (a ``PlacementGroupFactory``, or a function of the trial's config returning
+    one)."""
+    return tune.with_resources(tune.with_parameters(trial, job=job), placement)
 
 
 def _trial_error(trial) -> BaseException | None:
@@ -275,11 +205,6 @@ def _trial_error(trial) -> BaseException | None:
 
 
 # ------------------------------------------------------------------------------------ progress, tracking
-def say(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
 class TrialTracker(tune.Callback):
     """Driver-side: one progress line per trial event, live MLflow runs, and the trials' final statuses.
 
@@ -424,27 +349,9 @@ class SweepResult:  # a Tune job's outcome: the sweep's, the tables'
     concurrent: int = 0  # the trials at once it allowed (max_concurrent_trials, computed from the cluster)
     peak: int = 0  # the most trials that trained at the same moment (TrialTracker.peak_at_once)
 
-
-def parent_run(root: Path, name: str, *, stage: str, logged: dict[str, Any], title: str,
-               manifest: dict[str, Any] | None = None, data_dir: Path | None = None) -> tuple[str, str, str]:
-    """(uri, experiment id, parent run id): the job's MLflow run, created once and found again on resume. Named
-    ``title`` (``sweep · 8 trials · depth×batch×strength``); tags ``stage`` and the identity ``name`` (as
-    ``identity`` and ``<stage>``); params ``logged``; the prepared data of ``manifest`` in ``data_dir`` its dataset
-    input, which the children inherit."""
-    uri = trk.tracking_uri(root)
-    trk.check_reachable(uri)
-    exp = trk.experiment_id(uri, root)
-    id_file = root / STATE_DIR / name / "mlflow_run_id"
-    if id_file.exists():
-        run_id = id_file.read_text().strip()
-        trk.resume_run(uri, run_id)
-        return uri, exp, run_id
-    inputs = [trk.dataset_input(manifest, data_dir if data_dir.is_absolute() else root / data_dir)] if manifest else []
-    run_id = trk.create_run(uri, root, title, {**trk.stage_tags(stage, root), stage: name, trk.IDENTITY_TAG: name},
-                            logged, inputs=inputs)
-    id_file.parent.mkdir(parents=True, exist_ok=True)
-    id_file.write_text(run_id)
-    return uri, exp, run_id
+    def trial_runs(self) -> list[str]:
+        """The Ray Train runs its trials may have left on the storage (``pipeline.runs.train.cleanup`` removes them)."""
+        return [trial_name(r["trial_id"]) for r in self.rows]
 
 
 def last_checkpoint_path(reported: Any, trial: Any) -> str | None:
@@ -549,13 +456,3 @@ def finish_tracking(root: Path, result: SweepResult, best: dict[str, Any] | None
     trk.set_tags(pid, tags, uri=uri)
     trk.log_artifacts(uri, pid, files)
     trk.end_run(uri, pid, "FINISHED")
-
-
-def cleanup(params: Params, root: Path, result: SweepResult) -> None:
-    """Forget a finished job, so that a forced rerun runs its trials again instead of returning the old ones."""
-    storage = storage_location(params, root)
-    if not is_uri(storage):
-        shutil.rmtree(Path(storage) / result.name, ignore_errors=True)
-        for r in result.rows:
-            shutil.rmtree(trial_run_dir(storage, r["trial_id"]), ignore_errors=True)
-    shutil.rmtree(root / STATE_DIR / result.name, ignore_errors=True)

@@ -18,13 +18,16 @@ same permutation picks the same rows in the same order, so both paths give the s
 the step's loss and the view noise stay 0-d device tensors and are synced once per epoch, where the
 non-finite check then happens (``defer_sync``), before the epoch is reported or checkpointed. On CPU the
 loss is checked at every step, as before; ``defer_sync=True`` selects the deferred path on CPU too (tests).
+
+Callbacks (:class:`Callback`, passed to :meth:`PretrainLoop.fit`) look into the loop on every rank: at its start, before
+each step (where they may replace the step's inputs) and after each epoch's report.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +35,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pipeline import faults
 from pipeline.config.params import Params
 from pipeline.core.batchnorm import convert_batchnorm
 from pipeline.core.losses import make_loss
@@ -92,6 +94,23 @@ def _seed(*parts: int) -> int:
     for p in parts:
         h = (h * 1_000_003 + int(p) + 1) % (2**62)
     return h
+
+
+class Callback:
+    """Hooks into :meth:`PretrainLoop.fit`, called on every rank; subclass it and override the ones you need (each does
+    nothing here). ``loop`` is the :class:`PretrainLoop` (its ``params``, ``rank``, ``model``, ``epoch``, ...); epochs
+    and steps count from 1."""
+
+    def on_train_start(self, loop: PretrainLoop) -> None:
+        """Before the first epoch that this call of ``fit`` trains (after a resume: the first remaining one)."""
+
+    def on_step_start(self, loop: PretrainLoop, epoch: int, step: int, x: torch.Tensor) -> torch.Tensor | None:
+        """Before the views of step ``step`` of ``epoch``: this rank's inputs ``x`` (b, ...) float32 on the device.
+        Returns the inputs the step uses instead, or None to keep ``x``."""
+
+    def on_epoch_end(self, loop: PretrainLoop, metrics: EpochMetrics) -> None:
+        """After epoch ``metrics.epoch`` was reported (and, on a checkpoint epoch, checkpointed). Raising here stops
+        the training with that error."""
 
 
 @dataclass
@@ -209,7 +228,8 @@ class PretrainLoop:
             ids = self.y_dev[mine] if self.x_dev is not None else self._from_host(self.y_train, mine)
         return x, ids
 
-    def train_epoch(self) -> EpochMetrics:
+    def train_epoch(self, callbacks: Sequence[Callback] = ()) -> EpochMetrics:
+        """One epoch; each step's inputs pass through ``callbacks``' :meth:`Callback.on_step_start` first."""
         t = self.params.train
         epoch = self.epoch
         self.model.train()
@@ -222,8 +242,9 @@ class PretrainLoop:
         start = time.perf_counter()
         for s in range(self.steps_per_epoch):
             x, ids = self._local_batch(perm, s)
-            if faults.hit("step", epoch=epoch + 1, step=s + 1, rank=self.rank):  # tests of the guard: NaN inputs
-                x = x * float("nan")
+            for callback in callbacks:
+                replaced = callback.on_step_start(self, epoch + 1, s + 1, x)
+                x = x if replaced is None else replaced
             with torch.no_grad():
                 v1, v2 = self.augment(x, gen), self.augment(x, gen)
             if self.defer_sync:
@@ -343,18 +364,21 @@ class PretrainLoop:
         return knn_accuracy(zb, self.y_train[bank], zq, test.y[queries], k=self.params.train.knn_k)
 
     # ------------------------------------------------------------------ the loop
-    def fit(self, report: Callable[[EpochMetrics, bool], None]) -> None:
-        """Run the remaining epochs; ``report(metrics, checkpoint_now)`` after each (on every rank).
+    def fit(self, report: Callable[[EpochMetrics, bool], None], callbacks: Sequence[Callback] = ()) -> None:
+        """Run the remaining epochs; ``report(metrics, checkpoint_now)`` after each (on every rank), then the
+        ``callbacks``' :meth:`Callback.on_epoch_end`.
 
-        Raises :class:`NonFiniteLossError` (on every rank alike) when the loss stops being finite. Test faults
-        (``pipeline.faults``): NaN inputs at the ``step`` hook, a crash after a report at the ``epoch_end`` hook.
+        Raises :class:`NonFiniteLossError` (on every rank alike) when the loss stops being finite.
         """
         t = self.params.train
+        for callback in callbacks:
+            callback.on_train_start(self)
         while self.epoch < t.epochs:
-            m = self.train_epoch()
+            m = self.train_epoch(callbacks)
             if not math.isfinite(m.loss):
                 raise NonFiniteLossError(f"non-finite mean loss at epoch {m.epoch}")
             self.history.append(m.as_dict())
             ckpt = self.epoch % t.checkpoint_every == 0 or self.epoch == t.epochs
             report(m, ckpt)
-            faults.hit("epoch_end", epoch=self.epoch, rank=self.rank)
+            for callback in callbacks:
+                callback.on_epoch_end(self, m)

@@ -7,7 +7,7 @@ import pytest
 from pipeline.config.params import load_params
 from pipeline.data.types import DatasetError
 from pipeline.runs.cluster import host_port, local_nodes, use_gpu
-from pipeline.runs.train import failure_message
+from pipeline.runs.train import error_reason
 from tests.conftest import ROOT
 
 
@@ -49,9 +49,13 @@ def test_worker_failures_become_one_line_per_rank():
         1: DatasetError("node 0123456789ab (b) cannot see the prepared data at /x"),
         0: RuntimeError("first line\nlast line"),
     })
-    assert failure_message(exc) == ("rank 0: last line; rank 1: node 0123456789ab (b) cannot see the prepared data "
-                                    "at /x")
-    assert failure_message(ControllerError(ValueError("scheduling failed"))) == "scheduling failed"
+    one_line = ("rank 0: RuntimeError: first line; rank 1: DatasetError: node 0123456789ab (b) cannot see the prepared "
+                "data at /x")
+    assert error_reason(exc) == one_line
+    assert error_reason(ControllerError(ValueError("scheduling failed"))) == "ValueError: scheduling failed"
+    trial = RuntimeError("the trial's Ray Train run failed")  # a trial of several workers: its run's ranks
+    trial.__cause__ = exc
+    assert error_reason(trial) == one_line
 
 
 def test_a_stale_local_ray_record_is_found_and_a_live_one_is_not(tmp_path, monkeypatch):

@@ -1,16 +1,15 @@
 """The tables job without a cluster: row validation, resolution, layout of TABLES.md, the CSV's n/a cells, and what
-it shares with the sweep (test faults selected by a trial's labels, failure reasons)."""
+it shares with the sweep (failure reasons)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline import faults
 from pipeline.config.base import ParamsError
 from pipeline.config.params import load_params
 from pipeline.evaluation.report import HEADER, NA, PAPER_TABLE_1, PAPER_TABLE_2
 from pipeline.runs.tables import PROBES, as_sweep, csv_records, render, resolve_rows
-from pipeline.runs.tune import TrialFailed, error_reason
+from pipeline.runs.train import TrialFailed, error_reason
 from tests.conftest import ROOT
 
 PRESET = ROOT / "presets/paper-tables.yaml"
@@ -136,24 +135,6 @@ def test_csv_cells_we_could_not_compute_are_n_a():
     assert (out[0]["ffn"], out[0]["hours"], out[0]["error"]) == (0.1, pytest.approx(0.0667, abs=1e-4), "")
     assert [out[1][k] for k in (*PROBES, "train_minutes", "hours", "gpus")] == [NA] * 7
     assert out[1]["fit_seconds"] == 120.0 and out[1]["status"] == "ERROR"
-
-
-def test_a_fault_plan_selects_the_trials_it_names(install_faults):
-    def trial_fault(plan: dict | None, labels: dict) -> str | None:
-        """The fault that fires in a trial of ``labels`` under ``plan``: "nan@2", "crash@1" or None."""
-        install_faults(**(plan or {}))
-        faults.hit("trial_start", trial_id="t", labels=labels)
-        if faults.hit("step", epoch=2, step=1, rank=0):
-            return "nan@2"
-        return "crash@1" if faults.hit("checkpoint", epoch=1, rank=0) else None
-
-    point = {"model.depth": 1, "train.batch_size": 32, "augment.strength": 0.0}
-    assert trial_fault(None, point) is None
-    assert trial_fault({"nan_at_epoch": 2}, point) == "nan@2"
-    assert trial_fault({"nan_at_epoch": 2, "trial": {"train.batch_size": 32}}, point) == "nan@2"
-    assert trial_fault({"nan_at_epoch": 2, "trial": {"train.batch_size": 64}}, point) is None
-    assert trial_fault({"nan_at_epoch": 2, "trial": {"train.batch_size": 32, "augment.strength": 1.0}}, point) is None
-    assert trial_fault({"crash_at_epoch": 1, "trial": {"row": "SupCon"}}, {"table": 2, "row": "SupCon"}) == "crash@1"
 
 
 def test_error_reason_is_one_line_also_through_rays_wrapper():

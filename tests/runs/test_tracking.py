@@ -24,6 +24,7 @@ from pipeline.runs.tracking import (
     experiment_id,
     log_metrics_batch,
     pretrain_label,
+    stable_name,
     sweep_label,
     tables_label,
 )
@@ -187,7 +188,7 @@ def test_dvc_experiment_tags_come_from_the_variables_dvc_sets():
 
 def test_the_dataset_input_names_the_data_its_digest_and_source(tmp_path):
     data = dataset_input(MANIFEST, tmp_path / "data/prepared", context="evaluation")
-    assert data.dataset.name == "digits" and data.dataset.digest == data_digest(MANIFEST)
+    assert data.dataset.name == "digits" and data.dataset.digest == data_digest(MANIFEST)[:8]  # the staged copy's, cut
     assert len(data.dataset.digest) == 8 and data.dataset.source_type == "local"
     assert json.loads(data.dataset.source) == {"uri": str(tmp_path / "data/prepared")}
     profile = json.loads(data.dataset.profile)
@@ -195,6 +196,22 @@ def test_the_dataset_input_names_the_data_its_digest_and_source(tmp_path):
     assert [(t.key, t.value) for t in data.tags] == [("mlflow.data.context", "evaluation")]
     other = {**MANIFEST, "files": {**MANIFEST["files"], "test.pt": {"sha256": "c" * 64}}}
     assert data_digest(other) != data_digest(MANIFEST)
+
+
+def test_one_digest_names_the_data_and_every_run_as_before():
+    """The data's digest (the staged copy's folder; MLflow's dataset digest its first 8) and the stable names of runs
+    and jobs (``pretrain-``, ``sweep-``, ``tables-``): sha256 of the file digests, and of the keyed params with them."""
+    import hashlib
+
+    def sha(value) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+    files = {"test.pt": "b" * 64, "train.pt": "a" * 64}
+    assert data_digest(MANIFEST) == sha(files)[:16] == "84dfceeaae1608ed"
+    keyed = {"model": {"depth": 1}, "ray": {"num_workers": 2}}
+    assert stable_name("sweep", keyed, MANIFEST) == "sweep-" + sha({**keyed, "data": files})[:16]
+    assert stable_name("sweep", keyed, {**MANIFEST, "files": {"x": {"sha256": "c" * 64}}}) != stable_name(
+        "sweep", keyed, MANIFEST)
 
 
 @pytest.mark.slow
@@ -212,7 +229,7 @@ def test_runs_children_metrics_and_endings(tmp_path, monkeypatch):
     client = MlflowClient(uri)
     for run in (client.get_run(parent), client.get_run(child)):  # the child inherits the data; both are tagged
         assert [(i.dataset.name, i.dataset.digest) for i in run.inputs.dataset_inputs] == [
-            ("digits", data_digest(MANIFEST))]
+            ("digits", data_digest(MANIFEST)[:8])]
         assert run.data.tags["dvc.exp_name"] == "bulky-lamb" and run.data.tags["dvc.exp_baseline"] == "f" * 40
     assert [r.info.run_id for r in client.search_runs([exp], "tags.dvc.exp_name = 'bulky-lamb' and "
                                                       "tags.identity = 'sweep-0123'")] == [parent]

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline import faults
+from tests import faults
 from tests.conftest import invoke
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -128,7 +128,7 @@ def test_a_worker_error_still_reaches_the_console(sandbox):
     console = "\n".join(lines)
     assert code == 1, console
     error = [line for line in lines if line.startswith("Error: ")]
-    assert len(error) == 1 and "rank 0: injected crash after epoch 1 (TRANSFUSION_FAULT)" in error[0], console
+    assert len(error) == 1 and "rank 0: RuntimeError: injected crash after epoch 1 (tests.faults)" in error[0], console
     assert "rerun the stage to resume" in error[0], console
     assert any("[pretrain] epoch 1/2 loss" in line for line in lines), console
     assert not ray_chatter(lines), console

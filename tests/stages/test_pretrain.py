@@ -87,7 +87,11 @@ def test_crash_then_rerun_resumes_from_the_last_checkpoint(prepared, ray_session
     install_faults(crash_at_epoch=2)
     result = invoke("pretrain", *TINY)
     assert result.exit_code == 1 and "rerun the stage to resume" in result.output
+    assert "rank 0: RuntimeError: injected crash after epoch 2 (tests.faults)" in result.output
     assert not (prepared / "models").exists()
+    client, runs = mlflow_runs(prepared)  # the crash came after epoch 2's report, its checkpoint persisted
+    assert runs[0].info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] == [1, 2]
 
     install_faults()
     result = invoke("pretrain", *TINY)

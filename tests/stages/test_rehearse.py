@@ -18,7 +18,7 @@ import mlflow
 import pytest
 import yaml
 
-from pipeline import faults
+from tests import faults
 from tests.conftest import ROOT, invoke
 from tests.runs.test_rehearse import FILES, SETS_FILES
 from tests.stages.test_sweep import sweep_runs

@@ -1,4 +1,5 @@
-"""pipeline/training/loop.py: where the training set lives (the data budget), and the streamed path's equality.
+"""pipeline/training/loop.py: where the training set lives (the data budget), the streamed path's equality, and the
+loop's callbacks.
 
 Within ``train.data_budget_mb`` the training set is put on the device and indexed there; beyond it each worker reads
 only its rows of each global batch from the memory-mapped prepared files. Both paths must train to the same numbers,
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,7 @@ from pipeline.config.data import DataConfig
 from pipeline.config.params import load_params
 from pipeline.data.prepared import load_prepared, save_prepared
 from pipeline.data.sources import load_dataset
-from pipeline.training.loop import DATA_BUDGET_SHARE, PretrainLoop, data_budget
+from pipeline.training.loop import DATA_BUDGET_SHARE, Callback, PretrainLoop, data_budget
 from tests.conftest import ROOT
 from tests.data.test_datasets import mapped_file
 
@@ -194,3 +196,65 @@ def test_pretrain_with_method_abc_trains_reports_its_kernel_and_evaluates(mode, 
     assert set(health) == {"kernel"} and set(health["kernel"]) == {"same_class", "other", "above_half"}
     text = "\n".join(health_section(health, params.model.depth))
     assert "Kernel health (ABC)" in text and "Warning" not in text and "Fusion health" not in text
+
+
+# ------------------------------------------------------------------------------------------------- callbacks
+class Recorder(Callback):
+    """A user's callback: records every call, in order, and hands each step ``replace(x)`` (None: the inputs as
+    they are)."""
+
+    def __init__(self, events: list, replace=None) -> None:
+        self.events, self.replace = events, replace
+
+    def on_train_start(self, loop):
+        self.events.append(("start", loop.epoch))
+
+    def on_step_start(self, loop, epoch, step, x):
+        self.events.append(("step", epoch, step, tuple(x.shape), x.dtype))
+        return None if self.replace is None else self.replace(x)
+
+    def on_epoch_end(self, loop, metrics):
+        self.events.append(("end", metrics.epoch, loop.epoch))
+
+
+def tiny(data, epochs: int) -> PretrainLoop:
+    """A loop of ``epochs`` epochs of 3 steps on 96 digits (mlp backbone: seconds here)."""
+    params = load_params(ROOT / "params.yaml", [f"train.epochs={epochs}", "train.batch_size=32", "train.knn_every=0",
+                                                "model.backbone=mlp", "model.embed_dim=16", "model.hidden_dim=32"])
+    return PretrainLoop(params, data, torch.device("cpu"))
+
+
+DIGITS_96 = DataConfig(dataset="digits", root="unused", limit_train=96, limit_test=40)
+
+
+def test_a_user_callback_sees_every_step_and_epoch_in_order_from_where_the_run_resumes(one_thread):
+    data = load_dataset(DIGITS_96)
+    loop, events = tiny(data, 2), []
+    loop.fit(lambda m, ckpt: events.append(("report", m.epoch, ckpt)), [Recorder(events)])
+    steps = [("step", e, s, (32, 1, 8, 8), torch.float32) for e in (1, 2) for s in (1, 2, 3)]
+    assert loop.steps_per_epoch == 3 and data.input_shape == (1, 8, 8)
+    assert events == [("start", 0), *steps[:3], ("report", 1, True), ("end", 1, 1), *steps[3:], ("report", 2, True),
+                      ("end", 2, 2)]
+
+    resumed = tiny(data, 2)
+    resumed.load_state_dict({**loop.state_dict(), "epoch": 1, "history": loop.history[:1]})
+    events.clear()
+    resumed.fit(lambda m, ckpt: None, [Recorder(events)])
+    assert events == [("start", 1), *steps[3:], ("end", 2, 2)]  # only the epoch it trains
+
+
+def test_the_inputs_a_callback_returns_are_what_the_step_trains_on(one_thread):
+    """A callback zeroing every step's inputs trains as a loop on a training set of zeros does: the same losses, bit for
+    bit (the kNN monitor and the health read the real images, so they differ)."""
+    data = load_dataset(DIGITS_96)
+    zeros = replace(data, train=replace(data.train, x=torch.zeros_like(data.train.x)))
+    reference, zeroed, plain = tiny(zeros, 1), tiny(data, 1), tiny(data, 1)
+    reference.fit(lambda m, ckpt: None)
+    zeroed.fit(lambda m, ckpt: None, [Recorder([], torch.zeros_like)])
+    plain.fit(lambda m, ckpt: None, [Recorder([])])  # returning None keeps the inputs
+
+    def losses(loop):
+        return [(h["loss"], h["view_noise"]) for h in loop.history]
+
+    assert losses(zeroed) == losses(reference)
+    assert losses(plain) != losses(reference) and all(math.isfinite(v) for v, _ in losses(plain))

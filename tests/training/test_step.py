@@ -351,12 +351,13 @@ def test_deferred_sync_gives_the_per_step_results_bit_for_bit():
 
 
 @pytest.mark.parametrize("defer", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["per-step", "deferred"])
-def test_nan_mid_epoch_raises_before_the_epoch_is_reported(defer, install_faults):
+def test_nan_mid_epoch_raises_before_the_epoch_is_reported(defer):
+    from tests.faults import FaultPlan, Faults
+
     loop = _loop(defer)
-    install_faults(nan_at_step=[2, 3])  # epoch 2, its third of five steps
     reported = []
-    with pytest.raises(NonFiniteLossError, match="non-finite"):
-        loop.fit(lambda m, ckpt: reported.append(m.epoch))
+    with pytest.raises(NonFiniteLossError, match="non-finite"):  # NaN inputs at epoch 2, its third of five steps
+        loop.fit(lambda m, ckpt: reported.append(m.epoch), [Faults(FaultPlan(nan_at_step=(2, 3)))])
     assert reported == [1]  # epoch 2 never reported (nor checkpointed)
     assert loop.epoch == 1 and len(loop.history) == 1
 
