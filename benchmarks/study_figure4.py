@@ -120,7 +120,7 @@ def table(rows: list[dict]) -> str:
 
 
 def figure(rows: list[dict], path: Path) -> None:
-    """Per-layer mean ± sd of each metric (one panel each), the layers in order."""
+    """Per-layer mean ± sd of each metric (one panel each), the layers in order, and each seed's own line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,10 +132,15 @@ def figure(rows: list[dict], path: Path) -> None:
     for ax, (key, label) in zip(axes, METRICS, strict=True):
         mean = [p[1][key][0] for p in parts]
         sd = [p[1][key][1] for p in parts]
-        ax.errorbar(range(len(names)), mean, yerr=sd, marker="o", capsize=3)
+        for seed in sorted({r["seed"] for r in rows}, key=int):  # each seed (a dead block shows as its own line)
+            by_layer = {r["layer"]: float(r[key]) for r in rows if r["seed"] == seed and r[key] not in ("", "None")}
+            ax.plot(range(len(names)), [by_layer.get(n, float("nan")) for n in names], lw=0.8, alpha=0.5,
+                    label=f"seed {seed}")
+        ax.errorbar(range(len(names)), mean, yerr=sd, marker="o", capsize=3, color="black", label="mean ± sd")
         ax.set_xticks(range(len(names)), names, rotation=30)
         ax.set_title(label)
         ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
     seeds = max((p[2] for p in parts), default=0)
     fig.suptitle(f"Figure 4 in numbers: 5 TransFusion blocks on Fashion-MNIST pixels (mean ± sd, {seeds} seeds)")
     fig.tight_layout()
