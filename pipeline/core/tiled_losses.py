@@ -104,13 +104,13 @@ def _npos(pos: Pairs | LabelMask, r: int, device: torch.device) -> Tensor:
 def _sum_grads(ctx, tiles: list[tuple[int, int]], qn: Tensor, kn: Tensor, grad_of):
     """∂qn = sum_C G_C kn[C] (r, d) and ∂kn[C] = G_Cᵀ qn (T, d), with G_C = grad_of(c0, c1) (r, T) = ∂L/∂(qn kn[C]ᵀ)
     (each made after the last is dropped); None where the input needs no gradient."""
-    grad_q = torch.zeros_like(qn) if ctx.needs_input_grad[0] else None  # (r, d)
-    grad_k = torch.empty_like(kn) if ctx.needs_input_grad[1] else None  # (n, d), every row set below
+    grad_q = grad_k = None  # (r, d), (n, d): made after the first G_C, so that its temporaries are gone by then
     for c0, c1 in tiles:
         grad = grad_of(c0, c1)
-        if grad_q is not None:
-            grad_q.addmm_(grad, kn[c0:c1])
-        if grad_k is not None:
+        if ctx.needs_input_grad[0]:
+            grad_q = grad @ kn[c0:c1] if grad_q is None else grad_q.addmm_(grad, kn[c0:c1])
+        if ctx.needs_input_grad[1]:
+            grad_k = torch.empty_like(kn) if grad_k is None else grad_k  # every row set below
             torch.mm(grad.T, qn, out=grad_k[c0:c1])
         del grad
     return grad_q, grad_k
@@ -169,6 +169,11 @@ def _sum_rows(x: Tensor) -> Tensor:
     return x.sum(dim=1)
 
 
+def _positive_part(kind: str, relu: bool, a: Tensor, t: Tensor, y: Tensor) -> Tensor:
+    """(g - g_neg) / T_i from A at the positives, in place in ``a``; t, y: T_i, Ŷ broadcast to its shape."""
+    return _g(kind, _p(relu, a, t), y).sub_(_LOG2 if kind == "jsd" else 0.0).div_(t)
+
+
 class NormalizedAffinityLoss(torch.autograd.Function):
     """``jsd``, ``jsd_appendix_e``, ``kl_squared`` and ``kl_relu``, over column tiles of ``tile`` (None: one).
 
@@ -206,9 +211,10 @@ class NormalizedAffinityLoss(torch.autograd.Function):
     Forward: pass 1 over the tiles, T_i = sum_C sum_{j in C} f(A_ij) + (n - 1 + δ) ε (and, with a
     :class:`~pipeline.core.targets.LabelMask`, |P(i)| = sum_C |P(i) ∩ C|); then, with T and Ŷ known, the (r,) sums
     over the positives of the loss term, of P and of P g: from the (P,) values of A taken in pass 1 (pairs), or per
-    tile in a second pass (masks; dense: on a copy of the kept block). Saved: T_i, c_i, Ŷ_i (r,), the pairs' A (P,)
-    and, dense, the block. Backward: per tile, ∂L/∂A_C = f'(A_C) (w c_i + the masked positive term), or f'(A_C) w c_i
-    plus the pairs' P sparse terms. Temporaries: two (r, T) buffers and a bool mask.
+    tile in a second pass (masks; dense: on a copy of the kept block). Saved: T_i, c_i, Ŷ_i (r,), the pairs'
+    f'(A) (g - g_neg) / T_i (P,) and, dense, the block. Backward, per tile: ∂L/∂A_C = w f'(A_C) c_i plus the
+    pairs' P sparse terms, or w f'(A_C) (c_i + the masked positive term). Temporaries: two (r, T) buffers and a
+    bool mask.
     """
 
     @staticmethod
@@ -231,9 +237,12 @@ class NormalizedAffinityLoss(torch.autograd.Function):
             del a  # before the next tile's block is made (here and below: one block alive, not two)
         total = row_sum + (n - 1 + (kind == "jsd_appendix_e")) * EPS  # (r,) T_i
         y_hat = 1.0 / npos.clamp_min(1).to(qn.dtype)  # (r,) Ŷ on the row's positives
-        if pairs:
-            p = _p(relu, a_pos.clone(), pos.spread(total))  # (P,)
-            sums = _positive_sums(kind, p, pos.spread(y_hat), None, pos.row_sum)  # (3, r)
+        corr = None
+        if pairs:  # and the pairs' (P,) f'(A) (g - g_neg) / T_i, for backward
+            t, y = pos.spread(total), pos.spread(y_hat)  # (P,)
+            sums = _positive_sums(kind, _p(relu, a_pos.clone(), t), y, None, pos.row_sum)  # (3, r)
+            corr = _positive_part(kind, relu, a_pos.clone(), t, y).mul_(a_pos.sign_() if relu else a_pos.mul_(2.0))
+            del a_pos, t, y
         else:  # pass 2: the sums over the positives of each tile
             sums = qn.new_zeros(3, r)
             for c0, c1 in tiles:
@@ -247,41 +256,32 @@ class NormalizedAffinityLoss(torch.autograd.Function):
         has_pos = npos > 0
         per_row = torch.where(has_pos, per_row, torch.zeros_like(per_row))
         coef = torch.where(has_pos, (g_neg - g_bar) / total, torch.zeros_like(total))  # (r,) c_i
-        ctx.save_for_backward(qn, kn, total, coef, y_hat, a_pos, kept)
+        ctx.save_for_backward(qn, kn, total, coef, y_hat, corr, kept)
         ctx.pos, ctx.start, ctx.n, ctx.kind, ctx.tile = pos, start, n, kind, tile
         return per_row.sum() / n
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # noqa: D102
-        qn, kn, total, coef, y_hat, a_pos, kept = ctx.saved_tensors
+        qn, kn, total, coef, y_hat, corr, kept = ctx.saved_tensors
         pos, kind, relu = ctx.pos, ctx.kind, ctx.kind == "kl_relu"
-        g_neg = _LOG2 if kind == "jsd" else 0.0
-        w = grad_out / ctx.n if relu else 2.0 * grad_out / ctx.n  # w, with the 2 of f'(a) = 2a
+        w = grad_out / ctx.n
+        w2 = w if relu else 2.0 * w  # with the 2 of f'(a) = 2a, for the factors of A below
 
-        def positive_part(a: Tensor, t: Tensor, y: Tensor) -> Tensor:
-            """w (g - g_neg) / T_i from A at the positives (overwritten); t, y: T_i, Ŷ broadcast to its shape."""
-            return _g(kind, _p(relu, a, t), y).sub_(g_neg).div_(t).mul_(w)
-
-        def times_fprime(a: Tensor, factor: Tensor) -> Tensor:  # f'(A) factor, in place unless A is the kept block
+        def times_fprime(a: Tensor, factor: Tensor) -> Tensor:  # A factor ([A > 0] factor), in place unless kept
             if relu:  # A >= 0 here: f'(A) = [A > 0] = sign(A)
                 return (torch.sign(a) if a is kept else a.sign_()).mul_(factor)
             return torch.mul(a, factor) if a is kept else a.mul_(factor)
 
-        if a_pos is not None:  # the pairs: (P,) w f'(A) (g - g_neg) / T_i, and the (r, 1) w c_i of every entry
-            corr = positive_part(a_pos.clone(), pos.spread(total), pos.spread(y_hat))
-            corr.mul_(torch.sign(a_pos) if relu else a_pos)
-            factor = (w * coef)[:, None]
-
         def grad_of(c0: int, c1: int) -> Tensor:  # ∂L/∂A_C (r, T)
             a = kept if kept is not None else _affinity(relu, qn, kn, ctx.start, c0, c1)
-            if a_pos is not None:
-                grad = times_fprime(a, factor)
-                pos.add_(grad, corr, c0)
+            if corr is not None:  # pairs: w f'(A) c_i everywhere, and the P terms w f'(A) (g - g_neg) / T_i
+                grad = times_fprime(a, (w2 * coef)[:, None])
+                pos.add_(grad, corr * w, c0)
                 return grad
             off = pos.mask(c0, c1).logical_not_()  # (r, T) bool
-            part = positive_part(a.clone(), total[:, None], y_hat[:, None]).masked_fill_(off, 0.0)
-            return times_fprime(a, part.add_((w * coef)[:, None]))
+            part = _positive_part(kind, relu, a.clone(), total[:, None], y_hat[:, None]).masked_fill_(off, 0.0)
+            return times_fprime(a, part.add_(coef[:, None]).mul_(w2))
 
         grad_q, grad_k = _sum_grads(ctx, _tiles(ctx.n, ctx.tile), qn, kn, grad_of)
         return grad_q, grad_k, None, None, None, None, None
@@ -368,7 +368,7 @@ class SoftmaxAffinityLoss(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # noqa: D102
         qn, kn, shift, sum_exp, has_pos, y_hat, kept = ctx.saved_tensors
-        pos, qs = ctx.pos, qn / ctx.temperature
+        pos, qs = ctx.pos, None if kept is not None else qn / ctx.temperature  # qs (r, d), to recompute Z
         scale = torch.where(has_pos, grad_out / (ctx.n * ctx.temperature), torch.zeros_like(sum_exp))  # (r,) w_i / τ
         sigma_scale = (scale / sum_exp)[:, None]  # (r, 1): σ w / τ = E w / (τ s)
         corr = -(scale * y_hat)  # (r,) at the positives
