@@ -16,11 +16,12 @@ Every loss has the uniform signature::
   loss, which is what a distributed trainer that owns a slice of a global batch needs.
 - ``layout``: None, ``"two_view"`` or ``"labels"``, how the positives of eq. (1) are found from ``ids``; see
   *Layouts and host syncs* below. None (the default) reads them from ``ids`` and validates the batch.
-- ``tile``: None (the default) or T >= 1 columns. With T < n the pairwise losses run in column tiles
-  (:mod:`pipeline.core.tiled_losses`): the same value and gradients up to rounding, in O((r + n) d + r T) memory
-  instead of the fused path's two (r, n) buffers, for about 1-2x the time (its docstring has the numbers); the
-  positives are found per tile with no host sync in any layout (None keeps only the infonce / dcl checks).
-  T >= n runs the fused path unchanged. ``barlow_twins`` takes and ignores it (its (d, d) matrix is not pairwise).
+- ``tile``: None (the default) or T >= 1 columns. The pairwise losses have one implementation, over column tiles
+  (:mod:`pipeline.core.tiled_losses`). None or T >= n is one tile, the dense path: two (r, n) buffers (the
+  affinity, kept for backward, and its gradient). T < n: the same value and gradients up to rounding, in
+  O((r + n) d + r T) memory, for about 1-2x the time (that module's docstring has the numbers); the positives are
+  then found per tile with no host sync in any layout (None keeps only the infonce / dcl checks).
+  ``barlow_twins`` takes and ignores it (its (d, d) matrix is not pairwise).
 
 Conventions shared by all row-wise losses:
 
@@ -46,11 +47,12 @@ P(i) = {j != i : ids[j] == ids[i]} of the r rows ``rows`` are represented:
   ``ids[:B] == ids[B:]`` and ``ids[:B]`` distinct, so row i's only positive is ``(i + B) mod 2B``. These pairs
   depend on (n, rows) alone and are cached; ``ids`` is not read and nothing is validated. Values and
   gradients equal the default's bit for bit. No host sync.
-- ``"labels"``: any labels (supervised). P(i) is the dense (r, n) bool mask ``Y[rows] > 0`` and a sum over the
-  positives is a masked row sum ``sum_j Y_ij x_ij``. Nothing is validated: ``infonce`` and ``barlow_twins``
-  refuse this layout, ``dcl`` on a batch with a single id gives NaN instead of a ValueError. Values and
-  gradients equal the default's up to rounding (summation order); the fused losses keep the mask and, for
-  the JSD / KL ones, one more (r, n) buffer for backward. No host sync.
+- ``"labels"``: any labels (supervised). P(i) is the bool mask ``Y[rows] > 0``, built a tile at a time ((r, n)
+  when dense) in forward and again in backward, and a sum over the positives is a masked row sum
+  ``sum_j Y_ij x_ij`` (the JSD / KL losses evaluate their per-positive terms on every entry). Nothing is
+  validated: ``infonce`` and ``barlow_twins`` refuse this layout, ``dcl`` on a batch with a single id gives NaN
+  instead of a ValueError. Values and gradients equal the default's up to rounding (summation order). No host
+  sync.
 
 A trainer checks its ids against the layout once (:func:`check_layout`, one host sync), not at every step;
 ``pipeline.training.step.GlobalBatchStep(..., layout=...)`` does so on its first step of each batch size.
@@ -60,33 +62,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from pipeline.config.loss import SELF_SUPERVISED_ONLY
-from pipeline.config.model import AFFINITY_EPS
-from pipeline.core.targets import (
-    by_row_blocks,
-    check_inputs,
-    check_layout_name,
-    check_temperature,
-    is_two_view,
-    positives,
-    row_affinity,
-    row_range,
-)
-from pipeline.core.tiled_losses import (
-    TiledNormalizedAffinityLoss,
-    TiledSoftmaxAffinityLoss,
-    tile_positives,
-    use_tiles,
-)
+from pipeline.core.targets import check_layout_name, check_temperature, is_two_view, row_range
+from pipeline.core.tiled_losses import EPS, pairwise_loss
 
-EPS = AFFINITY_EPS  # the normalisation epsilon of Appendix E
 BN_EPS = 1e-5  # Barlow Twins standardisation epsilon (as in BatchNorm1d)
 
 __all__ = [
@@ -108,122 +92,8 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------------
-# JSD and KL losses on a normalised affinity: one fused autograd Function
+# JSD and KL losses on a normalised affinity
 # --------------------------------------------------------------------------------------------------
-
-_LOG2 = math.log(2.0)
-
-
-class _NormalizedAffinityLoss(torch.autograd.Function):
-    """Fused forward / backward of ``jsd``, ``jsd_appendix_e``, ``kl_squared`` and ``kl_relu``.
-
-    Inputs: qn (r, d) and kn (n, d) unit rows, the positives (:class:`_Pairs`; with the dense :class:`_Mask`
-    every "(P,)" below reads "(r, n), masked"), ``start``, n and the kind. Output: the scalar
-    ``sum_{i in rows} L_i / n``. With A = qn knᵀ (r, n), its diagonal (i, start + i) set to 0,
-    f(a) = a² (``kl_relu``: max(a, 0)), ε = 1e-10 and, for each row i::
-
-        S_ij = f(A_ij) + ε  (j != i),  T_i = sum_{j != i} S_ij + δ ε,  P_ij = S_ij / T_i
-
-    (δ = 1 for ``jsd_appendix_e``, whose S'_ii = ε / T_i stays in the row; δ = 0 otherwise). Every one of these
-    losses depends on a negative j (Y_ij = 0, j != i) only through the row sum T_i, so it is computed from T
-    (one reduction over A) and the P positives alone. With Ŷ_ij = 1/|P(i)| on the positives::
-
-        jsd:            L_i = sum_pos [Ŷ log(2Ŷ/(P+Ŷ)) + P log(2P/(P+Ŷ))] + log 2 · (1 - sum_pos P)
-        jsd_appendix_e: L_i = sum_pos [-log(1+P) + P log(P/(1+P))]      (the Y log Y/(S'+Y) + S' log S'/(S'+Y)
-                                                                        of Appendix E; 0 where Y = 0)
-        kl_*:           L_i = sum_pos Ŷ log(Ŷ/P)
-
-    (the negatives of jsd each give P log(P/M) = P log 2 with M = P/2). Rows without a positive give 0.
-
-    Gradient (derived by hand, checked by gradcheck). Write g_ij = ∂L_i/∂P_ij with the row-sum dependence
-    of P held apart::
-
-        jsd:            g = log(2P/(P+Ŷ)) on positives, log 2 on negatives   (the ±(Ŷ+P)/2M terms cancel)
-        jsd_appendix_e: g = log(P/(1+P)) on positives, 0 elsewhere (the diagonal's S'_ii included)
-        kl_*:           g = -Ŷ/P on positives, 0 elsewhere
-
-    Through P_ij = S_ij / T_i: ∂L_i/∂S_ij = (g_ij - ḡ_i) / T_i with ḡ_i = sum_l P_il g_il, and through S::
-
-        ∂L/∂A_ij = w_i f'(A_ij) (g_ij - ḡ_i) / T_i     (j != i; 0 on the diagonal)
-                 = f'(A_ij) c_i + [j positive] w_i f'(A_ij) (g_ij - g_neg) / T_i,  c_i = w_i (g_neg - ḡ_i) / T_i
-
-    with w_i = ∂out/n (0 for rows without a positive), g_neg the negatives' constant g (log 2 or 0),
-    f'(a) = 2a (``kl_relu``: [a > 0], as clamp_min's gradient). So the (r, n) gradient is one scaled copy of
-    A (or of its sign) plus P sparse corrections; ∂qn = G kn and ∂kn = Gᵀ qn. Forward: one n×n buffer (A,
-    kept for backward) plus one reduction pass; backward: one more n×n buffer (G). With a :class:`_Mask` the
-    forward's per-positive temporaries are (r, n), and the corrections and the mask are kept for backward.
-    """
-
-    @staticmethod
-    def forward(ctx, qn, kn, pos, start, n, kind):  # noqa: D102
-        a, diag = row_affinity(qn, kn, start)  # (r, n)
-        diag.zero_()  # the diagonal is never a positive, never a negative, never normalised over
-        relu = kind == "kl_relu"
-        if relu:
-            row_sum = by_row_blocks(a, lambda x: x.clamp_min(0.0).sum(dim=1))  # (r,)
-        else:
-            row_sum = torch.linalg.vector_norm(a, dim=1).square()  # (r,) sum_j A_ij², no temporary
-        total = row_sum + (n - 1 + (kind == "jsd_appendix_e")) * EPS  # (r,) T_i
-        a_pos = pos.take(a)  # (P,)
-        f_pos = a_pos.clamp_min(0.0) if relu else a_pos.square()
-        p = (f_pos + EPS) / pos.spread(total)  # (P,) P at the positives
-        has_pos = pos.npos > 0  # (r,)
-        y_hat = 1.0 / pos.spread(pos.npos.clamp_min(1).to(a.dtype))  # (P,) Ŷ at the positives
-        per_row_sum = pos.row_sum  # (P,) -> (r,)
-
-        if kind == "jsd":
-            mix = p + y_hat  # 2M
-            g = torch.log(2.0 * p / mix)  # (P,)
-            terms = y_hat * torch.log(2.0 * y_hat / mix) + p * g
-            p_neg = 1.0 - per_row_sum(p)  # (r,) the negatives' share of P
-            per_row = per_row_sum(terms) + _LOG2 * p_neg
-            g_bar = _LOG2 * p_neg + per_row_sum(p * g)
-            g_neg = _LOG2
-        elif kind == "jsd_appendix_e":
-            g = torch.log(p) - torch.log1p(p)  # (P,) log(P / (1 + P))
-            per_row = per_row_sum(p * g - torch.log1p(p))
-            g_bar = per_row_sum(p * g)
-            g_neg = 0.0
-        else:  # kl_squared, kl_relu
-            g = -y_hat / p
-            per_row = per_row_sum(y_hat * (torch.log(y_hat) - torch.log(p)))
-            g_bar = per_row_sum(p * g)  # = -1 on rows with a positive
-            g_neg = 0.0
-        per_row = torch.where(has_pos, per_row, torch.zeros_like(per_row))
-        coef = torch.where(has_pos, (g_neg - g_bar) / total, torch.zeros_like(total))  # (r,) c_i / w
-        fprime_pos = (a_pos > 0).to(a.dtype) if relu else 2.0 * a_pos
-        corr = fprime_pos * (g - g_neg) / pos.spread(total)  # (P,)
-        ctx.save_for_backward(qn, kn, a, coef, corr, *pos)
-        ctx.relu, ctx.n, ctx.positives = relu, n, type(pos)
-        return per_row.sum() / n
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):  # noqa: D102
-        qn, kn, a, coef, corr, *pos = ctx.saved_tensors
-        w = grad_out / ctx.n
-        if ctx.relu:
-            grad = torch.sign(a).clamp_min_(0.0).mul_((coef * w)[:, None])  # (r, n) [A > 0] c_i
-        else:
-            grad = torch.mul(a, (2.0 * w) * coef[:, None])  # (r, n) 2 A_ij c_i
-        ctx.positives(*pos).add_(grad, corr * w)
-        grad_q = grad @ kn if ctx.needs_input_grad[0] else None  # (r, d)
-        grad_k = grad.T @ qn if ctx.needs_input_grad[1] else None  # (n, d)
-        return grad_q, grad_k, None, None, None, None
-
-
-def _normalized_loss(
-    kind: str, q: Tensor, k: Tensor, ids: Tensor, rows: slice | None, layout: str | None, tile: int | None
-) -> Tensor:
-    n = check_inputs(q, k, ids)
-    start, stop = row_range(rows, n)
-    tiled = use_tiles(tile, n)
-    pos = (tile_positives if tiled else positives)(ids, start, stop, layout)
-    qn = F.normalize(q[start:stop], dim=1)  # (r, d)
-    kn = F.normalize(k, dim=1)  # (n, d)
-    if tiled:
-        return TiledNormalizedAffinityLoss.apply(qn, kn, pos, n, kind, tile)
-    return _NormalizedAffinityLoss.apply(qn, kn, pos, start, n, kind)
 
 
 def jsd(
@@ -242,12 +112,12 @@ def jsd(
     Normalize uses the 1e-10 of Appendix E (see module docstring), the only epsilon. Rows without a positive
     contribute 0. Returns ``sum_{i in rows} L_i / n``.
 
-    Computed by the fused :class:`_NormalizedAffinityLoss` (analytic gradient, two n×n buffers): a negative
-    j contributes P_ij log 2, so ``L_i = sum_pos [...] + log 2 · (1 - sum_pos P_ij)``. ``layout``: None (ids
-    read, one host sync), ``"two_view"`` or ``"labels"`` (no host sync), see the module docstring. ``tile``:
-    T < n runs :class:`~pipeline.core.tiled_losses.TiledNormalizedAffinityLoss` over tiles of T columns instead.
+    Computed by :class:`~pipeline.core.tiled_losses.NormalizedAffinityLoss` (analytic gradient): a negative j
+    contributes P_ij log 2, so ``L_i = sum_pos [...] + log 2 · (1 - sum_pos P_ij)``. ``layout``: None (ids read,
+    one host sync), ``"two_view"`` or ``"labels"`` (no host sync); ``tile``: None (dense) or T columns at a
+    time; see the module docstring.
     """
-    return _normalized_loss("jsd", q, k, ids, rows, layout, tile)
+    return pairwise_loss("jsd", q, k, ids, rows, layout, tile)
 
 
 def jsd_appendix_e(
@@ -267,10 +137,10 @@ def jsd_appendix_e(
     gives 0. Unlike :func:`jsd` the value can be negative: a row with m positives holding all of S' (1/m
     each) gives ``-m log(1 + 1/m) - log(1 + m)`` (-2 log 2 for m = 1).
 
-    Computed by the fused :class:`_NormalizedAffinityLoss`: where Y = 0 both terms vanish, so only the
-    positives and the row sums of S enter. ``layout``, ``tile``: as :func:`jsd`.
+    Computed by :class:`~pipeline.core.tiled_losses.NormalizedAffinityLoss`: where Y = 0 both terms vanish, so
+    only the positives and the row sums of S enter. ``layout``, ``tile``: as :func:`jsd`.
     """
-    return _normalized_loss("jsd_appendix_e", q, k, ids, rows, layout, tile)
+    return pairwise_loss("jsd_appendix_e", q, k, ids, rows, layout, tile)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -285,9 +155,10 @@ def kl_relu(
 
     A_+ = max(A, 0); Normalize excludes the diagonal and uses the 1e-10 of Appendix E (so a positive with
     A_ij <= 0 costs about log(1e10) instead of infinity). Rows without a positive contribute 0.
-    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_NormalizedAffinityLoss`. ``layout``, ``tile``: as :func:`jsd`.
+    Returns ``sum_{i in rows} L_i / n``. By
+    :class:`~pipeline.core.tiled_losses.NormalizedAffinityLoss`. ``layout``, ``tile``: as :func:`jsd`.
     """
-    return _normalized_loss("kl_relu", q, k, ids, rows, layout, tile)
+    return pairwise_loss("kl_relu", q, k, ids, rows, layout, tile)
 
 
 def kl_squared(
@@ -296,91 +167,15 @@ def kl_squared(
     """KL-Squared of Appendix B: ``L_i = D(Ŷ_i || Normalize(A ∘ A)_i)``, a scalar.
 
     Same conventions as :func:`kl_relu`. Rows without a positive contribute 0.
-    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_NormalizedAffinityLoss`. ``layout``, ``tile``: as :func:`jsd`.
+    Returns ``sum_{i in rows} L_i / n``. By
+    :class:`~pipeline.core.tiled_losses.NormalizedAffinityLoss`. ``layout``, ``tile``: as :func:`jsd`.
     """
-    return _normalized_loss("kl_squared", q, k, ids, rows, layout, tile)
+    return pairwise_loss("kl_squared", q, k, ids, rows, layout, tile)
 
 
 # --------------------------------------------------------------------------------------------------
-# softmax losses (KL-Softmax, InfoNCE, SupCon, DCL): one fused autograd Function
+# softmax losses (KL-Softmax, InfoNCE, SupCon, DCL): tiled_losses.SoftmaxAffinityLoss
 # --------------------------------------------------------------------------------------------------
-
-
-class _SoftmaxAffinityLoss(torch.autograd.Function):
-    """Fused forward / backward of ``kl_softmax``, ``infonce``, ``supcon`` and ``dcl``.
-
-    Inputs as :class:`_NormalizedAffinityLoss` plus τ. With logits Z = (qn/τ) knᵀ (r, n), the denominator set
-    D(i) = {j != i} (``dcl``: the negatives only, j != i and j not in P(i)) and Ŷ_ij = 1/|P(i)| on the
-    positives::
-
-        lse_i = log sum_{j in D(i)} exp(Z_ij)
-        L_i   = lse_i - sum_pos Ŷ_ij Z_ij  (+ sum_pos Ŷ log Ŷ = -log|P(i)| for ``kl_softmax``)
-
-    which is eq. (9) / eq. (10) / DCL / D(Ŷ_i || σ(Z_i)); rows without a positive give 0. Gradient::
-
-        ∂L/∂Z_ij = w_i (σ_ij - Ŷ_ij),   σ_ij = exp(Z_ij - lse_i) for j in D(i), 0 elsewhere
-
-    with w_i = ∂out/n (0 without a positive); ∂qn = (∂L/∂Z) kn / τ, ∂kn = (∂L/∂Z)ᵀ qn / τ. Forward: one n×n
-    buffer, Z, turned in place into E_ij = exp(Z_ij - max_l Z_il) (the excluded entries set to -inf first,
-    so E = 0 there), kept for backward with its row sums (σ = E / sum_l E_il). Backward: one more buffer,
-    ∂L/∂Z = w σ - w Ŷ (a scaled copy of E plus the P positives). With a :class:`_Mask` the (r, n) bool mask
-    is kept for backward too.
-    """
-
-    @staticmethod
-    def forward(ctx, qn, kn, pos, start, n, kind, temperature):  # noqa: D102
-        z, diag = row_affinity(qn / temperature, kn, start)  # (r, n) logits
-        pos_sum = pos.row_sum(pos.take(z))  # (r,) sum_pos Z_ij, before Z is overwritten
-        diag.fill_(float("-inf"))
-        if kind == "dcl":
-            pos.fill_(z, float("-inf"))
-        row_max = z.amax(dim=1)  # (r,) finite: every row has an entry in D(i)
-        expz = z.sub_(row_max[:, None]).exp_()  # (r, n) in place: exp(Z_ij - max_i), 0 outside D(i)
-        sum_exp = expz.sum(dim=1)  # (r,)
-        lse = row_max + torch.log(sum_exp)  # (r,)
-        has_pos = pos.npos > 0  # (r,)
-        y_hat = 1.0 / pos.npos.clamp_min(1).to(z.dtype)  # (r,)
-        pos_mean = pos_sum * y_hat  # (r,)
-        per_row = lse - pos_mean
-        if kind == "kl_softmax":
-            per_row = per_row + torch.log(y_hat)
-        per_row = torch.where(has_pos, per_row, torch.zeros_like(per_row))
-        ctx.save_for_backward(qn, kn, expz, sum_exp, has_pos, y_hat, *pos)
-        ctx.n, ctx.temperature, ctx.positives = n, temperature, type(pos)
-        return per_row.sum() / n
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):  # noqa: D102
-        qn, kn, expz, sum_exp, has_pos, y_hat, *pos = ctx.saved_tensors
-        pos = ctx.positives(*pos)
-        scale = torch.where(has_pos, grad_out / (ctx.n * ctx.temperature), torch.zeros_like(sum_exp))  # (r,)
-        grad = torch.mul(expz, (scale / sum_exp)[:, None])  # (r, n) w σ / τ
-        pos.add_(grad, pos.spread(-(scale * y_hat)))
-        grad_q = grad @ kn if ctx.needs_input_grad[0] else None  # (r, d)
-        grad_k = grad.T @ qn if ctx.needs_input_grad[1] else None  # (n, d)
-        return grad_q, grad_k, None, None, None, None, None
-
-
-def _softmax_loss(
-    kind: str,
-    q: Tensor,
-    k: Tensor,
-    ids: Tensor,
-    rows: slice | None,
-    layout: str | None,
-    temperature: float,
-    tile: int | None,
-) -> Tensor:
-    n = check_inputs(q, k, ids)
-    start, stop = row_range(rows, n)
-    tiled = use_tiles(tile, n)
-    pos = (tile_positives if tiled else positives)(ids, start, stop, layout)
-    qn = F.normalize(q[start:stop], dim=1)  # (r, d)
-    kn = F.normalize(k, dim=1)  # (n, d)
-    if tiled:
-        return TiledSoftmaxAffinityLoss.apply(qn, kn, pos, n, kind, tile, temperature)
-    return _SoftmaxAffinityLoss.apply(qn, kn, pos, start, n, kind, temperature)
 
 
 def kl_softmax(
@@ -397,10 +192,11 @@ def kl_softmax(
 
     σ is the softmax over j != i (diagonal excluded), Ŷ the row-normalised target. Equals SupCon (eq. 10)
     minus the entropy constant ``log |P(i)|`` per row (Appendix A). Rows without a positive contribute 0.
-    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`. ``layout``, ``tile``: as :func:`jsd`.
+    Returns ``sum_{i in rows} L_i / n``. By
+    :class:`~pipeline.core.tiled_losses.SoftmaxAffinityLoss`. ``layout``, ``tile``: as :func:`jsd`.
     """
     check_temperature(temperature)
-    return _softmax_loss("kl_softmax", q, k, ids, rows, layout, temperature, tile)
+    return pairwise_loss("kl_softmax", q, k, ids, rows, layout, tile, temperature)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -422,7 +218,7 @@ def infonce(
 
     p = the unique positive of row i. Requires exactly one positive per row (the self-supervised two-view
     layout), checked on the whole batch; raises ValueError otherwise. Returns ``sum_{i in rows} L_i / n``.
-    Fused: :class:`_SoftmaxAffinityLoss`; ``tile``: T < n runs ``TiledSoftmaxAffinityLoss`` (see :func:`jsd`).
+    Computed by :class:`~pipeline.core.tiled_losses.SoftmaxAffinityLoss`; ``tile``: as :func:`jsd`.
 
     ``layout``: None checks the batch (host syncs); ``"two_view"`` guarantees one positive per row and skips
     the check (no host sync); ``"labels"`` does not, so it raises ValueError.
@@ -441,7 +237,7 @@ def infonce(
                 "infonce needs exactly one positive per row (self-supervised two-view ids); got rows with "
                 f"{sorted(set(counts.tolist()))} positives — use supcon for supervised batches"
             )
-    return _softmax_loss("infonce", q, k, ids, rows, layout, temperature, tile)
+    return pairwise_loss("infonce", q, k, ids, rows, layout, tile, temperature)
 
 
 def supcon(
@@ -459,10 +255,11 @@ def supcon(
         L_i = -1/|P(i)| sum_{p in P(i)} log( exp(A_ip/τ) / sum_{a != i} exp(A_ia/τ) )
 
     P(i) = {j != i : ids[j] == ids[i]}. Rows with empty P(i) contribute 0.
-    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`. ``layout``, ``tile``: as :func:`jsd`.
+    Returns ``sum_{i in rows} L_i / n``. By
+    :class:`~pipeline.core.tiled_losses.SoftmaxAffinityLoss`. ``layout``, ``tile``: as :func:`jsd`.
     """
     check_temperature(temperature)
-    return _softmax_loss("supcon", q, k, ids, rows, layout, temperature, tile)
+    return pairwise_loss("supcon", q, k, ids, rows, layout, tile, temperature)
 
 
 def dcl(
@@ -481,7 +278,8 @@ def dcl(
 
     (the positives are removed from the denominator). Rows with empty P(i) contribute 0. Every row needs at
     least one negative, i.e. the batch must hold at least two distinct ids (ValueError otherwise).
-    Returns ``sum_{i in rows} L_i / n``. Fused: :class:`_SoftmaxAffinityLoss`; ``tile``: as :func:`infonce`.
+    Returns ``sum_{i in rows} L_i / n``. :class:`~pipeline.core.tiled_losses.SoftmaxAffinityLoss`; ``tile``: as
+    :func:`jsd`.
 
     ``layout``: None checks the batch (host syncs); ``"two_view"`` has a negative in every row (n >= 4) and
     ``"labels"`` skips the check (no host sync): a batch with a single id then gives NaN, not a ValueError.
@@ -489,7 +287,7 @@ def dcl(
     check_temperature(temperature)
     if layout is None and ids.dim() == 1 and ids.numel() > 0 and ids.unique().numel() < 2:
         raise ValueError("dcl needs at least one negative per row: the batch holds a single id")
-    return _softmax_loss("dcl", q, k, ids, rows, layout, temperature, tile)
+    return pairwise_loss("dcl", q, k, ids, rows, layout, tile, temperature)
 
 
 def barlow_twins(

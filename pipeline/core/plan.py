@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 HEAD_BUDGET_SHARE = 0.25  # train.head_budget_mb: null -> this share of the device's memory
 DENSE_BLOCK = 2.6  # (r, n) fp32 buffers a dense block keeps for its backward (measured: CPU 2.3-2.6, H200 2.0)
 DENSE_BLOCK_HALF = 4.0  # the same at a 2-byte compute dtype (measured: H200, bf16 autocast, 4.0)
-DENSE_LOSS = 2.3  # (r, n) fp32 buffers of the fused loss, forward + backward (measured: 2.2-2.3)
+DENSE_LOSS = 2.3  # (r, n) fp32 buffers of the dense loss (one tile), forward + backward (measured: 2.2-2.3)
 TILED_BLOCK = 4.0  # (r, T) buffers alive while one tile of a block or the loss is computed
 ROW_FLOATS = 12  # m-wide activations a block keeps per local row (LayerNorm, projections, residual, output)
 TILE_STEP = 128

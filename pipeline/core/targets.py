@@ -5,7 +5,6 @@ input checks. Shapes: q, k (n, d) embeddings; ids (n,) int64; rows a slice of th
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -115,16 +114,31 @@ def _positive_pairs(ids: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor,
     return pos_row, order[first[pos_row] + within], npos
 
 
-class _Pairs(NamedTuple):
-    """Positives of rows start..stop-1 as P index pairs; the values at the positives are (P,) vectors."""
+class Pairs(NamedTuple):
+    """The positives of rows start..stop-1 as P index pairs (layout None when dense, and ``"two_view"``); the values
+    at the positives are (P,) vectors. A tile is the (r, T) block of columns c0..c0+T-1 of an (r, n) matrix."""
 
     row: Tensor  # (P,) local row in 0..r-1, sorted
     col: Tensor  # (P,) column in 0..n-1, ascending within a row
     npos: Tensor  # (r,) int64 |P(i)|
+    n: int  # the columns of the whole matrix
 
-    def take(self, x: Tensor) -> Tensor:
-        """(r, n) -> (P,): x at the positives."""
-        return x[self.row, self.col]
+    def _in_tile(self, c0: int, width: int) -> tuple[Tensor, Tensor | None]:
+        """(P,) the pairs' columns in the tile (clamped into it) and (P,) bool which pairs lie in it (None: all)."""
+        if c0 == 0 and width == self.n:
+            return self.col, None
+        return (self.col - c0).clamp(0, width - 1), (self.col >= c0) & (self.col < c0 + width)
+
+    def take(self, x: Tensor, c0: int = 0) -> Tensor:
+        """x (r, T), the tile at column c0 -> (P,): x at the positives, 0 for the positives outside the tile."""
+        col, inside = self._in_tile(c0, x.shape[1])
+        values = x[self.row, col]
+        return values if inside is None else values.where(inside, 0.0)
+
+    def add_(self, x: Tensor, values: Tensor, c0: int = 0) -> None:
+        """x (r, T), the tile at column c0, += values (P,) at the positives within it."""
+        col, inside = self._in_tile(c0, x.shape[1])
+        x.index_put_((self.row, col), values if inside is None else values.where(inside, 0.0), accumulate=True)
 
     def spread(self, v: Tensor) -> Tensor:
         """(r,) per row -> (P,) per positive."""
@@ -134,44 +148,37 @@ class _Pairs(NamedTuple):
         """(P,) -> (r,): sum over each row's positives."""
         return x.new_zeros(self.npos.shape).index_add_(0, self.row, x)
 
-    def add_(self, grad: Tensor, x: Tensor) -> None:
-        """grad (r, n) += x (P,) at the positives."""
-        grad.index_put_((self.row, self.col), x, accumulate=True)
 
-    def fill_(self, z: Tensor, value: float) -> None:
-        """z (r, n) = value at the positives."""
-        z.index_put_((self.row, self.col), z.new_full((), value))
+class LabelMask(NamedTuple):
+    """The positives of rows start..stop-1 read from the ids a tile of columns at a time (layout ``"labels"``, and
+    None when tiled): no host sync, nothing (r, n) unless the tile is the whole row."""
 
+    start: int
+    row_ids: Tensor  # (r,) ids[start:stop]
+    ids: Tensor  # (n,)
 
-class _Mask(NamedTuple):
-    """Positives of rows start..stop-1 as a dense mask; the values at the positives stay (r, n) (or (r, 1))."""
+    def mask(self, c0: int, c1: int) -> Tensor:
+        """(r, T) bool: Y[rows, c0:c1] > 0 of eq. (1), the positives within columns c0..c1-1."""
+        same = self.row_ids[:, None] == self.ids[None, c0:c1]  # (r, T)
+        same.diagonal(offset=self.start - c0).fill_(False)
+        return same
 
-    mask: Tensor  # (r, n) bool, Y[start:stop] > 0
-    npos: Tensor  # (r,) int64 |P(i)|
-
-    def take(self, x: Tensor) -> Tensor:
-        return x  # (r, n), masked where it is summed
-
-    def spread(self, v: Tensor) -> Tensor:
-        return v[:, None]  # (r, 1)
-
-    def row_sum(self, x: Tensor) -> Tensor:
-        return torch.where(self.mask, x, 0.0).sum(dim=1)  # (r,) sum_j Y_ij x_ij
-
-    def add_(self, grad: Tensor, x: Tensor) -> None:
-        grad.add_(torch.where(self.mask, x, 0.0))
-
-    def fill_(self, z: Tensor, value: float) -> None:
-        z.masked_fill_(self.mask, value)
+    def count(self, c0: int, c1: int) -> Tensor:
+        """(r,) int64 |P(i) ∩ [c0, c1)| without a (r, T) buffer: each row's id searched in the tile's sorted ids,
+        less the row itself where its diagonal (i, start + i) lies in the tile."""
+        tile_ids = self.ids[c0:c1].sort().values  # (T,)
+        same = torch.searchsorted(tile_ids, self.row_ids, right=True) - torch.searchsorted(tile_ids, self.row_ids)
+        rows = torch.arange(self.start, self.start + self.row_ids.shape[0], device=self.ids.device)  # (r,)
+        return same - ((rows >= c0) & (rows < c1)).long()
 
 
 @functools.lru_cache(maxsize=64)
-def _two_view_pairs(n: int, start: int, stop: int, device: torch.device) -> _Pairs:
+def _two_view_pairs(n: int, start: int, stop: int, device: torch.device) -> Pairs:
     """The pairs of the two-view layout (n = 2B): row i's one positive is (i + B) mod n. Equal to
     :func:`_positive_pairs` on such ids, but from (n, rows) alone: built once, no data-dependent shape."""
     with torch.inference_mode(False), torch.no_grad():  # plain tensors, whatever mode the first call runs in
         rows = torch.arange(start, stop, device=device)  # (r,) global row indices
-        return _Pairs(rows - start, (rows + n // 2) % n, torch.ones_like(rows))
+        return Pairs(rows - start, (rows + n // 2) % n, torch.ones_like(rows), n)
 
 
 def check_layout_name(layout: str | None) -> None:
@@ -179,17 +186,18 @@ def check_layout_name(layout: str | None) -> None:
         raise ValueError(f"unknown layout {layout!r}; allowed: None, {', '.join(map(repr, LAYOUTS))}")
 
 
-def positives(ids: Tensor, start: int, stop: int, layout: str | None) -> _Pairs | _Mask:
-    """The positives of rows start..stop-1 in the representation ``layout`` asks for (module docstring)."""
+def positives(ids: Tensor, start: int, stop: int, layout: str | None, tiled: bool) -> Pairs | LabelMask:
+    """The positives of rows start..stop-1 as ``layout`` asks (:mod:`pipeline.core.losses`): the cached pairs of
+    ``"two_view"``; the pairs read from ``ids`` for None (one host sync), or, ``tiled``, a mask per tile as for
+    ``"labels"`` (no host sync)."""
     check_layout_name(layout)
-    if layout is None:
-        return _Pairs(*_positive_pairs(ids, start, stop))
     if layout == "two_view":
         if ids.shape[0] % 2:
             raise ValueError(f"layout='two_view' needs an even number of rows, got {ids.shape[0]}")
         return _two_view_pairs(ids.shape[0], start, stop, ids.device)
-    mask = target_affinity(ids, slice(start, stop), dtype=torch.bool)  # (r, n), layout "labels"
-    return _Mask(mask, mask.sum(dim=1))
+    if layout is None and not tiled:
+        return Pairs(*_positive_pairs(ids, start, stop), ids.shape[0])
+    return LabelMask(start, ids[start:stop], ids)
 
 
 def is_two_view(ids: Tensor) -> bool:
@@ -216,16 +224,3 @@ def check_layout(ids: Tensor, layout: str | None) -> None:
             "layout='two_view' needs the self-supervised two-view ids: [view 1; view 2] with ids[:B] == ids[B:] "
             "and ids[:B] distinct, e.g. [0..B-1, 0..B-1]"
         )
-
-
-def by_row_blocks(a: Tensor, fn: Callable[[Tensor], Tensor], block: int = 256) -> Tensor:
-    """``fn`` (b, n) -> (b,) applied to blocks of ``block`` rows of a (r, n): (r,). Temporaries stay (block, n)."""
-    if a.shape[0] == 0:
-        return a.new_zeros(0)
-    return torch.cat([fn(a[i : i + block]) for i in range(0, a.shape[0], block)])
-
-
-def row_affinity(qn: Tensor, kn: Tensor, start: int) -> tuple[Tensor, Tensor]:
-    """``A = qn @ kn.T`` (r, n), a fresh buffer, and the view of its diagonal entries (i, start + i)."""
-    a = qn @ kn.T  # (r, n)
-    return a, a.diagonal(offset=start)  # (r,) view

@@ -1,29 +1,28 @@
-"""Tests of pipeline.core.tiled_losses: every pairwise loss with ``tile=`` equals the fused (dense) path of
-pipeline.core.losses, whose values tests/core/test_losses.py checks against slow loop references; the tiled
-Functions' gradients against finite differences; the peak memory and the host syncs."""
+"""Tests of pipeline.core.tiled_losses, the one implementation of the pairwise losses: with ``tile=`` narrower
+than, as wide as and wider than the batch, values and gradients against the slow loop references of
+tests/core/test_losses.py and against the dense path (``tile=None``, which that file checks in depth); the
+Functions' gradients against finite differences; what backward keeps, the peak memory and the host syncs."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
 from pipeline.core.losses import SELF_SUPERVISED_ONLY, barlow_twins, dcl, infonce, jsd, make_loss
-from pipeline.core.targets import self_supervised_ids
-from pipeline.core.tiled_losses import (
-    TiledNormalizedAffinityLoss,
-    TiledSoftmaxAffinityLoss,
-    tile_positives,
-    use_tiles,
-)
+from pipeline.core.targets import positives, self_supervised_ids
+from pipeline.core.tiled_losses import NormalizedAffinityLoss, SoftmaxAffinityLoss, use_tiles
 from pipeline.training import measure
-from tests.core.test_losses import ref_loss
+from tests.core import test_losses
+from tests.core.test_losses import ref_loss_torch
 
 NORMALIZED = ("jsd", "jsd_appendix_e", "kl_relu", "kl_squared")
 SOFTMAX = ("kl_softmax", "infonce", "supcon", "dcl")
 PAIRWISE = NORMALIZED + SOFTMAX
 N, D = 10, 4
 SUP_IDS = [2, 0, 1, 0, 2, 1, 3, 0, 1, 2]  # supervised labels; class 3 is a singleton (a row without a positive)
-TILES = (1, 3, 4, N)  # 4 does not divide n = 10; tile >= n runs the fused path
+TILES = (1, 3, 4, N, N + 3)  # 4 does not divide n = 10; tile >= n is the dense path, one tile
 ROWS = (None, slice(2, 7))
 
 
@@ -48,8 +47,8 @@ def make_qk(seed: int, n: int = N, d: int = D, dtype=torch.float64) -> tuple[tor
     return q, k
 
 
-def value_and_grads(name, q, k, ids, **kw) -> tuple[torch.Tensor, ...]:
-    loss = make_loss(name)(q, k, ids, **kw)
+def value_and_grads(name, q, k, ids, temperature=0.1, **kw) -> tuple[torch.Tensor, ...]:
+    loss = make_loss(name, temperature=temperature)(q, k, ids, **kw)
     return (loss.detach(), *torch.autograd.grad(loss, (q, k)))
 
 
@@ -71,21 +70,37 @@ def test_tiled_equals_dense_fp64(name, kind, layout, rows):
     assert dense[0].abs() > 0  # a loss that can be wrong
     for tile in TILES:
         tiled = value_and_grads(name, q, k, ids, rows=rows, layout=layout, tile=tile)
-        if tile >= N:  # the fused path, unchanged: bit for bit
+        if tile >= N:  # the dense path: bit for bit
             assert all(torch.equal(x, y) for x, y in zip(tiled, dense, strict=True)), tile
         else:
             assert_close(tiled, dense, 1e-12, f"tile {tile}")
 
 
-@pytest.mark.parametrize("name,kind,layout", [(name, kind, layout) for name, kind, layout in CASES
-                                              if kind == ("self" if layout == "two_view" else "sup")
-                                              or name in SELF_SUPERVISED_ONLY])
-def test_tiled_matches_the_loop_reference(name, kind, layout):
-    """Directly against test_losses.py's plain-float loops over i, j (not through the fused path)."""
-    q, k = make_qk(seed=11)
-    ids = make_ids(kind)
-    got = make_loss(name)(q, k, ids, layout=layout, tile=3).item()
-    assert got == pytest.approx(ref_loss(name, q, k, ids, 0.1, 5e-3), rel=1e-10, abs=1e-12)
+REF_CASES = [(name, kind, layout) for name, kind, layout in CASES
+             if kind == ("self" if layout == "two_view" else "sup") or name in SELF_SUPERVISED_ONLY]
+
+
+@functools.cache
+def loop_reference(name: str, kind: str, n: int) -> tuple[torch.Tensor, ...]:
+    """Value and gradients of the plain loops over i, j (test_losses.ref_row_loss, through autograd), τ = 0.3."""
+    q, k = make_qk(seed=11 + n, n=n)
+    ids = test_losses.make_ids(kind, n)
+    loss = ref_loss_torch(name, q, k, ids, 0.3)
+    return (loss.detach(), *torch.autograd.grad(loss, (q, k)))
+
+
+@pytest.mark.parametrize("width", ["narrower", "equal", "wider"])
+@pytest.mark.parametrize("n", [4, 10])
+@pytest.mark.parametrize("name,kind,layout", REF_CASES)
+def test_matches_the_loop_reference(name, kind, layout, n, width):
+    """Directly against test_losses.py's loops over i, j, with a tile narrower than (3), as wide as and wider than
+    the batch (n + 5): values and gradients, whole batches."""
+    tile = {"narrower": 3, "equal": n, "wider": n + 5}[width]
+    q, k = make_qk(seed=11 + n, n=n)
+    ids = test_losses.make_ids(kind, n)
+    got = value_and_grads(name, q, k, ids, layout=layout, tile=tile, temperature=0.3)
+    # jsd's loop has no 1e-10 epsilon: near-zero positive affinities move its gradient by ~1e-8
+    assert_close(got, loop_reference(name, kind, n), 1e-6 if name == "jsd" else 1e-8, f"tile {tile}")
 
 
 @pytest.mark.parametrize("name", PAIRWISE)
@@ -113,16 +128,34 @@ def test_tiled_equals_dense_fp32(name, kind, layout):
     assert_close(tiled, dense, 1e-5, "fp32")
 
 
+def big_saved(fn, n: int) -> int:
+    """How many tensors of n * n / 2 entries or more the graph of ``fn()`` keeps for backward."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(1 for size in saved if size >= n * n // 2)
+
+
 @pytest.mark.parametrize("name", PAIRWISE)
-def test_tiled_runs_the_tiled_function_and_row_slices_add_up(name):
-    """tile < n takes the tiled Function (not the fused one); its row slices add up to the whole, as the fused."""
+def test_one_function_dense_keeps_its_block_tiled_keeps_none_and_row_slices_add_up(name):
+    """Any tile runs the family's one Function; as wide as the batch it keeps its (r, n) block for backward, narrower
+    nothing (r, n). Tiled row slices add up to the whole, as dense ones do."""
+    q, k = make_qk(seed=1, n=40)
+    ids = self_supervised_ids(20)
+    family = NormalizedAffinityLoss if name in NORMALIZED else SoftmaxAffinityLoss
+    for tile in (None, 7, 40, 50):
+        assert type(make_loss(name)(q, k, ids, tile=tile).grad_fn).__name__ == family.__name__ + "Backward"
+    for layout in (None, "two_view"):
+        for tile, kept in [(40, 1), (39, 0)]:
+            assert big_saved(lambda t=tile, lay=layout: make_loss(name)(q, k, ids, layout=lay, tile=t), 40) == kept
     q, k = make_qk(seed=1)
-    ids = make_ids("self")
-    whole = make_loss(name)(q, k, ids, tile=3)
-    family = "TiledNormalizedAffinityLoss" if name in NORMALIZED else "TiledSoftmaxAffinityLoss"
-    assert type(whole.grad_fn).__name__.startswith(family)
-    assert type(make_loss(name)(q, k, ids, tile=N).grad_fn).__name__.startswith("_")  # the fused one
-    parts = sum(make_loss(name)(q, k, ids, rows=slice(a, b), tile=3) for a, b in [(0, 4), (4, 4), (4, N)])
+    whole = make_loss(name)(q, k, make_ids("self"), tile=3)
+    parts = sum(make_loss(name)(q, k, make_ids("self"), rows=slice(a, b), tile=3) for a, b in [(0, 4), (4, 4), (4, N)])
     torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-12)
 
 
@@ -135,14 +168,14 @@ def test_empty_row_slice_gives_zero():
         q.grad = k.grad = None
 
 
-def test_dcl_with_a_single_id_gives_nan_like_the_fused_path():
+def test_dcl_with_a_single_id_gives_nan_like_the_dense_path():
     q, k = make_qk(seed=4)
     ids = torch.zeros(N, dtype=torch.int64)
     assert torch.isnan(dcl(q, k, ids, layout="labels")) and torch.isnan(dcl(q, k, ids, layout="labels", tile=3))
 
 
 # ------------------------------------------------------------------------------------- arguments
-def test_the_argument_checks_are_the_fused_ones():
+def test_the_argument_checks_are_the_dense_ones():
     q, k = make_qk(seed=5)
     sup = make_ids("sup")
     with pytest.raises(ValueError, match="one positive per row"):
@@ -170,18 +203,19 @@ def test_barlow_twins_ignores_tile():
 
 
 # ------------------------------------------------------------------------------------- gradcheck
-@pytest.mark.parametrize("layout", ["two_view", "labels"])
+@pytest.mark.parametrize("tile", [4, 6, 9])  # narrower than, as wide as and wider than n = 6
+@pytest.mark.parametrize("layout", ["two_view", "labels", None])
 @pytest.mark.parametrize("kind", PAIRWISE)
-def test_gradcheck_of_the_tiled_functions(kind, layout):
+def test_gradcheck_of_the_functions(kind, layout, tile):
     n, start, stop = 6, 1, 5
-    ids = self_supervised_ids(3) if layout == "two_view" else torch.tensor([0, 1, 0, 2, 1, 0])
-    pos = tile_positives(ids, start, stop, layout)
+    ids = self_supervised_ids(3) if layout == "two_view" or kind == "infonce" else torch.tensor([0, 1, 0, 2, 1, 0])
+    pos = positives(ids, start, stop, layout, use_tiles(tile, n))
     q, k = make_qk(seed=8, n=n, d=3)
     q = q[start:stop].detach().requires_grad_()
     if kind in NORMALIZED:
-        fn = lambda a, b: TiledNormalizedAffinityLoss.apply(a, b, pos, n, kind, 4)  # noqa: E731
+        fn = lambda a, b: NormalizedAffinityLoss.apply(a, b, pos, start, n, kind, tile)  # noqa: E731
     else:
-        fn = lambda a, b: TiledSoftmaxAffinityLoss.apply(a, b, pos, n, kind, 4, 0.5)  # noqa: E731
+        fn = lambda a, b: SoftmaxAffinityLoss.apply(a, b, pos, start, n, kind, tile, 0.5)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (q, k), eps=1e-6, atol=1e-6)
 
 
@@ -201,7 +235,7 @@ def test_tiled_layouts_have_no_host_sync(name, layout):
 
 
 def test_the_sync_count_can_fail():
-    """The control: the fused None layout reads the ids (one sync for the number of pairs)."""
+    """The control: the dense None layout reads the ids (one sync for the number of pairs)."""
     q, k = make_qk(seed=9, n=12, d=5)
     assert measure.count(lambda: jsd(q, k, self_supervised_ids(6)).backward()).syncs
 
@@ -211,7 +245,7 @@ def test_the_sync_count_can_fail():
 @pytest.mark.parametrize("name,layout", [("jsd", "two_view"), ("jsd", None), ("infonce", "two_view"),
                                          ("infonce", None)])
 def test_tiled_peak_memory(name, layout):
-    """r = n = 4096, d = 128, tile 256: the tiled forward + backward peaks below 0.15 of the fused one's (fp32).
+    """r = n = 4096, d = 128, tile 256: the tiled forward + backward peaks below 0.15 of the dense one's (fp32).
     Measured (measure.peak_bytes, CPU): jsd 10.1 MB / 132.1 MB (two_view), 14.1 / 132.2 (None); infonce 12.1 /
     132.1 (two_view), 15.1 / 132.2 (None)."""
     n, d = 4096, 128
@@ -224,5 +258,5 @@ def test_tiled_peak_memory(name, layout):
         fn(q, k, ids, layout=layout, tile=tile).backward()
 
     dense, tiled = measure.peak_bytes(lambda: step(None)), measure.peak_bytes(lambda: step(256))
-    assert dense > 2 * n * n * 4  # the fused path holds two (n, n) fp32 buffers
+    assert dense > 2 * n * n * 4  # the dense path holds two (n, n) fp32 buffers
     assert tiled < 0.15 * dense, (tiled, dense)
