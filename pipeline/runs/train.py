@@ -285,14 +285,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    # Ray Train V2 logs every report at INFO and tees print() twice; keep the console to our progress lines
+    # Ray Train V2 logs every report at INFO and tees print() twice; keep the console to our progress lines. Its
+    # per-report line ("Reporting training result ...") comes from a logger named after its file's path, which
+    # propagates to the root logger, set to INFO in Ray Train's workers: WARNING and above from it
     logging.getLogger("ray.train").setLevel(logging.WARNING)
-    try:  # the per-report line comes from a logger named after its file
-        from ray.train.v2._internal.execution import context as _ctx
-
-        _ctx.logger.setLevel(logging.WARNING)
-    except (ImportError, AttributeError):
-        pass
+    logging.getLogger().setLevel(logging.WARNING)
     spec = WorkerSpec(**config)
     ctx = ray.train.get_context()
     device = worker_device(spec.use_gpu, spec.params["ray"]["backend"])

@@ -8,7 +8,7 @@ tables (``pipeline.runs.tables``): a library both use, knowing neither.
   ``TuneReportCallback`` passes rank 0's metrics to Tune. A diverged trial raises :class:`TrialFailed`, and
   :func:`error_reason` is the one line a failed trial's row and MLflow run show.
 - **Resources**: a trial holds ``TRIAL_CPU`` and its workers' bundles (:func:`trial_placement`); :func:`max_concurrent`
-  packs trials onto the cluster's nodes at the largest size its autoscaler can reach (CPUs and GPUs).
+  starts as many at once as the cluster's limiting resource holds; Tune and Ray Train hold the rest pending.
 - **Tracking and progress**: :class:`TrialTracker`, the driver-side Tune callback each job subclasses: a line per
   trial event, MLflow from the driver only (the job's :func:`parent_run`, a child per trial), so trials never
   contend for the sqlite store.
@@ -38,8 +38,8 @@ from pipeline import faults
 from pipeline.config.params import Params, validate_params
 from pipeline.io import load_torch
 from pipeline.runs import tracking as trk
-from pipeline.runs.cluster import train_logging
-from pipeline.runs.resources import NodeType, TrialShape, trials_at_once
+from pipeline.runs.cluster import TRIAL_CONSOLE_LEVEL, train_logging
+from pipeline.runs.resources import TrialShape, trials_at_once
 from pipeline.runs.storage import clear_status, is_uri, join
 from pipeline.runs.train import (
     HISTORY_FILE,
@@ -95,15 +95,15 @@ def stable_name(prefix: str, keyed: dict[str, Any], manifest: dict[str, Any]) ->
     return f"{prefix}-" + hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def max_concurrent(params: Params, nodes: list[NodeType], gpu: bool, n_trials: int) -> int:
-    """``sweep.max_concurrent_trials`` if set, else as many trials as the cluster holds at the largest size its
-    autoscaler can reach, packing each trial's bundles (its own ``TRIAL_CPU``, ``ray.num_workers`` workers of
-    ``sweep.cpus_per_worker`` CPUs and a GPU each when training on GPUs) onto the nodes: the minimum over CPUs and
-    GPUs, never more than the trials there are, at least 1 (Tune queues the rest while the cluster scales up)."""
+def max_concurrent(params: Params, totals: dict[str, float], gpu: bool, n_trials: int) -> int:
+    """``sweep.max_concurrent_trials`` if set, else as many trials as the cluster's resources now (``totals``) hold
+    by their limiting resource (``pipeline.runs.resources.trials_at_once``: a trial's ``TRIAL_CPU`` and its
+    ``ray.num_workers`` workers of ``sweep.cpus_per_worker`` CPUs and a GPU each when training on GPUs), never more than
+    the trials there are, at least 1. Set it on a cluster that autoscales: it grows for the trials Tune starts."""
     if params.sweep.max_concurrent_trials is not None:
         return params.sweep.max_concurrent_trials
     shape = TrialShape(params.ray.num_workers, params.sweep.cpus_per_worker, gpu, TRIAL_CPU)
-    return max(1, trials_at_once(nodes, shape, cap=max(1, n_trials)))
+    return trials_at_once(totals, shape, cap=max(1, n_trials))
 
 
 def at_once(tracker: TrialTracker, concurrent: int) -> str:
@@ -220,7 +220,7 @@ def _fit_train(params: Params, fixed: dict[str, Any], spec: WorkerSpec, trial_id
         run_config=ray.train.RunConfig(
             name=f"trial-{trial_id}", storage_path=fixed["storage"], callbacks=[TuneReportCallback()],
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
-            logging_config=train_logging(), worker_runtime_env={"env_vars": faults.carried()},
+            logging_config=train_logging(TRIAL_CONSOLE_LEVEL), worker_runtime_env={"env_vars": faults.carried()},
         ),
     )
     return trainer.fit()
@@ -280,6 +280,13 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
+_LIVE: dict[str, TrialTracker] = {}  # the driver's tracker of each job, by the job's path (TrialTracker.attach)
+
+
+def _live_tracker(job: str) -> TrialTracker:
+    return _LIVE[job]
+
+
 class TrialTracker(tune.Callback):
     """Driver-side: one progress line per trial event, live MLflow runs, and the trials' final statuses.
 
@@ -296,6 +303,18 @@ class TrialTracker(tune.Callback):
     METRICS = ("loss", "knn_acc", "view_noise", "samples_per_s", "lr")
     PREFIX: str  # "[sweep]": the job's progress lines
     STAGE: str  # "sweep-trial": the children's stage tag
+    job = ""  # the job's path (:meth:`attach`)
+
+    def attach(self, job: str) -> None:
+        """Make this the driver's tracker of the job at ``job`` (its path): what a pickled tracker of it becomes."""
+        self.job = job
+        _LIVE[job] = self
+
+    def __reduce__(self):
+        """Pickled as a reference to the driver's tracker of the job: Tune pickles the run config, this callback with
+        it, into the job's directory, and a restored job (``Tuner.restore``) unpickles it, so that this run's tracker,
+        not a copy of the first run's, gets the restored job's events."""
+        return _live_tracker, (self.job,)
 
     def labels(self, config: dict[str, Any]) -> dict[str, Any]:
         """What identifies a trial (its MLflow params, its progress line): its point."""
@@ -491,12 +510,11 @@ def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, track
     children KILLED) if the job was interrupted, and (the parent FAILED) if every trial failed.
     """
     path = join(storage, name)
+    tracker.attach(path)  # what the Tuner's pickled run config refers to (TrialTracker.__reduce__)
     resumed = tune.Tuner.can_restore(path)
     if resumed:
         say(f"{tracker.PREFIX} resuming {path}")
         tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True, param_space=space)
-        # the restored run config holds an unpickled copy of the first run's tracker: use this run's instead
-        tuner._local_tuner.get_run_config().callbacks = [tracker]
     else:
         say(announce)
         tuner = tune.Tuner(
