@@ -109,11 +109,13 @@ def ray_env() -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in os.environ}
 
 
-#: Ray's own Python loggers in every process of a job the stages start (``ray.init(logging_config=...)``): WARNING and
-#: below stay in Ray's log files, e.g. Ray Train's placement-group cleaner ("Detected that the Ray Train controller
-#: actor (...) is dead. Cleaning up placement group ...", whenever a trial ends by ASHA or Ctrl-C; "Failed to query Ray
-#: Train Controller actor state" while Ray shuts down). With a job logging config Ray also drops its "(pid=...)"
-#: prefix from the lines it forwards: the stages' progress lines come as they were printed.
+#: The level of Ray's own Python loggers (``ray``, and the root logger) in every process of a job the stages start
+#: (``ray.init(logging_config=...)``): their warnings are not printed, e.g. Ray Train's placement-group cleaner's
+#: ("Detected that the Ray Train controller actor (...) is dead. Cleaning up placement group ...", whenever a trial
+#: ends by ASHA or Ctrl-C; "Failed to query Ray Train Controller actor state" while Ray shuts down). Ray Train's
+#: controller and workers configure their own loggers and keep every level in ``logs/train/ray-train-sys-*.log``. With
+#: a job logging config Ray also drops its "(pid=...)" prefix from the lines it forwards: the stages' progress lines
+#: come as they were printed.
 RAY_LOG_LEVEL = "ERROR"
 
 #: Ray Train's own log level for its ``ray.train`` logs on the console and in ``logs/train/ray-train-app-*.log``; every
