@@ -283,8 +283,13 @@ def say(line: str) -> None:
 _LIVE: dict[str, TrialTracker] = {}  # the driver's tracker of each job, by the job's path (TrialTracker.attach)
 
 
-def _live_tracker(job: str) -> TrialTracker:
-    return _LIVE[job]
+def _live_tracker(job: str, cls: type, state: dict[str, Any]) -> TrialTracker:
+    """The driver's tracker of ``job`` if this process runs that job (a restored job's), else a copy (``state``)."""
+    tracker = _LIVE.get(job)
+    if tracker is None:  # e.g. unpickled in another process
+        tracker = cls.__new__(cls)
+        tracker.__dict__.update(state)
+    return tracker
 
 
 class TrialTracker(tune.Callback):
@@ -313,8 +318,8 @@ class TrialTracker(tune.Callback):
     def __reduce__(self):
         """Pickled as a reference to the driver's tracker of the job: Tune pickles the run config, this callback with
         it, into the job's directory, and a restored job (``Tuner.restore``) unpickles it, so that this run's tracker,
-        not a copy of the first run's, gets the restored job's events."""
-        return _live_tracker, (self.job,)
+        not a copy of the first run's, gets the restored job's events. Elsewhere it unpickles to a copy."""
+        return _live_tracker, (self.job, type(self), self.__dict__)
 
     def labels(self, config: dict[str, Any]) -> dict[str, Any]:
         """What identifies a trial (its MLflow params, its progress line): its point."""

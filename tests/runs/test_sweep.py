@@ -275,3 +275,6 @@ def test_a_restored_job_gets_the_drivers_tracker_not_a_copy():
     now = SweepTracker(3, uri="sqlite:///now.db")
     now.attach("/storage/sweep-0123")  # what tune_job does before Tuner.restore
     assert ray.cloudpickle.loads(saved)["callbacks"][0] is now
+    other = SweepTracker(5, uri="sqlite:///other.db")  # a job this process does not run: a copy, as pickle makes
+    copy = ray.cloudpickle.loads(ray.cloudpickle.dumps(other))
+    assert copy is not other and (type(copy), copy.epochs, copy.uri) == (SweepTracker, 5, "sqlite:///other.db")
