@@ -7,6 +7,7 @@ Each subcommand's module is imported when that subcommand runs, not before: a st
 from __future__ import annotations
 
 import importlib
+import os
 
 import click
 
@@ -37,6 +38,9 @@ class LazyGroup(click.Group):
         if target is None:
             return None
         module, attr = target.split(":")
+        from pipeline.runs.cluster import ray_env
+
+        os.environ.update(ray_env())  # the settings Ray reads when it is imported: before the stage imports it
         command = getattr(importlib.import_module(module), attr)
         if command.name != cmd_name:
             raise RuntimeError(f"{target} is the command {command.name!r}, listed as {cmd_name!r}")

@@ -34,63 +34,58 @@ def test_kuberay_cluster_mounts_one_shared_volume_everywhere():
 # A preset trial asks for its function's {CPU: 0.25} (pipeline.runs.tune.TRIAL_CPU) and ray.num_workers = 4 workers of
 # {CPU: sweep.cpus_per_worker = 3, GPU: 1}. Both recipes give the head 2 Ray CPUs (8 trial functions) and GPU nodes
 # of {CPU: 3, GPU: 1} (one worker each, no CPU left over for a trial function), 16 of them at most: 16 GPUs / 4 per
-# trial = 4 trials at once, their functions on the head (1 of its 2 CPUs), every GPU node busy. At start the
-# launcher has no GPU worker (min_workers 0): 0 trials until the autoscaler adds nodes; KubeRay starts 4 pods
-# (replicas): 1 trial.
-def _preset_shapes():
-    from pipeline.config.params import load_params
-    from pipeline.runs.resources import TrialShape
-    from pipeline.runs.tune import TRIAL_CPU
-
-    p = load_params(ROOT / "presets/cluster-sweep.yaml")
-    sweep = TrialShape(p.ray.num_workers, p.sweep.cpus_per_worker, p.ray.use_gpu, TRIAL_CPU)
-    pretrain = TrialShape(p.ray.num_workers, p.ray.cpus_per_worker, p.ray.use_gpu)
-    return sweep, pretrain
+# trial = 4 trials at once, the preset's sweep.max_concurrent_trials (Ray cannot say how far an autoscaler may grow
+# the cluster), their functions on the head (1 of its 2 CPUs), every GPU node busy.
+AWS_VCPUS = {"m6i.xlarge": 4, "g5.xlarge": 4}  # the recipe's instance types (AWS's instance type pages)
 
 
 def _recipe(name):
-    from pipeline.runs.resources import cluster_from_kuberay_yaml, cluster_from_launcher_yaml
-
+    """(head's Ray CPUs, head's vCPUs), (GPU node's Ray CPUs, its GPUs, its vCPUs, its maximum count)."""
     if name == "aws":
-        return cluster_from_launcher_yaml(ROOT / "deploy/ray-cluster-aws.yaml")
-    return cluster_from_kuberay_yaml(ROOT / "deploy/kuberay-raycluster.yaml")
-
-
-@pytest.mark.parametrize("recipe, gpu_type, at_start", [("aws", "gpu_worker", 0), ("kuberay", "gpu", 1)])
-def test_recipe_runs_the_preset_several_trials_at_once_on_every_node_type(recipe, gpu_type, at_start):
-    from pipeline.runs.resources import infeasible, packing, trials_at_once
-
-    nodes = _recipe(recipe)
-    sweep, pretrain = _preset_shapes()
-    assert sweep.num_workers == 4 and sweep.worker == {"CPU": 3.0, "GPU": 1.0} and sweep.trial_cpu == 0.25
-    assert {t.name: (t.resources, t.max_count) for t in nodes} == {
-        "head": ({"CPU": 2.0}, 1), gpu_type: ({"CPU": 3.0, "GPU": 1.0}, 16)}
-    at_max = packing(nodes, sweep, cap=240)
-    assert at_max.trials == 4
-    assert at_max.nodes_used == {"head": 1, gpu_type: 16}  # every node type used, every GPU node busy
-    assert packing(nodes, sweep, cap=1).nodes_used == {"head": 1, gpu_type: 4}  # a trial: 4 GPU nodes, not 5
-    assert trials_at_once(nodes, sweep, at_max=False) == at_start
-    # pretraining with the preset (no trial function) fits too, and a worker fits a GPU node exactly
-    assert infeasible(nodes, pretrain) is None and trials_at_once(nodes, pretrain) == 4
-    gpu_node = next(t for t in nodes if t.name == gpu_type)
-    assert gpu_node.resources["CPU"] == pretrain.cpus_per_worker == sweep.cpus_per_worker
-
-
-def test_recipes_leave_ray_a_cpu_on_gpu_nodes():
-    """Ray's CPUs on a GPU node are fewer than the node's vCPUs (one left to Ray's own processes), and the head
-    keeps vCPUs beyond its Ray CPUs for the DVC driver and the MLflow server."""
-    from pipeline.runs.resources import AWS_INSTANCES
-
-    cfg = yaml.safe_load((ROOT / "deploy/ray-cluster-aws.yaml").read_text())
-    for name, spec in cfg["available_node_types"].items():
-        vcpus = AWS_INSTANCES[spec["node_config"]["InstanceType"]]["CPU"]
-        assert spec["resources"]["CPU"] < vcpus, name
+        cfg = yaml.safe_load((ROOT / "deploy/ray-cluster-aws.yaml").read_text())
+        types = cfg["available_node_types"]
+        head, gpu = types[cfg["head_node_type"]], types["gpu_worker"]
+        return ((head["resources"]["CPU"], AWS_VCPUS[head["node_config"]["InstanceType"]]),
+                (gpu["resources"]["CPU"], gpu["resources"]["GPU"], AWS_VCPUS[gpu["node_config"]["InstanceType"]],
+                 min(gpu["max_workers"], cfg["max_workers"])))
     cluster = next(d for d in yaml.safe_load_all((ROOT / "deploy/kuberay-raycluster.yaml").read_text())
                    if d["kind"] == "RayCluster")
-    groups = [cluster["spec"]["headGroupSpec"]] + cluster["spec"]["workerGroupSpecs"]
-    for g in groups:
-        limit = float(g["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"])
-        assert float(g["rayStartParams"]["num-cpus"]) < limit
+    head, (gpu,) = cluster["spec"]["headGroupSpec"], cluster["spec"]["workerGroupSpecs"]
+
+    def limits(group):
+        return group["template"]["spec"]["containers"][0]["resources"]["limits"]
+
+    return ((float(head["rayStartParams"]["num-cpus"]), float(limits(head)["cpu"])),
+            (float(gpu["rayStartParams"]["num-cpus"]), float(limits(gpu)["nvidia.com/gpu"]), float(limits(gpu)["cpu"]),
+             gpu["maxReplicas"] * gpu.get("numOfHosts", 1)))
+
+
+@pytest.mark.parametrize("recipe", ["aws", "kuberay"])
+def test_recipe_runs_the_preset_trials_at_once_with_every_gpu_node_busy(recipe):
+    from pipeline.config.params import load_params
+    from pipeline.runs.resources import TrialShape, infeasible
+    from pipeline.runs.tune import TRIAL_CPU
+
+    (head_cpus, _), (node_cpus, node_gpus, _, most) = _recipe(recipe)
+    p = load_params(ROOT / "presets/cluster-sweep.yaml")
+    trial = TrialShape(p.ray.num_workers, p.sweep.cpus_per_worker, p.ray.use_gpu, TRIAL_CPU)
+    assert trial.num_workers == 4 and trial.worker == {"CPU": 3.0, "GPU": 1.0}
+    at_once = p.sweep.max_concurrent_trials
+    assert at_once * trial.total("GPU") == most * node_gpus == 16  # every GPU node busy at the cluster's largest
+    assert at_once * TRIAL_CPU <= head_cpus  # the trials' functions on the head
+    assert node_cpus == trial.cpus_per_worker == p.ray.cpus_per_worker  # a worker fills a GPU node's Ray CPUs
+    full = [{"CPU": head_cpus}] + [{"CPU": node_cpus, "GPU": node_gpus}] * most
+    assert infeasible(full, trial) is None and infeasible(full, TrialShape(4, p.ray.cpus_per_worker, True)) is None
+    tables = load_params(ROOT / "presets/paper-tables.yaml")  # one GPU worker a row: every row at once
+    assert tables.ray.num_workers == 1 and tables.tables.max_concurrent_trials <= most * node_gpus
+
+
+@pytest.mark.parametrize("recipe", ["aws", "kuberay"])
+def test_recipes_leave_ray_a_cpu_on_gpu_nodes(recipe):
+    """Ray's CPUs on a GPU node are fewer than the node's vCPUs (one left to Ray's own processes), and the head
+    keeps vCPUs beyond its Ray CPUs for the DVC driver and the MLflow server."""
+    (head_cpus, head_vcpus), (node_cpus, _, node_vcpus, _) = _recipe(recipe)
+    assert head_cpus < head_vcpus and node_cpus < node_vcpus
 
 
 # ---------------------------------------------------------------------------------- what a cluster needs to boot

@@ -5,15 +5,17 @@
   instead of Ray's own retries for minutes. Without an address, a local cluster that ``ray start`` recorded but that
   no longer answers (killed without ``ray stop``) is named in one line and a fresh local Ray starts instead.
 - :func:`use_gpu` decides GPU training from the *cluster's* resources (workers may have GPUs the driver lacks).
-- :func:`check_request` refuses (exit 2, :class:`ParamsError`) a request the cluster can never satisfy, even at the
-  largest size its autoscaler can reach, naming what was asked and what exists (``pipeline.runs.resources``).
-- :func:`wait_for_workers` reserves the workers' resources (a placement group); while the autoscaler adds nodes it
-  keeps waiting, and ``ray.resources_timeout_s`` after the last node on its way a busy cluster ends in a
-  :class:`ClusterError` naming the wait, never a silent hang.
+- :func:`check_request` refuses (exit 2, :class:`ParamsError`) a request a local Ray can never satisfy, before it
+  starts, naming what was asked and what exists (``pipeline.runs.resources``).
+- :func:`wait_for_workers` reserves a run's resources (a placement group); while the autoscaler adds nodes it keeps
+  waiting, and ``ray.resources_timeout_s`` after the last node on its way a busy cluster, or one that cannot hold the
+  run, ends in a :class:`ClusterError` naming the wait, never a silent hang.
 
 Ray's console: the stages print their own progress lines and real errors; Ray's internal chatter stays in Ray's
 log files (``<Ray temp dir>/session_*/logs``, ``/tmp/ray`` unless ``RAY_TMPDIR``; Ray Train's own under ``logs/train``),
-through Ray's own settings only (:data:`RAY_CONSOLE_ENV`, :func:`train_logging`, ``RAY_AUTH_MODE`` set as Ray would).
+through Ray's settings: the job's logging config (:func:`ray_logging`), Ray Train's (:func:`train_logging`), and what
+the ``transfusion`` command sets before it imports Ray (:func:`ray_env`: the filter :data:`CONSOLE_SKIP` for what no
+setting reaches, Tune's output engine, ``RAY_AUTH_MODE`` as Ray would set it).
 """
 
 from __future__ import annotations
@@ -29,50 +31,43 @@ from urllib.parse import urlsplit
 
 from pipeline.config.base import ParamsError
 from pipeline.config.params import Params
+from pipeline.runs.ray_undocumented import pending_nodes
+from pipeline.runs.resources import KINDS
 
 if TYPE_CHECKING:
+    import ray
     import ray.train
 
-    from pipeline.runs.resources import NodeType
+    from pipeline.runs.resources import TrialShape
 
-# Ray settings for a quiet console, defaults only (a user's own value wins). Set when this module is imported, because
-# Ray reads some when `ray` is first imported (every stage imports this module before Ray).
-RAY_CONSOLE_ENV = {
-    # Lines of Ray's C++ core (``[date time E pid tid] core_worker.cc:N: ...``, levels D/I/W/E; F = fatal still
-    # shows) that Ray forwards from its worker processes to the driver, e.g. Ray Train's controller warning that its
-    # PreemptionWatcher actor "has constructor arguments in the object store". They stay in the process's
-    # ``worker-*.err`` and ``python-core-worker-*.log``; errors reach the user as Python exceptions anyway.
-    # Also Ray Train's placement-group cleaner, which removes the workers' bundles of a run whose trial ended (ASHA
-    # stopped it, or a Ctrl-C): "Detected that the Ray Train controller actor (...) is dead. Cleaning up placement
-    # group ...", and "Failed to query Ray Train Controller actor state ..." while Ray shuts down.
-    "RAY_DEDUP_LOGS_SKIP_REGEX": r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d+ [DIWE] \d+ \d+\] \S+\.(cc|h):\d+: "
-                                 r"|^Detected that the Ray Train controller actor \(\w+\) is dead\. Cleaning up "
-                                 r"|^Failed to query Ray Train Controller actor state\. "
-                                 # the raylet, when trials start their worker processes at once (several per CPU):
-                                 # Ray's hint about its start-up concurrency, not a fault of the run
-                                 r"|^WARNING: \d+ PYTHON worker processes have been started on node"
-                                 # the native dump of a worker that dies by a signal: Ray's failure-signal handler
-                                 # ("*** SIGABRT received at time=... ***" and its "@ 0x..." frames) and Python's
-                                 # faulthandler ("Fatal Python error: Aborted", "Stack/Thread ... (most recent call
-                                 # first):", frames '  File "...", line N in f' (a traceback's have ", in"),
-                                 # "Extension modules: ..."), C++'s "terminate called ...". ASHA stopping a
-                                 # multi-worker trial kills its workers inside a collective (~60 lines each). It stays
-                                 # in the worker's ``worker-*.err``; a run that fails by it still ends in an error.
-                                 r"|^\*\*\* SIG[A-Z]+ received at time=|^PC: @ +0x[0-9a-f]+ |^ +@ +0x[0-9a-f]+ "
-                                 r"|^Fatal Python error: |^(Stack|(Current thread|Thread) 0x[0-9a-f]+) \(most recent "
-                                 r"call first\):|^  File \".*\", line \d+ in |^Extension modules: "
-                                 r"|^terminate called |^  what\(\): "
-                                 # Ray's C++ terminate handler's backtrace, glibc's format: "/lib/libc.so.6(+0x91500)
-                                 # [0x7fe7f0aaf500] symbol" (printed by workers of ASHA-stopped multi-worker trials)
-                                 r"|^ ?/\S+\([^)]*\) \[0x[0-9a-f]+\]"
-                                 # Abseil's raw log of Ray's native mutexes, which a process killed at shutdown (Ray
-                                 # Train's placement-group cleaner) may print: "[mutex.cc : 452] RAW: Lock blocking ..."
-                                 r"|^\[\w+\.(cc|h) : \d+\] RAW: "
-                                 r"|^\s*$",  # and the blank lines between its parts (a blank line of a worker's)
-    # Ray Tune's output engine: the default one prints an experiment box, the results path and a TensorBoard hint even
-    # at ``verbose=0``; the legacy one is silent at ``verbose=0`` (the sweep prints its own lines per trial event).
-    "RAY_AIR_NEW_OUTPUT": "0",
-}
+
+#: What no Ray setting keeps off the console, as the filter Ray's driver applies to each line a worker prints before
+#: it forwards it (:data:`CONSOLE_SKIP` in ``RAY_DEDUP_LOGS_SKIP_REGEX``; Ray reads it when ``ray`` is imported). Each
+#: pattern is tested with the line it hides (tests/runs/test_console_filter.py); docs/cluster.md says why no setting
+#: reaches it.
+CONSOLE_SKIP_PATTERNS = (
+    # Ray's C++ core logs ERROR and above to the process's stderr as well as to its log file ("[date time E pid tid]
+    # core_worker.cc:N: ..."); its only knob, RAY_BACKEND_LOG_LEVEL, would take them out of python-core-worker-*.log too
+    r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d+ [DIWE] \d+ \d+\] \S+\.(cc|h):\d+: ",
+    # the raylet, when trials start their worker processes at once (several per CPU): its hint about its start-up
+    # concurrency, whose threshold is the start-up concurrency itself (raising it would start more processes at once)
+    r"^WARNING: \d+ PYTHON worker processes have been started on node",
+    # the native dump of a worker that dies by a signal (ASHA stopping a multi-worker trial kills its workers inside a
+    # collective: ~60 lines each): Ray's failure-signal handler ("*** SIGABRT received at time=... ***", its "@ 0x..."
+    # frames), Python's faulthandler, which Ray enables in every worker ("Fatal Python error: Aborted", "Stack/Thread
+    # ... (most recent call first):", frames '  File "...", line N in f' (a traceback's have ", in"), "Extension
+    # modules: ..."), C++'s "terminate called ..." and Ray's terminate handler's backtrace in glibc's format
+    # ("/lib/libc.so.6(+0x91500) [0x7fe7f0aaf500] symbol"). It stays in the worker's ``worker-*.err``; a run that fails
+    # by it still ends in an error.
+    r"^\*\*\* SIG[A-Z]+ received at time=", r"^PC: @ +0x[0-9a-f]+ ", r"^ +@ +0x[0-9a-f]+ ",
+    r"^Fatal Python error: ", r"^(Stack|(Current thread|Thread) 0x[0-9a-f]+) \(most recent call first\):",
+    r"^  File \".*\", line \d+ in ", r"^Extension modules: ", r"^terminate called ", r"^  what\(\): ",
+    r"^ ?/\S+\([^)]*\) \[0x[0-9a-f]+\]",
+    # Abseil's raw log of Ray's native mutexes, which a process killed at shutdown may print: "[mutex.cc : 452] RAW:"
+    r"^\[\w+\.(cc|h) : \d+\] RAW: ",
+    r"^\s*$",  # and the blank lines between the parts of a dump
+)
+CONSOLE_SKIP = "|".join(CONSOLE_SKIP_PATTERNS)
 
 
 def _token_available() -> bool:
@@ -101,22 +96,41 @@ def _auth_mode_default() -> str | None:
     return None
 
 
-for _key, _value in RAY_CONSOLE_ENV.items():
-    os.environ.setdefault(_key, _value)
-if not sys.stdout.isatty():  # a log file or a pipe: the "(RayTrainWorker pid=...)" prefix without colour codes
-    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-if "ray._raylet" not in sys.modules:  # Ray reads the mode at import; set later, the driver and Ray's processes disagree
-    _mode = _auth_mode_default()
-    if _mode:
-        os.environ["RAY_AUTH_MODE"] = _mode
+def ray_env() -> dict[str, str]:
+    """The environment settings Ray reads when ``ray`` is imported, for a program that is about to import it (the
+    ``transfusion`` command does, before it imports a stage): :data:`CONSOLE_SKIP`; ``RAY_AIR_NEW_OUTPUT=0`` (Tune's
+    default output engine prints an experiment box, the results path and a TensorBoard hint even at ``verbose=0``;
+    the legacy one is silent there, and the jobs print their own line per trial event); and ``RAY_AUTH_MODE`` as Ray
+    would choose it (:func:`_auth_mode_default`). Only defaults: a variable the user set is left out."""
+    env = {"RAY_DEDUP_LOGS_SKIP_REGEX": CONSOLE_SKIP, "RAY_AIR_NEW_OUTPUT": "0"}
+    mode = _auth_mode_default()
+    if mode and "ray._raylet" not in sys.modules:  # set once Ray is loaded, the driver and Ray's processes disagree
+        env["RAY_AUTH_MODE"] = mode
+    return {k: v for k, v in env.items() if k not in os.environ}
+
+
+#: The level of Ray's own Python loggers (``ray``, and the root logger) in every process of a job the stages start
+#: (``ray.init(logging_config=...)``): their warnings are not printed, e.g. Ray Train's placement-group cleaner's
+#: ("Detected that the Ray Train controller actor (...) is dead. Cleaning up placement group ...", whenever a trial
+#: ends by ASHA or Ctrl-C; "Failed to query Ray Train Controller actor state" while Ray shuts down). Ray Train's
+#: controller and workers configure their own loggers and keep every level in ``logs/train/ray-train-sys-*.log``. With
+#: a job logging config Ray also drops its "(pid=...)" prefix from the lines it forwards: the stages' progress lines
+#: come as they were printed.
+RAY_LOG_LEVEL = "ERROR"
 
 #: Ray Train's own log level for its ``ray.train`` logs on the console and in ``logs/train/ray-train-app-*.log``; every
 #: level still goes to ``logs/train/ray-train-sys-*.log`` in Ray's session dir. INFO is the controller's chatter
-#: ("Requesting resources", "Started training worker group", ...); its WARNINGs are about Ray Train's own internals
-#: (e.g. "Failed to send resource request ... safe to ignore", with a traceback, whenever the 2-core machine is busy
-#: for 5 s; "... is being ignored to preserve the original error"). ERROR stays: a worker's "Error in training
-#: function" traceback, and failures reach the driver as exceptions anyway.
+#: ("Requesting resources", "Started training worker group", ...; a worker's "Reporting training result ..." per
+#: report); its WARNINGs are about Ray Train's own internals (e.g. "Failed to send resource request ... safe to ignore",
+#: with a traceback, whenever the 2-core machine is busy for 5 s). ERROR stays for pretraining: a worker's "Error in
+#: training function" traceback.
 TRAIN_CONSOLE_LEVEL = "ERROR"
+
+#: The same for the Ray Train run of a Tune trial: its controller's errors too stay in the logs. A trial stopped by
+#: Ctrl-C or ASHA is torn down while its controller may be passing a report to Tune, which then fails ("Error in
+#: control loop iteration: The actor died unexpectedly ... _QueueActor", 40 lines of traceback); a trial that really
+#: fails gets its one-line reason from the job's tracker, its traceback in Tune's ``error.txt``.
+TRIAL_CONSOLE_LEVEL = "CRITICAL"
 
 
 class ClusterError(RuntimeError):
@@ -153,12 +167,19 @@ def _probe(host: str, port: int, timeout: float) -> None:
             time.sleep(0.5)
 
 
-def train_logging() -> ray.train.LoggingConfig:
-    """Ray Train's logging for every Train run of the stages (``RunConfig(logging_config=...)``): errors on the
-    console, everything in Ray's session logs (:data:`TRAIN_CONSOLE_LEVEL`)."""
+def train_logging(level: str = TRAIN_CONSOLE_LEVEL) -> ray.train.LoggingConfig:
+    """Ray Train's logging for a Train run of the stages (``RunConfig(logging_config=...)``): ``level`` and above on
+    the console, everything in Ray's session logs (:data:`TRAIN_CONSOLE_LEVEL`, :data:`TRIAL_CONSOLE_LEVEL`)."""
     import ray.train
 
-    return ray.train.LoggingConfig(log_level=TRAIN_CONSOLE_LEVEL)
+    return ray.train.LoggingConfig(log_level=level)
+
+
+def ray_logging() -> ray.LoggingConfig:
+    """The job's logging config (:data:`RAY_LOG_LEVEL`) for every ``ray.init`` of the stages."""
+    import ray
+
+    return ray.LoggingConfig(log_level=RAY_LOG_LEVEL)
 
 
 def _auth_refused(exc: BaseException) -> bool:
@@ -238,7 +259,8 @@ def init_ray(params: Params) -> None:
             address = "local"
     try:
         with _local_gcs_port(address) as extra:
-            ray.init(address=address, log_to_driver=True, configure_logging=False, **extra)
+            ray.init(address=address, log_to_driver=True, configure_logging=False, logging_config=ray_logging(),
+                     **extra)
     except AuthenticationError:  # token mode without a token (Ray's own check, before connecting)
         raise _auth_error(address) from None
     except ConnectionError as exc:  # e.g. "auto" with no cluster running, or a token the cluster refused
@@ -272,100 +294,69 @@ def _local_gcs_port(address: str | None) -> Iterator[dict[str, Any]]:
         os.environ.pop("RAY_GCS_SERVER_PORT", None)
 
 
-def local_nodes() -> list[NodeType]:
+def local_nodes() -> list[dict[str, float]]:
     """The one node a local Ray would start on (no ``ray.address`` / ``RAY_ADDRESS``): this machine's usable CPUs
     and CUDA GPUs, known before Ray starts (Ray may count fewer CPUs under a cgroup quota; the check after start
     uses Ray's own count)."""
     import torch
 
     from pipeline.host import usable_cpus
-    from pipeline.runs.resources import NodeType
 
-    return [NodeType("local", {"CPU": float(usable_cpus()), "GPU": float(torch.cuda.device_count())}, 1)]
+    return [{"CPU": float(usable_cpus()), "GPU": float(torch.cuda.device_count())}]
 
 
-def cluster_gpus(nodes: list[NodeType] | None = None) -> float:
-    """GPUs the cluster (default: the connected Ray cluster) has now or can reach (autoscaler); 0 on a CPU-only
-    cluster."""
-    from pipeline.runs.resources import cluster_from_ray
+def live_nodes() -> list[dict[str, float]]:
+    """The connected Ray's alive nodes, each as its CPUs and GPUs (``ray.nodes()``)."""
+    import ray
 
-    return sum(n.get("GPU") * n.max_count for n in (cluster_from_ray() if nodes is None else nodes))
+    return [{k: float(n["Resources"].get(k, 0.0)) for k in KINDS} for n in ray.nodes() if n.get("Alive")]
 
 
 def use_gpu(params: Params, gpus: float) -> bool:
-    """Train on GPUs when asked (``ray.use_gpu``, ``train.device: cuda``), or when the cluster has GPUs and
-    ``train.device: auto``. Decided from the cluster, not from the driver's node."""
+    """Train on GPUs when asked (``ray.use_gpu``, ``train.device: cuda``), or when the cluster has GPUs (``gpus``)
+    and ``train.device: auto``. Decided from the cluster, not from the driver's node."""
     if params.train.device == "cpu":
         return False
     return params.ray.use_gpu or params.train.device == "cuda" or gpus > 0
 
 
-def check_request(params: Params, *, gpu: bool, cpus_per_worker: float | None = None, trial_cpu: float = 0.0,
-                  what: str = "pretraining", nodes: list[NodeType] | None = None) -> None:
-    """Raise :class:`ParamsError` if ``ray.num_workers`` workers (plus a trial's own bundle) can never fit on
-    ``nodes`` (default: the connected cluster at the largest size it can reach)."""
-    from pipeline.runs.resources import cluster_from_ray, infeasible
+def _shape(params: Params, gpu: bool, cpus_per_worker: float | None, trial_cpu: float) -> TrialShape:
+    from pipeline.runs.resources import TrialShape
 
-    reason = infeasible(cluster_from_ray() if nodes is None else nodes, num_workers=params.ray.num_workers,
-                        cpus_per_worker=cpus_per_worker or params.ray.cpus_per_worker, gpu=gpu,
-                        trial_cpu=trial_cpu, what=what)
+    return TrialShape(params.ray.num_workers, cpus_per_worker or params.ray.cpus_per_worker, gpu, trial_cpu)
+
+
+def check_request(params: Params, nodes: list[dict[str, float]], *, gpu: bool, cpus_per_worker: float | None = None,
+                  trial_cpu: float = 0.0, what: str = "pretraining") -> None:
+    """Raise :class:`ParamsError` if ``ray.num_workers`` workers (plus a trial's own bundle) can never fit on
+    ``nodes``, all the nodes there will be."""
+    from pipeline.runs.resources import infeasible
+
+    reason = infeasible(nodes, _shape(params, gpu, cpus_per_worker, trial_cpu), what=what)
     if reason:
         raise ParamsError(reason)
 
 
-AUTOSCALER_REPORT_STALE_S = 60.0  # an autoscaler report older than this is a monitor that stopped, not news
+def wait_for_workers(params: Params, *, gpu: bool, cpus_per_worker: float | None = None, trial_cpu: float = 0.0,
+                     pending=pending_nodes, poll_s: float = 10.0, say=sys.stdout.write) -> None:
+    """Reserve one run's bundles (``ray.num_workers`` workers, plus a trial's own ``trial_cpu``), then release them
+    for Ray Train and Tune; give up ``ray.resources_timeout_s`` after the autoscaler last had a node on its way
+    (:func:`pipeline.runs.ray_undocumented.pending_nodes`).
 
-
-def pending_in_report(status: dict[str, Any], now: float) -> int:
-    """The nodes an autoscaler (v1, the cluster launcher's default) is launching or booting, from the status it
-    writes to Ray's internal KV (``__autoscaling_status``, what ``ray status`` prints); 0 without a report or with
-    one older than :data:`AUTOSCALER_REPORT_STALE_S`."""
-    report = status.get("autoscaler_report")
-    if not report or now - float(status.get("time", 0.0)) > AUTOSCALER_REPORT_STALE_S:
-        return 0
-    return len(report.get("pending_nodes") or []) + sum((report.get("pending_launches") or {}).values())
-
-
-def pending_nodes() -> int:
-    """How many nodes the cluster's autoscaler is adding right now (launch requested, or booting and not yet in the
-    cluster): autoscaler v2's cluster status, else v1's report (:func:`pending_in_report`). 0 for a cluster without
-    an autoscaler (a local Ray, ``ray start`` by hand) or when the autoscaler cannot be asked."""
-    import json
-
-    import ray
-
-    try:
-        from ray.autoscaler.v2.utils import is_autoscaler_v2
-
-        if is_autoscaler_v2():
-            from ray.autoscaler.v2.sdk import get_cluster_status
-
-            status = get_cluster_status(ray.get_runtime_context().gcs_address)
-            return sum(r.count for r in status.pending_launches) + len(status.pending_nodes)
-        from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
-        from ray.experimental.internal_kv import _internal_kv_get
-
-        raw = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
-        return pending_in_report(json.loads(raw), time.time()) if raw else 0
-    except Exception:  # noqa: BLE001 -- an autoscaler we cannot read is one that adds nothing we can wait for
-        return 0
-
-
-def wait_for_workers(params: Params, *, gpu: bool, pending=pending_nodes, poll_s: float = 10.0,
-                     say=sys.stdout.write) -> None:
-    """Reserve the workers' bundles, then release them for Ray Train; give up ``ray.resources_timeout_s`` after the
-    autoscaler last had a node on its way (:func:`pending_nodes`).
-
-    Ray Train V2 waits for a worker group's resources and retries the wait forever; this puts a bound on it that
-    knows about autoscaling: while nodes are launching or booting (a cold cluster: instances boot, mount the shared
-    storage, install the project) the wait goes on, with a progress line a minute; with nothing on its way, it
-    ends after ``ray.resources_timeout_s`` in a :class:`ClusterError` naming the wait, never a silent hang.
+    Ray Train V2 waits for a worker group's resources and retries the wait forever (so does a Tune trial's Train
+    run); this puts a bound on it that knows about autoscaling: while nodes are launching or booting (a cold cluster:
+    instances boot, mount the shared storage, install the project) the wait goes on, with a progress line a minute;
+    with nothing on its way, it ends after ``ray.resources_timeout_s`` in a :class:`ClusterError` naming the wait,
+    never a silent hang. A request that a cluster's nodes can never hold ends the same way.
     """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    bundle: dict[str, Any] = {"CPU": params.ray.cpus_per_worker, **({"GPU": 1} if gpu else {})}
-    group = placement_group([bundle] * params.ray.num_workers, strategy="PACK")
+    shape = _shape(params, gpu, cpus_per_worker, trial_cpu)
+    bundle: dict[str, Any] = {"CPU": shape.cpus_per_worker, **({"GPU": 1} if gpu else {})}
+    what = f"{params.ray.num_workers} worker(s) of {bundle}" + (f" and a trial's {{'CPU': {trial_cpu:g}}}"
+                                                                  if trial_cpu else "")
+    group = placement_group(shape.bundles(), strategy="PACK")
     timeout = params.ray.resources_timeout_s
     start = last_pending = time.monotonic()
     told = -float("inf")  # the first line at once, then one a minute
@@ -377,16 +368,16 @@ def wait_for_workers(params: Params, *, gpu: bool, pending=pending_nodes, poll_s
                 last_pending = now
                 if now - told >= 60.0:
                     told = now
-                    say(f"[ray] waiting for {params.ray.num_workers} worker(s) of {bundle}: the autoscaler is adding "
-                        f"{coming} node(s) ({now - start:.0f} s so far)\n")
+                    say(f"[ray] waiting for {what}: the autoscaler is adding {coming} node(s) ({now - start:.0f} s so "
+                        "far)\n")
             elif now >= last_pending + timeout:
                 free = ray.available_resources()
-                have = ", ".join(f"{free.get(k, 0):g} {k}" for k in ("CPU", "GPU"))
+                have = ", ".join(f"{free.get(k, 0):g} {k}" for k in KINDS)
                 raise ClusterError(
-                    f"waited {now - start:.0f} s for {params.ray.num_workers} worker(s) of {bundle} (ray.num_workers, "
-                    f"ray.cpus_per_worker, ray.use_gpu), {timeout:g} s (ray.resources_timeout_s) of them with no node "
-                    f"on its way, and the cluster never had them free (free now: {have}); wait for other jobs to "
-                    "finish, raise ray.resources_timeout_s, or ask for fewer resources")
+                    f"waited {now - start:.0f} s for {what} (ray.num_workers, {shape.cpu_key}, ray.use_gpu), "
+                    f"{timeout:g} s (ray.resources_timeout_s) of them with no node on its way, and the cluster never "
+                    f"had them free (free now: {have}); wait for other jobs to finish, raise ray.resources_timeout_s, "
+                    "or ask for fewer resources")
     finally:
         remove_placement_group(group)
 
@@ -401,30 +392,34 @@ def ray_up() -> bool:
 
 
 def connect(params: Params, root: Any = None, *, tracking: bool = True, cpus_per_worker: float | None = None,
-            trial_cpu: float = 0.0, what: str = "pretraining") -> tuple[bool, list[NodeType]]:
+            trial_cpu: float = 0.0, what: str = "pretraining") -> tuple[bool, dict[str, float]]:
     """What every Ray stage does first, cheapest check first; returns whether the workers train on GPUs, and the
-    cluster's node types as checked (read once: callers size their concurrency from them).
+    cluster's resources now (``ray.cluster_resources()``: callers size their concurrency from them).
 
     1. the tracking store (``root``'s, or ``MLFLOW_TRACKING_URI``) answers and is sound, before Ray starts;
     2. for a local Ray, the request fits this machine (exit 2 before Ray starts);
     3. connect (bounded by ``ray.connect_timeout_s``);
-    4. the request fits the cluster at the largest size it can reach (exit 2).
+    4. for a local Ray, also one this process runs already (a rehearsal's, declaring GPUs), the request fits its
+       nodes (exit 2). A cluster (an address) may still grow: what it cannot hold ends in :func:`wait_for_workers`'s
+       bounded wait, and Ray Train refuses a worker group beyond the maximum an autoscaler publishes.
     """
     if tracking:
         from pipeline.runs.tracking import check_reachable, tracking_uri
 
         check_reachable(tracking_uri(root))
     request = {"cpus_per_worker": cpus_per_worker, "trial_cpu": trial_cpu, "what": what}
-    if address_of(params) is None and not ray_up():  # a Ray this process already runs is checked below, as it is
-        local = local_nodes()
-        check_request(params, gpu=use_gpu(params, cluster_gpus(local)), nodes=local, **request)
+    local = address_of(params) is None
+    if local and not ray_up():  # a Ray this process already runs is checked below, as it is
+        nodes = local_nodes()
+        check_request(params, nodes, gpu=use_gpu(params, sum(n["GPU"] for n in nodes)), **request)
     init_ray(params)
-    from pipeline.runs.resources import cluster_from_ray
+    import ray
 
-    nodes = cluster_from_ray()
-    gpu = use_gpu(params, cluster_gpus(nodes))
-    check_request(params, gpu=gpu, nodes=nodes, **request)
-    return gpu, nodes
+    totals = {k: float(v) for k, v in ray.cluster_resources().items()}
+    gpu = use_gpu(params, totals.get("GPU", 0.0))
+    if local:
+        check_request(params, live_nodes(), gpu=gpu, **request)
+    return gpu, totals
 
 
 def start_local_ray(num_gpus: int = 0, **init: Any) -> None:
@@ -444,4 +439,4 @@ def start_local_ray(num_gpus: int = 0, **init: Any) -> None:
         return
     with _local_gcs_port(None) as extra:
         ray.init(**{"num_cpus": usable_cpus(), "num_gpus": num_gpus, "log_to_driver": True,
-                    "configure_logging": False, **init, **extra})
+                    "configure_logging": False, "logging_config": ray_logging(), **init, **extra})

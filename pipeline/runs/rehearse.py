@@ -13,7 +13,9 @@ control key as the file ships it and changes only the keys of :data:`SIZE_KEYS`,
 - ``ray.num_workers``: at most the shipped count and at least ``min(shipped, 2)`` (several workers stay several);
 - CPUs per worker: anything (fractional, so that the workers fit this machine);
 - the storage path; GPUs: ``ray.use_gpu: false`` when the rehearsal declares none, ``ray.backend: gloo`` when it
-  declares some (a node that declares GPUs it does not have trains on its CPU, scheduled as on GPUs).
+  declares some (a node that declares GPUs it does not have trains on its CPU, scheduled as on GPUs);
+- trials at once (``sweep.max_concurrent_trials``, ``tables.max_concurrent_trials``: the cluster's size): null, what
+  this machine's Ray holds, or any count.
 
 :func:`plan` turns a params file and overrides into the shrunk params (defaults from :func:`default_sizes`), or a
 :class:`RehearsalError` naming the key and its rule (exit 2). ``transfusion rehearse`` (``stages/rehearse.py``) runs
@@ -51,6 +53,7 @@ SIZE_KEYS: dict[str, str] = {
     "ray.cpus_per_worker": "cpus", "sweep.cpus_per_worker": "cpus",
     "ray.storage_path": "storage",
     "ray.use_gpu": "gpus", "ray.backend": "gpus",
+    "sweep.max_concurrent_trials": "concurrency", "tables.max_concurrent_trials": "concurrency",
     # the set-clustering study (a file with a `sets` section only): its lengths, counts and widths
     "sets.steps": "sets", "sets.batch_sets": "sets", "sets.test_sets": "sets", "sets.rbf_select_sets": "sets",
     "sets.width": "width", "sets.omniglot_size": "sets",
@@ -140,6 +143,9 @@ def default_sizes(shipped: dict[str, Any], cpus: int, gpus: int = 0) -> dict[str
     for key in ("ray.cpus_per_worker", "sweep.cpus_per_worker"):
         shipped_cpus = get(shipped, key)
         sizes[key] = min(float(shipped_cpus), each) if shipped_cpus is not None else each
+    for key in ("sweep.max_concurrent_trials", "tables.max_concurrent_trials"):
+        if get(shipped, key) is not None:  # sized for the file's cluster: here, what this machine's Ray holds
+            sizes[key] = None
     if gpus > 0:
         sizes["ray.backend"] = "gloo"
     else:

@@ -9,8 +9,8 @@ gets the same per-epoch metrics (online kNN accuracy, loss, measured view noise 
 (optional) stops the hopeless trials early.
 
 Resources: a trial holds ``TRIAL_CPU`` and its workers ``ray.num_workers × sweep.cpus_per_worker``;
-``max_concurrent_trials`` follows from packing trials onto the cluster's nodes unless ``sweep.max_concurrent_trials``
-is set (``pipeline.runs.tune.max_concurrent``).
+``max_concurrent_trials`` is ``sweep.max_concurrent_trials``, else what the cluster's limiting resource holds
+(``pipeline.runs.tune.max_concurrent``).
 
 Tracking and progress come from one driver-side Tune callback (:class:`SweepTracker`): a progress line per
 trial event, and MLflow written live from the driver only (one parent run per sweep, a child per trial with its
@@ -34,7 +34,7 @@ from pipeline.config.base import ParamsError, flatten
 from pipeline.config.params import Params
 from pipeline.evaluation.health import dead_blocks, is_health_key, unflat
 from pipeline.runs import tracking as trk
-from pipeline.runs.cluster import connect
+from pipeline.runs.cluster import connect, wait_for_workers
 from pipeline.runs.storage import check_storage, join, read_placement, stage_prepared
 from pipeline.runs.train import (
     WORKERS_FILE,
@@ -187,8 +187,9 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     check_points(params, manifest.get("n_train"))
     check_storage(storage)
     s = params.sweep
-    gpu, nodes = connect(params, root, tracking=tracking, cpus_per_worker=s.cpus_per_worker, trial_cpu=TRIAL_CPU,
-                         what="a sweep trial")
+    gpu, totals = connect(params, root, tracking=tracking, cpus_per_worker=s.cpus_per_worker, trial_cpu=TRIAL_CPU,
+                          what="a sweep trial")
+    wait_for_workers(params, gpu=gpu, cpus_per_worker=s.cpus_per_worker, trial_cpu=TRIAL_CPU)
     uri = exp = parent = None
     if tracking:  # the parent run only once the cluster can serve the sweep
         uri, exp, parent = mlflow_run(root, name, stage="sweep", title=parent_title(params),
@@ -204,7 +205,7 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     trainer = trainable(_trial, job, trial_placement(trial_params(base, {}), gpu))
     tracker = SweepTracker(s.epochs, uri, exp, parent)
     n = len(grid_points(params)) if s.search == "grid" else samples
-    concurrent = max_concurrent(params, nodes, gpu, n)
+    concurrent = max_concurrent(params, totals, gpu, n)
     announce = (f"[sweep] {name}: {n} trials ({s.search}), {s.epochs} epochs each, up to {concurrent} at a time"
                 + (", ASHA early stopping" if s.asha else ""))
     grid, resumed, seconds = tune_job(trainer, space, name=name, storage=storage, tracker=tracker,

@@ -284,7 +284,7 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     Raises :class:`ParamsError` for bad rows (before Ray and tracking) and :class:`pipeline.runs.tune.SweepError` if the
     job was interrupted or every row failed.
     """
-    from pipeline.runs.cluster import connect
+    from pipeline.runs.cluster import connect, wait_for_workers
     from pipeline.runs.storage import check_storage, stage_prepared
     from pipeline.runs.train import load_callbacks, mlflow_run, storage_location
 
@@ -294,7 +294,8 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     name = job_name(params, manifest)
     storage = storage_location(params, root)
     check_storage(storage)
-    gpu, nodes = connect(params, root, tracking=tracking, trial_cpu=TRIAL_CPU, what="a tables row")
+    gpu, totals = connect(params, root, tracking=tracking, trial_cpu=TRIAL_CPU, what="a tables row")
+    wait_for_workers(params, gpu=gpu, trial_cpu=TRIAL_CPU)
     uri = exp = parent = None
     if tracking:  # the parent run only once the cluster can serve the job
         logged = {**{k: v for k, v in flatten(params).items() if k.split(".")[0] in ("model", "loss", "augment",
@@ -310,7 +311,7 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     trainer = trainable(_row_trial, job,  # a row's workers may differ from the base's: its own placement
                         lambda config: trial_placement(trial_params(base, config["row"]["params"]), gpu))
     tracker = TablesTracker(params.train.epochs, uri, exp, parent, unit=unit)
-    concurrent = max_concurrent(as_sweep(params), nodes, gpu, len(rows))
+    concurrent = max_concurrent(as_sweep(params), totals, gpu, len(rows))
     announce = (f"[tables] {name}: {len(rows)} rows (table 1: {sum(r.table == 1 for r in rows)}, table 2: "
                 f"{sum(r.table == 2 for r in rows)}), up to {concurrent} at a time, {'GPU' if gpu else 'CPU'} workers")
     # no scheduler: results need not carry knn_acc (train.knn_every), and one-worker rows may reuse a process

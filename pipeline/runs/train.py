@@ -39,7 +39,7 @@ from pipeline.data.prepared import load_prepared, prepared_nbytes
 from pipeline.evaluation.health import KERNEL, is_health_key, unflat
 from pipeline.io import load_torch
 from pipeline.runs import tracking as trk
-from pipeline.runs.cluster import connect, train_logging, wait_for_workers
+from pipeline.runs.cluster import TRAIN_CONSOLE_LEVEL, connect, train_logging, wait_for_workers
 from pipeline.runs.storage import (
     check_storage,
     clear_status,
@@ -337,14 +337,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    # Ray Train V2 logs every report at INFO and tees print() twice; keep the console to our progress lines
+    # Ray Train V2 logs every report at INFO and tees print() twice; keep the console to our progress lines. Its
+    # per-report line ("Reporting training result ...") comes from a logger named after its file's path, which
+    # propagates to the root logger, set to INFO in Ray Train's workers: WARNING and above from it
     logging.getLogger("ray.train").setLevel(logging.WARNING)
-    try:  # the per-report line comes from a logger named after its file
-        from ray.train.v2._internal.execution import context as _ctx
-
-        _ctx.logger.setLevel(logging.WARNING)
-    except (ImportError, AttributeError):
-        pass
+    logging.getLogger().setLevel(logging.WARNING)
     spec: WorkerSpec = config["spec"]
     ctx = ray.train.get_context()
     device = worker_device(spec.use_gpu, spec.params["ray"]["backend"])
@@ -479,11 +476,12 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
                           n_classes=len(data.classes), fit_started=fit_started, fit_seconds=fit_seconds)
 
 
-def fit_run(spec: WorkerSpec, params: Params, callbacks: list[Any], keep: int,
-            max_failures: int = 0) -> tuple[dict[str, Any] | None, str | None]:
+def fit_run(spec: WorkerSpec, params: Params, callbacks: list[Any], keep: int, max_failures: int = 0,
+            console_level: str = TRAIN_CONSOLE_LEVEL) -> tuple[dict[str, Any] | None, str | None]:
     """Ray Train's run of ``spec``'s workers (``params.ray``: how many, their CPUs, the backend) with the Ray Train
-    ``callbacks``, keeping ``keep`` checkpoints, restarting a failed worker group ``max_failures`` times. Returns the
-    state in its final checkpoint and where that is (None, None without one)."""
+    ``callbacks``, keeping ``keep`` checkpoints, restarting a failed worker group ``max_failures`` times, Ray Train's
+    console at ``console_level`` (a trial's: ``pipeline.runs.cluster.TRIAL_CONSOLE_LEVEL``). Returns
+    the state in its final checkpoint and where that is (None, None without one)."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -499,7 +497,7 @@ def fit_run(spec: WorkerSpec, params: Params, callbacks: list[Any], keep: int,
         run_config=ray.train.RunConfig(name=spec.name, storage_path=spec.storage, callbacks=callbacks,
                                        failure_config=ray.train.FailureConfig(max_failures=max_failures),
                                        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
-                                       logging_config=train_logging()),
+                                       logging_config=train_logging(console_level)),
     ).fit()
     if result.checkpoint is None:
         return None, None

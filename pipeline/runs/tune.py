@@ -9,7 +9,7 @@ tables (``pipeline.runs.tables``): a library both use, knowing neither.
   ``TuneReportCallback`` passes rank 0's metrics to Tune. A diverged trial raises ``TrialFailed``, and
   ``pipeline.runs.train.error_reason`` is the one line a failed trial's row and MLflow run show.
 - **Resources**: a trial holds ``TRIAL_CPU`` and its workers' bundles (:func:`trial_placement`); :func:`max_concurrent`
-  packs trials onto the cluster's nodes at the largest size its autoscaler can reach (CPUs and GPUs).
+  starts as many at once as the cluster's limiting resource holds; Tune and Ray Train hold the rest pending.
 - **Tracking and progress**: :class:`TrialTracker`, the driver-side Tune callback each job subclasses: a line per
   trial event, MLflow from the driver only (the job's ``pipeline.runs.train.mlflow_run``, a child per trial), so
   trials never contend for the sqlite store.
@@ -34,7 +34,8 @@ from ray import tune
 
 from pipeline.config.params import Params, validate_params
 from pipeline.runs import tracking as trk
-from pipeline.runs.resources import NodeType, TrialShape, trials_at_once
+from pipeline.runs.cluster import TRIAL_CONSOLE_LEVEL
+from pipeline.runs.resources import TrialShape, trials_at_once
 from pipeline.runs.storage import clear_status, is_uri, join
 from pipeline.runs.train import (
     HISTORY_FILE,
@@ -83,15 +84,15 @@ def describe(point: dict[str, Any]) -> str:
     return ", ".join(f"{k.split('.')[-1]} {v}" for k, v in point.items())
 
 
-def max_concurrent(params: Params, nodes: list[NodeType], gpu: bool, n_trials: int) -> int:
-    """``sweep.max_concurrent_trials`` if set, else as many trials as the cluster holds at the largest size its
-    autoscaler can reach, packing each trial's bundles (its own ``TRIAL_CPU``, ``ray.num_workers`` workers of
-    ``sweep.cpus_per_worker`` CPUs and a GPU each when training on GPUs) onto the nodes: the minimum over CPUs and
-    GPUs, never more than the trials there are, at least 1 (Tune queues the rest while the cluster scales up)."""
+def max_concurrent(params: Params, totals: dict[str, float], gpu: bool, n_trials: int) -> int:
+    """``sweep.max_concurrent_trials`` if set, else as many trials as the cluster's resources now (``totals``) hold
+    by their limiting resource (``pipeline.runs.resources.trials_at_once``: a trial's ``TRIAL_CPU`` and its
+    ``ray.num_workers`` workers of ``sweep.cpus_per_worker`` CPUs and a GPU each when training on GPUs), never more than
+    the trials there are, at least 1. Set it on a cluster that autoscales: it grows for the trials Tune starts."""
     if params.sweep.max_concurrent_trials is not None:
         return params.sweep.max_concurrent_trials
     shape = TrialShape(params.ray.num_workers, params.sweep.cpus_per_worker, gpu, TRIAL_CPU)
-    return max(1, trials_at_once(nodes, shape, cap=max(1, n_trials)))
+    return trials_at_once(totals, shape, cap=max(1, n_trials))
 
 
 def at_once(tracker: TrialTracker, concurrent: int) -> str:
@@ -171,7 +172,7 @@ def fit_trial(job: WorkerSpec, params: Params) -> TrialRun:
         from ray.tune.integration.ray_train import TuneReportCallback
 
         spec.resume_dir = recover_run_snapshot(None if is_uri(run_dir) else run_dir)
-        state, path = fit_run(spec, params, [TuneReportCallback()], keep=1)
+        state, path = fit_run(spec, params, [TuneReportCallback()], keep=1, console_level=TRIAL_CONSOLE_LEVEL)
     seconds = time.time() - start
     status = read_status(run_dir)  # kept with the run: a restored trial whose run had diverged fails again
     if status:
@@ -205,6 +206,18 @@ def _trial_error(trial) -> BaseException | None:
 
 
 # ------------------------------------------------------------------------------------ progress, tracking
+_LIVE: dict[str, TrialTracker] = {}  # the driver's tracker of each job, by the job's path (TrialTracker.attach)
+
+
+def _live_tracker(job: str, cls: type, state: dict[str, Any]) -> TrialTracker:
+    """The driver's tracker of ``job`` if this process runs that job (a restored job's), else a copy (``state``)."""
+    tracker = _LIVE.get(job)
+    if tracker is None:  # e.g. unpickled in another process
+        tracker = cls.__new__(cls)
+        tracker.__dict__.update(state)
+    return tracker
+
+
 class TrialTracker(tune.Callback):
     """Driver-side: one progress line per trial event, live MLflow runs, and the trials' final statuses.
 
@@ -221,6 +234,18 @@ class TrialTracker(tune.Callback):
     METRICS = ("loss", "knn_acc", "view_noise", "samples_per_s", "lr")
     PREFIX: str  # "[sweep]": the job's progress lines
     STAGE: str  # "sweep-trial": the children's stage tag
+    job = ""  # the job's path (:meth:`attach`)
+
+    def attach(self, job: str) -> None:
+        """Make this the driver's tracker of the job at ``job`` (its path): what a pickled tracker of it becomes."""
+        self.job = job
+        _LIVE[job] = self
+
+    def __reduce__(self):
+        """Pickled as a reference to the driver's tracker of the job: Tune pickles the run config, this callback with
+        it, into the job's directory, and a restored job (``Tuner.restore``) unpickles it, so that this run's tracker,
+        not a copy of the first run's, gets the restored job's events. Elsewhere it unpickles to a copy."""
+        return _live_tracker, (self.job, type(self), self.__dict__)
 
     def labels(self, config: dict[str, Any]) -> dict[str, Any]:
         """What identifies a trial (its MLflow params, its progress line): its point."""
@@ -398,12 +423,11 @@ def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, track
     children KILLED) if the job was interrupted, and (the parent FAILED) if every trial failed.
     """
     path = join(storage, name)
+    tracker.attach(path)  # what the Tuner's pickled run config refers to (TrialTracker.__reduce__)
     resumed = tune.Tuner.can_restore(path)
     if resumed:
         say(f"{tracker.PREFIX} resuming {path}")
         tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True, param_space=space)
-        # the restored run config holds an unpickled copy of the first run's tracker: use this run's instead
-        tuner._local_tuner.get_run_config().callbacks = [tracker]
     else:
         say(announce)
         tuner = tune.Tuner(

@@ -38,8 +38,10 @@ def test_gpu_training_is_decided_from_the_cluster(overrides, gpus, expected):
 
 
 def test_the_local_node_is_this_machine():
+    import os
+
     (node,) = local_nodes()
-    assert node.get("CPU") >= 1 and node.max_count == 1
+    assert node["CPU"] == len(os.sched_getaffinity(0)) and node["GPU"] >= 0
 
 
 def test_worker_failures_become_one_line_per_rank():
@@ -78,28 +80,6 @@ def test_a_stale_local_ray_record_is_found_and_a_live_one_is_not(tmp_path, monke
     with open(ray_record_file(), "w") as f:
         f.write(f"127.0.0.1:{dead}")
     assert stale_local_record(timeout=1.0) == f"127.0.0.1:{dead}"
-
-
-def test_pending_nodes_are_read_from_the_autoscalers_own_report():
-    """The report autoscaler v1 writes (``asdict`` of Ray's own ``AutoscalerSummary``): nodes booting plus launches
-    requested; none from a report a stopped monitor left behind, or without a report."""
-    from dataclasses import asdict
-
-    from ray.autoscaler._private.autoscaler import AutoscalerSummary
-
-    from pipeline.runs.cluster import AUTOSCALER_REPORT_STALE_S, pending_in_report
-
-    summary = AutoscalerSummary(active_nodes={"head": 1}, idle_nodes={}, failed_nodes=[],
-                                pending_nodes=[("10.0.0.7", "gpu_worker", "waiting-for-ssh"),
-                                               ("10.0.0.8", "gpu_worker", "setting-up")],
-                                pending_launches={"gpu_worker": 3})
-    status = {"time": 1000.0, "autoscaler_report": asdict(summary)}
-    assert pending_in_report(status, now=1010.0) == 5
-    assert pending_in_report(status, now=1000.0 + AUTOSCALER_REPORT_STALE_S + 1) == 0
-    idle = asdict(AutoscalerSummary(active_nodes={"head": 1}, idle_nodes={}, failed_nodes=[], pending_nodes=[],
-                                    pending_launches={}))
-    assert pending_in_report({"time": 1000.0, "autoscaler_report": idle}, now=1001.0) == 0
-    assert pending_in_report({"time": 1000.0}, now=1001.0) == 0  # a local Ray's monitor: no autoscaler
 
 
 def test_a_run_torn_down_is_told_apart_from_a_failing_worker():

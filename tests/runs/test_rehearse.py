@@ -83,7 +83,7 @@ CONTROL = {  # key -> a different valid value
     "train.knn_every": 1, "train.checkpoint_every": 1, "ray.max_failures": 0, "sweep.asha": False,
     "sweep.grace_period": 1, "sweep.search": "random", "sweep.num_samples": 2, "loss.name": "infonce",
     "train.mode": "supervised", "model.head": "truncated", "model.depth": 3, "train.batch_size": 32,
-    "train.lr": 0.1, "ray.resources_timeout_s": 10, "sweep.max_concurrent_trials": 1,
+    "train.lr": 0.1, "ray.resources_timeout_s": 10,
 }
 
 
@@ -121,6 +121,19 @@ def test_sizes_within_their_rules_are_applied():
                                                    "model.embed_dim=8", "sweep.cpus_per_worker=0.125"])
     assert (get(p.raw, "sweep.depth"), get(p.raw, "ray.num_workers"), get(p.raw, "sweep.epochs")) == ([0, 9], 4, 11)
     assert get(p.raw, "sweep.grace_period") == 10 and get(p.raw, "sweep.asha") is True  # as shipped
+
+
+def test_trials_at_once_are_this_machines_unless_told():
+    """The trials at once a cluster preset ships are its cluster's size (Ray cannot tell how far an autoscaler grows
+    a cluster): a rehearsal runs as many as this machine's Ray holds, or as told."""
+    assert get(read_params_file(ROOT / "presets/cluster-sweep.yaml"), "sweep.max_concurrent_trials") == 4
+    p = plan(ROOT / "presets/cluster-sweep.yaml")
+    assert get(p.raw, "sweep.max_concurrent_trials") is None and p.changed["sweep.max_concurrent_trials"] is None
+    assert "tables.max_concurrent_trials" not in p.changed  # null as shipped: nothing to change
+    p = plan(ROOT / "presets/cluster-sweep.yaml", ["sweep.max_concurrent_trials=1"])
+    assert get(p.raw, "sweep.max_concurrent_trials") == 1
+    p = plan(ROOT / "presets/paper-tables.yaml")
+    assert get(p.raw, "tables.max_concurrent_trials") is None
 
 
 def test_trial_cpu_is_the_sweeps():

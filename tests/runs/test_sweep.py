@@ -11,7 +11,7 @@ import yaml
 
 from pipeline.config.base import ParamsError
 from pipeline.config.params import load_params
-from pipeline.runs.resources import NodeType, TrialShape, packing
+from pipeline.runs.resources import TrialShape, trials_at_once
 from pipeline.runs.sweep import axes, base_params, check_points, grid_points, point_params, sweep_name
 from pipeline.runs.tune import TRIAL_CPU, inline, max_concurrent, trial_params, trial_placement
 from stages.sweep import COLUMNS, best_trial, write_outputs
@@ -75,34 +75,27 @@ def test_an_invalid_point_names_the_point_and_the_key():
         trial_params(base_params(p), {"train.batch_size": 15})
 
 
-def _nodes(*specs: tuple[int, float, float]) -> list:
-    """(count, CPUs, GPUs) per node type."""
-    from pipeline.runs.resources import NodeType
-
-    return [NodeType(f"t{i}", {"CPU": c, "GPU": g}, n) for i, (n, c, g) in enumerate(specs)]
-
-
-@pytest.mark.parametrize(("overrides", "nodes", "gpu", "n_trials", "expected"), [
-    ((), [(1, 2, 0)], False, 8, 2),                            # 0.25 + 1 x 0.5 per trial, two fit 2 CPUs
-    (("ray.num_workers=2",), [(1, 2, 0)], False, 8, 1),        # 0.25 + 2 x 0.5
-    (("ray.num_workers=2",), [(1, 64, 0)], False, 100, 51),
-    (("ray.num_workers=2",), [(1, 64, 0)], False, 8, 8),       # never more than the trials there are
-    ((), [(1, 0.5, 0)], False, 8, 1),                          # never 0: Tune queues the rest
-    (("sweep.max_concurrent_trials=3",), [(1, 64, 0)], False, 8, 3),
-    # GPUs bound it, not CPUs: 2 workers of (0.5 CPU, 1 GPU) per trial on a 64-CPU node with 4 GPUs
-    (("ray.num_workers=2",), [(1, 64, 4)], True, 100, 2),
-    (("ray.num_workers=2",), [(4, 8, 1), (1, 4, 0)], True, 100, 2),  # 4 one-GPU nodes, trial functions on the CPU node
+@pytest.mark.parametrize(("overrides", "totals", "gpu", "n_trials", "expected"), [
+    ((), {"CPU": 2}, False, 8, 2),                             # 0.25 + 1 x 0.5 per trial, two fit 2 CPUs
+    (("ray.num_workers=2",), {"CPU": 2}, False, 8, 1),         # 0.25 + 2 x 0.5
+    (("ray.num_workers=2",), {"CPU": 64}, False, 100, 51),
+    (("ray.num_workers=2",), {"CPU": 64}, False, 8, 8),        # never more than the trials there are
+    ((), {"CPU": 0.5}, False, 8, 1),                           # never 0: the trial waits for room
+    (("sweep.max_concurrent_trials=3",), {"CPU": 64}, False, 8, 3),
+    # GPUs bound it, not CPUs: 2 workers of (0.5 CPU, 1 GPU) per trial on 64 CPUs and 4 GPUs
+    (("ray.num_workers=2",), {"CPU": 64, "GPU": 4}, True, 100, 2),
+    (("ray.num_workers=2",), {"CPU": 36, "GPU": 4}, True, 100, 2),  # 4 one-GPU nodes and a CPU node
 ])
-def test_max_concurrent_packs_trials_onto_the_nodes(overrides, nodes, gpu, n_trials, expected):
-    assert max_concurrent(params(*overrides), _nodes(*nodes), gpu, n_trials) == expected
+def test_max_concurrent_by_the_clusters_limiting_resource(overrides, totals, gpu, n_trials, expected):
+    assert max_concurrent(params(*overrides), totals, gpu, n_trials) == expected
 
 
 @pytest.mark.parametrize(("overrides", "gpu"), [((), False), ((), True), (("ray.num_workers=2",), False),
                                                 (("ray.num_workers=4", "sweep.cpus_per_worker=3"), True)])
-def test_a_trial_holds_the_bundles_max_concurrent_packs(overrides, gpu):
-    """One worker trains inside the trial, in its worker's bundle (the GPU is the trial's own); more need Ray Train,
-    whose workers ask for their bundles themselves. Either way the trial's bundles plus its workers' are the shape
-    ``max_concurrent`` packs, so the two never disagree."""
+def test_a_trial_holds_the_bundles_max_concurrent_counts(overrides, gpu):
+    """One worker trains inside the trial, in its worker's bundle (the GPU is the trial's own): Tune holds it pending
+    until all of it fits. More need Ray Train, whose workers ask for their bundles themselves (and wait for them).
+    Either way the trial's bundles plus its workers' are the shape ``max_concurrent`` counts."""
     p = params(*overrides)
     trial = trial_params(base_params(p), {})
     held = trial_placement(trial, gpu).bundles
@@ -112,8 +105,8 @@ def test_a_trial_holds_the_bundles_max_concurrent_packs(overrides, gpu):
         assert held[0] == {"CPU": p.sweep.cpus_per_worker, **({"GPU": 1.0} if gpu else {})}  # where the trial runs
     else:
         assert held == [{"CPU": TRIAL_CPU}] and shape.bundles()[-1] == {"CPU": TRIAL_CPU}
-    node = [NodeType("n", {"CPU": 2.0, "GPU": 4.0 if gpu else 0.0})]
-    assert max_concurrent(p, node, gpu, 8) == max(1, packing(node, shape, cap=8).trials)
+    totals = {"CPU": 2.0, "GPU": 4.0 if gpu else 0.0}
+    assert max_concurrent(p, totals, gpu, 8) == trials_at_once(totals, shape, 8)
 
 
 def test_sweep_name_ignores_swept_keys_and_follows_the_rest():
@@ -266,3 +259,22 @@ def test_where_ranks_ran_comes_from_the_run_directory_when_no_checkpoint_has_it(
     write_placement(str(tmp_path / "trial-y"), [{"rank": 1, "gpu_ids": ["1"]}, {"rank": 0, "gpu_ids": ["0"]}])
     (row,) = trial_rows([Result()], epochs=20, labels=lambda config: {}, storage=str(tmp_path))
     assert (row["workers"], row["gpu_ids"], row["epochs"]) == (2, "0 1", 10)
+
+
+def test_a_restored_job_gets_the_drivers_tracker_not_a_copy():
+    """Tune pickles the run config, the job's tracker with it, into the job's directory (``tuner.pkl``, with Ray's
+    cloudpickle) and a restored job unpickles it: what comes back is the tracker this driver runs the job with now
+    (its MLflow runs, its statuses), not a copy of the first run's."""
+    import ray.cloudpickle
+
+    from pipeline.runs.sweep import SweepTracker
+
+    first = SweepTracker(3, uri="sqlite:///first.db")
+    first.attach("/storage/sweep-0123")
+    saved = ray.cloudpickle.dumps({"callbacks": [first]})
+    now = SweepTracker(3, uri="sqlite:///now.db")
+    now.attach("/storage/sweep-0123")  # what tune_job does before Tuner.restore
+    assert ray.cloudpickle.loads(saved)["callbacks"][0] is now
+    other = SweepTracker(5, uri="sqlite:///other.db")  # a job this process does not run: a copy, as pickle makes
+    copy = ray.cloudpickle.loads(ray.cloudpickle.dumps(other))
+    assert copy is not other and (type(copy), copy.epochs, copy.uri) == (SweepTracker, 5, "sqlite:///other.db")

@@ -31,7 +31,8 @@ RUN = ["-S", "train.epochs=2", "-S", "data.limit_train=512", "-S", "train.batch_
 # Ray's C++ core: "[2026-01-01 12:00:00,123 E 1968 1999] core_worker.cc:2465: ..." (any prefix Ray adds before it)
 CPP_LINE = re.compile(r"\[?\d{4}-\d\d-\d\d [\d:,.]+ [DIWEF] \d+ \d+\]? \S+\.(cc|h):\d+")
 RAY_INTERNALS = ("core_worker.cc", "gcs_", "raylet", "Token authentication", "Requesting resources",
-                 "worker group", "PreemptionWatcher", "TrainController")
+                 "worker group", "PreemptionWatcher", "TrainController", "Reporting training result",
+                 "Cleaning up placement group", "Ray Train Controller actor state")
 
 
 @pytest.fixture
@@ -68,10 +69,10 @@ def ray_chatter(lines: list[str]) -> list[str]:
     return [line for line in lines if CPP_LINE.search(line) or any(word in line for word in RAY_INTERNALS)]
 
 
-# Every line a default run may print: our progress lines ("[pretrain] ...", from the worker behind Ray's plain
-# "(RayTrainWorker pid=N) " prefix: the console is a pipe here, so no colour codes), the closing line, the one line
+# Every line a default run may print: our progress lines ("[pretrain] ...", from the worker, as printed: with the
+# job's logging config Ray adds no "(RayTrainWorker pid=N) " prefix, nor colour codes), the closing line, the one line
 # about a new MLflow store, and our warnings.
-OURS = re.compile(r"^(\(RayTrainWorker pid=\d+\) )?\[pretrain\] "
+OURS = re.compile(r"^\[pretrain\] "
                   r"|^pretrained \d+ epochs: "
                   r"|^\[mlflow\] new tracking store ")
 

@@ -139,7 +139,7 @@ def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
     many trials at once as pipeline.runs.resources computes, probes on a worker's GPU bundle. Ctrl-C while its sweep
     of two-worker trials runs ends the rehearsal in 30 s, with no partial sweep outputs and MLflow's sweep run KILLED;
     the command it prints resumes it: the unfinished trials only, every epoch logged once, the same MLflow run."""
-    from pipeline.runs.resources import NodeType, TrialShape, trials_at_once
+    from pipeline.runs.resources import TrialShape, trials_at_once
     from pipeline.runs.tune import TRIAL_CPU
 
     assert ON_DECLARED_GPUS in FILES
@@ -191,8 +191,7 @@ def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
     for t in trials:  # every epoch of every trial exactly once, also for a resumed trial
         logged = [int(c["epoch"]) for c in curves if c["trial_id"] == t["trial_id"]]
         assert logged == list(range(1, int(t["epochs"]) + 1)), (t["trial_id"], logged)
-    node = [NodeType("local", {"CPU": 2, "GPU": 4})]
-    computed = trials_at_once(node, TrialShape(2, 0.25, True, TRIAL_CPU), cap=len(trials))
+    computed = trials_at_once({"CPU": 2, "GPU": 4}, TrialShape(2, 0.25, True, TRIAL_CPU), len(trials))
     peaks = {m[1]: (int(m[2]), int(m[3])) for m in AT_ONCE.finditer(resumed.stdout)}
     assert computed == 2 and peaks["sweep"] == (computed, computed), out  # two unfinished trials at least
     assert peaks["tables"] == (2, 2), out
