@@ -529,7 +529,8 @@ def mlflow_run(root: Path, name: str, *, stage: str, title: str, logged: Mapping
 def error_reason(error: BaseException | None) -> str:
     """One line saying why a run or a trial failed ("" without an error): a :class:`TrialFailed`'s message; a Ray
     Train failure's failed ranks, each with its own reason (``rank 0: ...; rank 1: ...``); else the innermost error
-    through Ray's wrappers (``RayTaskError.cause``, a controller's failure, ``__cause__``): its type and first line."""
+    through Ray's wrappers (``RayTaskError.cause``, a controller's failure, ``__cause__``): its first line, after its
+    type unless the error is one of ``pipeline``'s own (a message written for the user)."""
     if error is None:
         return ""
     seen = error
@@ -544,7 +545,10 @@ def error_reason(error: BaseException | None) -> str:
             break
         seen = inner
     lines = [ln.strip() for ln in str(seen).splitlines() if ln.strip()]
-    return f"{type(seen).__name__}: {lines[0] if lines else ''}"[:500]
+    first = lines[0] if lines else ""
+    if type(seen).__module__.startswith("pipeline."):  # ours (e.g. DatasetError): written for the user, said as is
+        return first[:500]
+    return f"{type(seen).__name__}: {first}"[:500]
 
 
 def cleanup(params: Params, root: Path, name: str, runs: Iterable[str] = ()) -> None:
