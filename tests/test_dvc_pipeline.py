@@ -44,9 +44,10 @@ def make_repo(dst: Path) -> Path:
             shutil.copy(ROOT / name, dst / name)
     for name in ("pipeline", "stages", ".dvc"):
         shutil.copytree(ROOT / name, dst / name, ignore=shutil.ignore_patterns("__pycache__", "tmp", "cache"))
-    study = Path("benchmarks/results/circles.csv")  # the sets stage's recorded circles study, a data dependency
-    (dst / study).parent.mkdir(parents=True)
-    shutil.copy(ROOT / study, dst / study)
+    # the recorded studies: the circles' CSV (the sets stage's data dependency), the Figure 4 figures (dvc.yaml's plots)
+    for study in ("circles.csv", "figure4.png", "figure4-tsne.png"):
+        (dst / "benchmarks/results").mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "benchmarks/results" / study, dst / "benchmarks/results" / study)
     run(["git", "init", "-q"], dst)
     run(["git", "add", "-A"], dst)
     run(["git", "commit", "-qm", "init"], dst)
