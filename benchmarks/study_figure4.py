@@ -12,7 +12,7 @@ per layer (``input`` = ``backbone`` = the pixels, then ``block_1`` … ``block_5
 
 into ``--out`` (CSV, one row per seed and layer; a rerun skips the seeds already there). From the CSV it draws
 ``benchmarks/results/figure4.png`` (mean ± sd over seeds per layer) and copies the first seed's t-SNE of every
-layer (the stage's ``plots/evaluate/tsne.png``) to ``benchmarks/results/figure4-tsne.png``; ``dvc plots`` shows both
+layer (the stage's ``plots/evaluate/tsne.png``) to ``benchmarks/results/figure4_tsne.png``; ``dvc plots`` shows both
 (``dvc.yaml``'s top-level ``plots``). ``--plot`` redraws them and prints the Markdown table.
 
 The paper trains 200 epochs at lr 0.1 on all 60,000 images. What runs here by default, and why, is in
@@ -181,7 +181,7 @@ def main() -> None:
                     writer.writeheader()
                 writer.writerows(rows)
             tsne = Path(args.work) / f"seed{seed}/plots/evaluate/tsne.png"
-            target = args.out.parent / "figure4-tsne.png"
+            target = args.out.parent / "figure4_tsne.png"
             if tsne.is_file() and (seed == min(args.seeds) or not target.is_file()):
                 shutil.copy(tsne, target)
     rows = read_rows(args.out)

@@ -45,7 +45,7 @@ def make_repo(dst: Path) -> Path:
     for name in ("pipeline", "stages", ".dvc"):
         shutil.copytree(ROOT / name, dst / name, ignore=shutil.ignore_patterns("__pycache__", "tmp", "cache"))
     # the recorded studies: the circles' CSV (the sets stage's data dependency), the Figure 4 figures (dvc.yaml's plots)
-    for study in ("circles.csv", "figure4.png", "figure4-tsne.png"):
+    for study in ("circles.csv", "figure4.png", "figure4_tsne.png"):
         (dst / "benchmarks/results").mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / "benchmarks/results" / study, dst / "benchmarks/results" / study)
     run(["git", "init", "-q"], dst)
