@@ -816,15 +816,7 @@ def test_fused_keeps_one_n_by_n_tensor_for_backward(name):
     k.requires_grad_(True)
 
     def count_big(fn) -> int:
-        saved = []
-
-        def pack(t):
-            saved.append(t.numel())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn()
-        return sum(1 for size in saved if size >= n * n // 2)
+        return big_saved(fn, n)
 
     assert count_big(lambda: call(name, q, k, ids, rows=slice(0, n // 2))) == 1  # an (n/2, n) block
     assert count_big(lambda: call(name, q, k, ids)) == 1
@@ -1002,3 +994,16 @@ def test_nan_embeddings_give_a_nan_loss_with_layouts(name, layout):
     q = torch.randn(8, 4)
     q[0, 0] = float("nan")
     assert torch.isnan(make_loss(name)(q, q, self_supervised_ids(4), layout=layout))
+
+
+def big_saved(fn, n: int) -> int:
+    """How many tensors of n * n / 2 entries or more the graph of ``fn()`` keeps for backward."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(1 for size in saved if size >= n * n // 2)

@@ -15,7 +15,7 @@ from pipeline.core.targets import positives, self_supervised_ids
 from pipeline.core.tiled_losses import NormalizedAffinityLoss, SoftmaxAffinityLoss, use_tiles
 from pipeline.training import measure
 from tests.core import test_losses
-from tests.core.test_losses import ref_loss_torch
+from tests.core.test_losses import big_saved, ref_loss_torch
 
 NORMALIZED = ("jsd", "jsd_appendix_e", "kl_relu", "kl_squared")
 SOFTMAX = ("kl_softmax", "infonce", "supcon", "dcl")
@@ -126,19 +126,6 @@ def test_tiled_equals_dense_fp32(name, kind, layout):
     dense = value_and_grads(name, q, k, ids, rows=slice(5, 50), layout=layout)
     tiled = value_and_grads(name, q, k, ids, rows=slice(5, 50), layout=layout, tile=9)
     assert_close(tiled, dense, 1e-5, "fp32")
-
-
-def big_saved(fn, n: int) -> int:
-    """How many tensors of n * n / 2 entries or more the graph of ``fn()`` keeps for backward."""
-    saved = []
-
-    def pack(t):
-        saved.append(t.numel())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(1 for size in saved if size >= n * n // 2)
 
 
 @pytest.mark.parametrize("name", PAIRWISE)
