@@ -100,8 +100,9 @@ def test_matches_the_loop_reference(name, kind, layout, n, width):
     ids = test_losses.make_ids(kind, n)
     got = value_and_grads(name, q, k, ids, layout=layout, tile=tile, temperature=0.3)
     want = loop_reference(name, kind, n)
-    assert got[0].item() == pytest.approx(want[0].item(), rel=1e-10, abs=1e-12)
-    # jsd's loop has no 1e-10 epsilon: near-zero positive affinities move its gradient by ~1e-8
+    # jsd's loop has no 1e-10 epsilon: it moves the value by ~1e-9 and, at near-zero positive affinities, the
+    # gradient by ~1e-8
+    assert got[0].item() == pytest.approx(want[0].item(), rel=1e-8 if name == "jsd" else 1e-10, abs=1e-12)
     assert_close(got, want, 1e-6 if name == "jsd" else 1e-8, f"tile {tile}")
 
 
