@@ -14,12 +14,12 @@ only tile, dropped; backward turns each block into ∂L/∂A_C (r, T) and accumu
 - ``tile`` None or >= n: one tile, the dense path. Its block (r, n) is kept for backward, which adds one more
   (r, n) buffer, ∂L/∂A: three r×n×d products (A; ∂qn, ∂kn).
 - ``tile`` T < n: nothing (r, n) is held: O((r + n) d + r T) memory (at r = n = 4096, d = 128, T = 256, fp32:
-  forward + backward peaks of 10-15 MB against 132 MB, ``test_tiled_peak_memory`` in
+  forward + backward peaks of 8-15 MiB against 132-136 MiB, ``test_tiled_peak_memory`` in
   tests/core/test_tiled_losses.py). Backward recomputes the blocks: four products, five where the forward makes two
   passes (the JSD / KL family with a :class:`~pipeline.core.targets.LabelMask`); those layouts also evaluate the
-  per-positive terms (logs) on every entry of a tile. Time, tiled / dense, same sizes, one CPU thread (``python
-  benchmarks/bench_loss.py --n 4096 --tile 256 --threads 1 [--layout two_view]``): jsd 0.9x (two_view) and 2.1x
-  (None), infonce 1.0x and 1.1x.
+  per-positive terms (logs) on every entry of a tile. Time, tiled / dense, same sizes, one CPU thread, fastest
+  rounds (``python benchmarks/bench_loss.py --n 4096 --tile 256 --threads 1 [--layout two_view]``): jsd 0.9x
+  (two_view) and 1.7x (None), infonce 0.9x and 1.1x.
 
 Positives (:func:`pipeline.core.targets.positives`), by ``layout``; never read on the host inside a Function:
 
