@@ -33,6 +33,7 @@ from typing import Any
 from ray import tune
 
 from pipeline.config.params import Params, validate_params
+from pipeline.evaluation.health import is_health_key
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import TRIAL_CONSOLE_LEVEL
 from pipeline.runs.resources import TrialShape, trials_at_once
@@ -329,8 +330,9 @@ class TrialTracker(tune.Callback):
             trk.log_metrics_batch(self.uri, child, [result], self.metric_names(result))
 
     def metric_names(self, h: dict[str, Any]) -> tuple[str, ...]:
-        """:data:`METRICS` and the blocks' health (``block_1.positive``, ...) that ``h`` holds."""
-        return self.METRICS + tuple(k for k in h if k.startswith("block_"))
+        """:data:`METRICS` and the health that ``h`` holds (``block_1.positive``, ...; ABC's ``kernel.same_class``, ...:
+        ``pipeline.evaluation.health.is_health_key``, as pretraining's ``epoch_metric_names``)."""
+        return self.METRICS + tuple(k for k in h if is_health_key(k))
 
     def _end(self, trials, trial, status: str) -> None:
         epoch = self.last_epoch.get(trial.trial_id, 0)

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from pipeline.runs.train import epoch_metric_names, health_line, worker_device
+from pipeline.runs.train import EPOCH_METRICS, epoch_metric_names, health_line, worker_device
 
 
 @pytest.fixture()
@@ -59,3 +59,14 @@ def test_the_epoch_metrics_and_the_console_carry_the_blocks_or_abcs_kernel():
     assert health_line(blocks) == " | positive pairs: b1 50.0% b2 25.0%"
     assert health_line(kernel) == " | kernel: same class 0.80, other 0.10, > 0.5 12.5%"
     assert health_line({"loss": 1.0}) == ""
+
+
+def test_a_trials_mlflow_metrics_carry_the_same_health_as_a_pretraining_run():
+    from types import SimpleNamespace
+
+    from pipeline.runs.tune import TrialTracker
+
+    for h in ({"loss": 1.0, "block_1.positive": 0.5}, {"loss": 1.0, "kernel.same_class": 0.8, "kernel.other": 0.1}):
+        names = TrialTracker.metric_names(SimpleNamespace(METRICS=TrialTracker.METRICS), h)
+        health = epoch_metric_names([h])[len(EPOCH_METRICS):]  # what a pretraining run logs beside its metrics
+        assert names == TrialTracker.METRICS + health and health  # ABC's kernel.* too, not only block_*
