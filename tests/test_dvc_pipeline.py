@@ -44,10 +44,11 @@ def make_repo(dst: Path) -> Path:
             shutil.copy(ROOT / name, dst / name)
     for name in ("pipeline", "stages", ".dvc"):
         shutil.copytree(ROOT / name, dst / name, ignore=shutil.ignore_patterns("__pycache__", "tmp", "cache"))
-    # the recorded studies: the circles' CSV (the sets stage's data dependency), the Figure 4 figures (dvc.yaml's plots)
-    for study in ("circles.csv", "figure4.png", "figure4_tsne.png"):
-        (dst / "benchmarks/results").mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / "benchmarks/results" / study, dst / "benchmarks/results" / study)
+    # the recorded studies: the circles' CSV (the sets stage's data dependency), the studies' figures (dvc.yaml's plots)
+    plots = [p for p in yaml.safe_load((ROOT / "dvc.yaml").read_text())["plots"] if isinstance(p, str)]
+    for study in ["benchmarks/results/circles.csv", *(p for p in plots if p.startswith("benchmarks/results/"))]:
+        (dst / study).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / study, dst / study)
     run(["git", "init", "-q"], dst)
     run(["git", "add", "-A"], dst)
     run(["git", "commit", "-qm", "init"], dst)
