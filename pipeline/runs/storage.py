@@ -208,6 +208,21 @@ def write_placement(run_dir: str, workers: list[dict[str, Any]]) -> None:
     _write_json(run_dir, PLACEMENT_FILE, workers)
 
 
+def checkpoint_dirs(run_dir: str) -> list[str]:
+    """The ``checkpoint_*`` folders of a Ray Train run directory (a local path or a URI), newest first (their names
+    sort by time); [] where there is none or the directory cannot be read."""
+    from pyarrow import fs as pafs
+
+    try:
+        filesystem, path = _fs(run_dir)
+        infos = filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except (OSError, ValueError):
+        return []
+    names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory
+                    and i.base_name.startswith("checkpoint_")), reverse=True)
+    return [join(run_dir, name) for name in names]
+
+
 def read_placement(run_dir: str) -> Any:
     """What :func:`write_placement` left in ``run_dir`` (a local path or a URI), or None."""
     return _read_json(run_dir, PLACEMENT_FILE)

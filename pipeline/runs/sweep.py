@@ -35,7 +35,7 @@ from pipeline.config.params import Params
 from pipeline.evaluation.health import dead_blocks, is_health_key, unflat
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import connect, wait_for_workers
-from pipeline.runs.storage import check_storage, join, read_placement, stage_prepared
+from pipeline.runs.storage import check_storage, checkpoint_dirs, join, read_placement, stage_prepared
 from pipeline.runs.train import (
     WORKERS_FILE,
     WorkerSpec,
@@ -224,25 +224,29 @@ def trial_rows(grid, epochs: int, labels=point_of, storage: str | None = None) -
     each rank ran from the trial's Ray Train run directory under ``storage`` (``write_placement``), else from its
     checkpoints.
 
-    The history comes from the trial's last checkpoint, which holds every epoch also across a resume (Tune's own
-    table of a restored trial starts at the resumed epoch), else from Tune's results."""
+    The history comes from the trial's newest complete checkpoint, which holds every epoch up to it also across a
+    resume (Tune's own table of a restored trial starts at the resumed epoch), and Tune's results after it."""
     keep = ("epoch", *TrialTracker.METRICS, "seconds")
     rows = []
     for result in grid:
         df = result.metrics_dataframe
         reported = [] if df is None else df.to_dict("records")
         paths = [h.get("checkpoint_path") for h in reported if isinstance(h.get("checkpoint_path"), str)]
-        last_path = last_checkpoint_path(paths[-1] if paths else None, result)
-        history = checkpoint_history(last_path)
-        # where each rank ran, from the newest checkpoint that has it: a trial stopped (ASHA) while its last
-        # checkpoint was still uploading has it in the one before
-        found = (checkpoint_history(path, WORKERS_FILE) for path in dict.fromkeys([last_path, *reversed(paths)]))
         trial_id = Path(result.path).name.removeprefix("trial-")
-        placed = read_placement(join(storage, trial_name(trial_id))) if storage else None
+        run_dir = join(storage, trial_name(trial_id)) if storage else None
+        # newest first: the last reported checkpoint, the ones reported before it, then those in the trial's run dir
+        # (a resumed trial's table starts at the resumed epoch, so what it reported may not reach back to epoch 1)
+        newest = dict.fromkeys([last_checkpoint_path(paths[-1] if paths else None, result), *reversed(paths),
+                                *(checkpoint_dirs(run_dir) if run_dir else [])])
+        # where each rank ran, from the run dir, else the newest checkpoint that has it: a trial stopped (ASHA) while
+        # its last checkpoint was still uploading has it in the one before
+        placed = read_placement(run_dir) if run_dir else None
+        found = (checkpoint_history(path, WORKERS_FILE) for path in newest)
         workers = sorted(placed or next((w for w in found if w), []), key=lambda w: w["rank"])
-        last_reported = int(reported[-1].get("epoch", 0) or 0) if reported else 0
-        if history is None or (history and int(history[-1]["epoch"]) < last_reported):
-            history = reported  # no checkpoint of the last reported epoch: Tune's table is the latest word
+        # the newest complete checkpoint's history, then the epochs Tune's table reported after it
+        history = next((h for h in map(checkpoint_history, newest) if h), [])
+        seen = int(history[-1]["epoch"]) if history else 0
+        history = [*history, *(h for h in reported if int(h.get("epoch", 0) or 0) > seen)]
         history = [{k: v for k, v in h.items() if k in keep or is_health_key(k)} for h in history]
         last = history[-1] if history else {}
         blocks = unflat(last)  # the last epoch's health of each block ({} at depth 0)

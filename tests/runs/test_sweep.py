@@ -261,6 +261,36 @@ def test_where_ranks_ran_comes_from_the_run_directory_when_no_checkpoint_has_it(
     assert (row["workers"], row["gpu_ids"], row["epochs"]) == (2, "0 1", 10)
 
 
+def test_a_resumed_trial_stopped_mid_upload_keeps_every_epoch(tmp_path):
+    """A trial resumed at epoch 5 reports epochs 6-8 to Tune (a restored trial's table starts there), and ASHA stops
+    it while epoch 8's checkpoint is still uploading: its curve still starts at epoch 1, from the newest complete
+    checkpoint in the trial's run directory, followed by what Tune reported after it."""
+    import json
+
+    import pandas as pd
+
+    from pipeline.runs.sweep import trial_rows
+    from pipeline.runs.train import HISTORY_FILE
+
+    run_dir = tmp_path / "trial-z"
+    old, torn = run_dir / "checkpoint_2026-11-26_10-00-05.000000", run_dir / "checkpoint_2026-11-26_10-00-08.000000"
+    old.mkdir(parents=True)
+    torn.mkdir()  # the upload never finished
+    (old / HISTORY_FILE).write_text(json.dumps([{"epoch": e, "loss": 2.0 - e / 10} for e in range(1, 6)]))
+
+    class Result:
+        metrics_dataframe = pd.DataFrame([{"epoch": e, "loss": 1.0 - e / 100, "checkpoint_path": str(torn) if e == 8
+                                           else None} for e in (6, 7, 8)])
+        path, config, error, checkpoint = str(tmp_path / "tune" / "trial-z"), {}, None, None
+
+    (row,) = trial_rows([Result()], epochs=20, labels=lambda config: {}, storage=str(tmp_path))
+    assert [h["epoch"] for h in row["history"]] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert row["history"][4]["loss"] == 1.5 and row["history"][-1]["loss"] == 0.92  # checkpoint, then Tune's table
+    assert (row["epochs"], row["stopped_early"]) == (8, True)
+    (row,) = trial_rows([Result()], epochs=20, labels=lambda config: {})  # no storage: Tune's table alone
+    assert [h["epoch"] for h in row["history"]] == [6, 7, 8]
+
+
 def test_a_restored_job_gets_the_drivers_tracker_not_a_copy():
     """Tune pickles the run config, the job's tracker with it, into the job's directory (``tuner.pkl``, with Ray's
     cloudpickle) and a restored job unpickles it: what comes back is the tracker this driver runs the job with now
