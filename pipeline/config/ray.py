@@ -14,7 +14,9 @@ class RayConfig(Section):
     address: str | None = None
     num_workers: int = Field(1, ge=1, le=100_000)
     use_gpu: bool = False
-    cpus_per_worker: float = Field(1.0, gt=0.0, le=1024.0)
+    # what each worker asks Ray for; its torch threads are the whole part. None: this machine's CPUs over num_workers
+    # on a Ray started here (a lone pretraining uses every core), 1 on a cluster (runs.cluster.with_worker_cpus)
+    cpus_per_worker: float | None = Field(None, gt=0.0, le=1024.0)
     storage_path: str = "ray_results"  # every node must see it (NFS/EFS mount, or s3://...): checkpoints, staged data
     max_failures: int = Field(0, ge=-1)
     connect_timeout_s: float = Field(30.0, gt=0.0, le=86_400.0)  # wait for ray.address / RAY_ADDRESS to answer

@@ -26,6 +26,9 @@ class TrainConfig(Section):
     knn_k: int = Field(20, ge=1)
     head_lr_scale: float = Field(1.0, gt=0.0, le=1000.0)  # ours: the head's lr = train.lr * this
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # the step's autocast (pipeline.training.precision)
+    # channels_last: an image backbone and its inputs in torch.channels_last (cnn_small on 28x28, 2 CPU threads: a step
+    # 0.76x the time, benchmarks/bench_backbone.py); inputs that are not images stay as they are
+    memory_format: Literal["contiguous", "channels_last"] = "contiguous"
     # MiB the training set may take on a worker's device (above: streamed from memory-mapped files, same results);
     # None: a share of the device's memory (pipeline.training.loop.data_budget); 0 always streams
     data_budget_mb: float | None = Field(None, ge=0.0, le=1e9)

@@ -21,6 +21,7 @@ setting reaches, Tune's output engine, ``RAY_AUTH_MODE`` as Ray would set it).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import sys
@@ -31,6 +32,7 @@ from urllib.parse import urlsplit
 
 from pipeline.config.base import ParamsError
 from pipeline.config.params import Params
+from pipeline.host import usable_cpus
 from pipeline.runs.ray_undocumented import pending_nodes
 from pipeline.runs.resources import KINDS
 
@@ -139,6 +141,19 @@ class ClusterError(RuntimeError):
 
 def address_of(params: Params) -> str | None:
     return params.ray.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def with_worker_cpus(params: Params) -> Params:
+    """``ray.cpus_per_worker: null`` made a number, what each worker asks Ray for and the whole part of which its torch
+    threads are: on a Ray this command starts on this machine (no ``ray.address`` / ``RAY_ADDRESS``, or ``local``),
+    this machine's usable CPUs over ``ray.num_workers``, in quarters, at least 0.25, so that a lone pretraining uses
+    every core and several workers share them; on a cluster, 1 (Ray Train's default). A number is kept."""
+    r = params.ray
+    if r.cpus_per_worker is not None:
+        return params
+    local = address_of(params) in (None, "local")
+    cpus = max(0.25, math.floor(4 * usable_cpus() / r.num_workers) / 4) if local else 1.0
+    return params.model_copy(update={"ray": r.model_copy(update={"cpus_per_worker": cpus})})
 
 
 def host_port(address: str) -> tuple[str, int] | None:

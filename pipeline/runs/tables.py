@@ -284,11 +284,12 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     Raises :class:`ParamsError` for bad rows (before Ray and tracking) and :class:`pipeline.runs.tune.SweepError` if the
     job was interrupted or every row failed.
     """
-    from pipeline.runs.cluster import connect, wait_for_workers
+    from pipeline.runs.cluster import connect, wait_for_workers, with_worker_cpus
     from pipeline.runs.storage import check_storage, stage_prepared
     from pipeline.runs.train import load_callbacks, mlflow_run, storage_location
 
     callbacks = load_callbacks()  # a wrong name fails here, before Ray starts
+    params = with_worker_cpus(params)
     manifest = json.loads((data_dir / "manifest.json").read_text())
     rows = resolve_rows(params, manifest.get("n_train"))
     name = job_name(params, manifest)

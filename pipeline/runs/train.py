@@ -39,7 +39,7 @@ from pipeline.data.prepared import load_prepared, prepared_nbytes
 from pipeline.evaluation.health import KERNEL, is_health_key, unflat
 from pipeline.io import load_torch
 from pipeline.runs import tracking as trk
-from pipeline.runs.cluster import TRAIN_CONSOLE_LEVEL, connect, train_logging, wait_for_workers
+from pipeline.runs.cluster import TRAIN_CONSOLE_LEVEL, connect, train_logging, wait_for_workers, with_worker_cpus
 from pipeline.runs.storage import (
     check_storage,
     clear_status,
@@ -425,6 +425,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     cluster, resources never free), :class:`PretrainError` (training failed or diverged).
     """
     callbacks = load_callbacks()  # a wrong name fails here, before Ray starts
+    params = with_worker_cpus(params)
     data = load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here, before Ray starts
     manifest = json.loads((data_dir / "manifest.json").read_text())
     if params.train.batch_size > len(data.train.y):

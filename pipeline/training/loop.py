@@ -146,7 +146,10 @@ class PretrainLoop:
             raise ValueError(f"train.batch_size ({t.batch_size}) exceeds the training set ({n} samples)")
         self.steps_per_epoch = n // t.batch_size  # drop the last partial batch: the fused batch size is fixed
         torch.manual_seed(t.seed)
-        self.model = build_model(params.model, data.input_shape).to(device)
+        image = len(data.input_shape) == 3  # (C, H, W)
+        self.memory_format = torch.channels_last if image and t.memory_format == "channels_last" else \
+            torch.contiguous_format
+        self.model = build_model(params.model, data.input_shape).to(device, memory_format=self.memory_format)
         if world_size > 1:
             convert_batchnorm(self.model)  # global BN: same parameters, buffers and state_dict keys
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -247,11 +250,12 @@ class PretrainLoop:
                 x = x if replaced is None else replaced
             with torch.no_grad():
                 v1, v2 = self.augment(x, gen), self.augment(x, gen)
+            views = torch.cat([v1, v2]).contiguous(memory_format=self.memory_format)  # (2b, ...)
             if self.defer_sync:
-                losses.append(self.step.lazy(torch.cat([v1, v2]), torch.cat([ids, ids])))
+                losses.append(self.step.lazy(views, torch.cat([ids, ids])))
                 noises.append(_view_noise_tensor(v1, v2))
             else:
-                losses.append(self.step(torch.cat([v1, v2]), torch.cat([ids, ids])))
+                losses.append(self.step(views, torch.cat([ids, ids])))
                 noises.append(view_noise(v1, v2))
             if self.scaler is None:
                 self.optimizer.step()
@@ -309,7 +313,7 @@ class PretrainLoop:
         for part in idx.split(chunk):
             x = to_float(self.rows(part))  # (c, ...)
             v1, v2 = self.augment(x, gen), self.augment(x, gen)
-            z = self.model.backbone(torch.cat([v1, v2]))  # (2c, m)
+            z = self.model.backbone(torch.cat([v1, v2]).contiguous(memory_format=self.memory_format))  # (2c, m)
             z1.append(z[: len(part)])
             z2.append(z[len(part):])
             del x, v1, v2, z
@@ -350,7 +354,9 @@ class PretrainLoop:
         whole)."""
         self.model.eval()
         parts = x.split(chunk) if index is None else (gather_rows(x, i) for i in index.split(chunk))
-        out = [self.model.backbone(to_float(c.to(self.device))).float().cpu() for c in parts]
+        fmt = self.memory_format
+        out = [self.model.backbone(to_float(c.to(self.device)).contiguous(memory_format=fmt)).float().cpu()
+               for c in parts]
         self.model.train()
         return torch.cat(out)
 

@@ -100,3 +100,26 @@ def test_a_run_torn_down_is_told_apart_from_a_failing_worker():
     assert not run_torn_down(died("TrainController", removed))
     assert not run_torn_down(died("SynchronizationActor", "The actor is dead because its worker process has died. "
                                   "Worker exit type: SYSTEM_ERROR Worker exit detail: the node was killed (OOM)."))
+
+
+@pytest.mark.parametrize(("overrides", "env", "cpus", "expected"), [
+    ((), None, 2, 2.0),                               # the default: a lone pretraining takes every core here
+    (("ray.num_workers=2",), None, 2, 1.0),           # two workers share them
+    (("ray.num_workers=4",), None, 3, 0.75),          # in quarters, rounded down
+    (("ray.num_workers=16",), None, 2, 0.25),         # never below a quarter (the preflight then refuses 16 x 0.25)
+    (("ray.address=local",), None, 8, 8.0),
+    (("ray.address=10.0.0.1:6379",), None, 8, 1.0),   # a cluster: Ray Train's default
+    ((), "auto", 8, 1.0),                             # RAY_ADDRESS names one too
+    (("ray.cpus_per_worker=0.5",), None, 8, 0.5),     # a number is kept
+])
+def test_worker_cpus_when_null(monkeypatch, overrides, env, cpus, expected):
+    from pipeline.runs import cluster
+
+    monkeypatch.setattr(cluster, "usable_cpus", lambda: cpus)
+    if env is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    params = load_params(ROOT / "params.yaml", list(overrides))
+    assert params.ray.cpus_per_worker == (0.5 if "ray.cpus_per_worker=0.5" in overrides else None)
+    assert cluster.with_worker_cpus(params).ray.cpus_per_worker == expected

@@ -80,6 +80,35 @@ def test_streamed_training_equals_in_memory_bit_for_bit(prepared, mode):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_channels_last_trains_the_same_model(prepared):
+    """``train.memory_format: channels_last``: the image backbone's weights and every input it sees (the steps' views,
+    health, the kNN's embeddings) are in channels-last memory, and 2 epochs give the numbers of the contiguous loop
+    (the convolutions only sum in another order)."""
+    overrides = ["train.epochs=2", "model.depth=1", "train.knn_every=1"]
+    runs = {}
+    for fmt in ("contiguous", "channels_last"):
+        loop = PretrainLoop(load_params(ROOT / "params.yaml", [*overrides, f"train.memory_format={fmt}"]),
+                            load_prepared(prepared), torch.device("cpu"))
+        # the last convolution: the first one's single input channel is the same memory either way
+        conv = [m for m in loop.model.backbone.modules() if isinstance(m, torch.nn.Conv2d)][-1]
+        assert conv.weight.is_contiguous(memory_format=torch.channels_last) == (fmt == "channels_last")
+        seen = []
+        conv.register_forward_hook(lambda m, args, out, seen=seen: seen.append(args[0]))
+        loop.fit(lambda m, ckpt: None)
+        assert seen and all(x.is_contiguous(memory_format=loop.memory_format) for x in seen)
+        runs[fmt] = numbers(loop.history)
+    for a, b in zip(runs["contiguous"], runs["channels_last"], strict=True):
+        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-3) for k in a), (a, b)
+
+
+def test_channels_last_leaves_vectors_alone():
+    """Inputs that are not images (the synthetic subspaces' vectors) have no channels: the setting changes nothing."""
+    data = load_dataset(DataConfig(dataset="synthetic", root="unused"))
+    params = load_params(ROOT / "params.yaml", ["model.backbone=mlp", "train.memory_format=channels_last"])
+    loop = PretrainLoop(params, data, torch.device("cpu"))
+    assert loop.memory_format == torch.contiguous_format and loop.embed(data.test.x[:8]).shape == (8, 128)
+
+
 @pytest.mark.parametrize("mode", ["self_supervised", "supervised"])
 def test_every_rank_reads_the_same_shard_either_way(prepared, mode):
     """With 2 workers each rank's local batch (inputs, ids) is the same from the device copy and streamed."""
