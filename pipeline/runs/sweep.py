@@ -77,6 +77,7 @@ DVC_PARAMS = ("sweep", "model.method", "model.backbone", "model.embed_dim", "mod
               "loss", "augment.preset",
               "train.mode", "train.lr", "train.optimizer", "train.weight_decay", "train.warmup_epochs", "train.seed",
               "train.device", "train.grad_cache_chunk", "train.knn_k", "train.head_lr_scale", "train.precision",
+              "train.memory_format",
               "train.data_budget_mb", "train.head_budget_mb", "ray.num_workers", "ray.use_gpu")
 
 
