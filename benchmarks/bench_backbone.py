@@ -20,6 +20,7 @@ import statistics
 import time
 
 import torch
+from bench_pipeline import plain_step
 from torch import nn
 
 from pipeline.config.model import ModelConfig
@@ -61,12 +62,7 @@ def step_time(name: str, device: torch.device, steps: int, batch: int) -> tuple[
     times = []
     for _ in range(steps + 3):
         t = time.perf_counter()
-        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-            out = run(x, views=2)
-        loss = loss_fn(out.q.float(), out.k.float(), ids, layout="two_view")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        plain_step(run, opt, loss_fn, x, ids, autocast)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)

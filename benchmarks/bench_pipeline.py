@@ -42,6 +42,17 @@ from pipeline.training.precision import for_device
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def plain_step(model, opt, loss_fn, views: torch.Tensor, ids: torch.Tensor, autocast: torch.dtype | None) -> None:
+    """One step of the plain loop: the model on the two views (2b, ...) under ``autocast``, the loss in fp32 on the
+    head's output, backward, Adam."""
+    with torch.autocast(views.device.type, dtype=autocast, enabled=autocast is not None):
+        out = model(views, views=2)
+    loss = loss_fn(out.q.float(), out.k.float(), ids, layout="two_view")
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
 def plain_loop(params: Params, data: Dataset, device: torch.device) -> float:
     """The steps of ``train.epochs`` epochs in a bare loop; returns the wall seconds (the data on the device)."""
     t = params.train
@@ -62,12 +73,7 @@ def plain_loop(params: Params, data: Dataset, device: torch.device) -> float:
             x = to_float(x_all[perm[s * b:(s + 1) * b]])  # (b, ...)
             with torch.no_grad():
                 views = torch.cat([augment(x, gen), augment(x, gen)])  # (2b, ...)
-            with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-                out = model(views, views=2)
-            loss = loss_fn(out.q.float(), out.k.float(), ids, layout="two_view")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            plain_step(model, opt, loss_fn, views, ids, autocast)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
