@@ -61,7 +61,7 @@ def test_a_short_pretrain_and_evaluate_on_a_stratified_subset(project, ray_sessi
     assert prepared.exit_code == 0, prepared.output
     assert "2000 train / 1000 test" in prepared.output
     assert torch.bincount(load_prepared(project / "data/prepared").test.y).tolist() == [100] * 10
-    small = ["-S", "train.epochs=1", "-S", "train.batch_size=128", "-S", "model.embed_dim=32",
+    small = [*DEBIAN, "-S", "train.epochs=1", "-S", "train.batch_size=128", "-S", "model.embed_dim=32",
              "-S", "probe.probes=[knn50]", "-S", "probe.label_fractions=[1.0]", "-S", "probe.tsne_points=0",
              "-S", "probe.affinity_points=200"]
     pretrain = invoke("pretrain", *small, "--no-tracking")
