@@ -139,12 +139,13 @@ def tiny_repro(tmp_path_factory):
 
 
 def declared_plots(repo: Path) -> list[str]:
-    """The ids `dvc plots show` gives the top-level plots of dvc.yaml: the name or path, non-word characters -> _."""
+    """The ids `dvc plots show` gives the top-level plots of dvc.yaml: the name or path, characters other than word
+    characters and "-" -> _ (``benchmarks/results/ssl/cpu-10k/ssl_knn.png`` -> ``benchmarks_results_ssl_cpu-10k_...``)."""
     import re
 
     plots = yaml.safe_load((repo / "dvc.yaml").read_text())["plots"]
     names = [p if isinstance(p, str) else next(iter(p)) for p in plots]
-    return [re.sub(r"\W", "_", n) for n in names]
+    return [re.sub(r"[^\w-]", "_", n) for n in names]
 
 
 # Stands in for vega-embed (the page loads it from a CDN this test never reaches): records each call's target and spec
