@@ -15,7 +15,7 @@ frozen backbone's embeddings are probed on the official 10,000 test images: kNN-
 (``pipeline.evaluation.probes``), fitted on a stratified ``probe.max_train`` subset of the training embeddings, as
 the evaluate stage does.
 
-Outputs (``--out`` folder, default ``benchmarks/results``; a rerun skips the (method, seed) pairs already there):
+Outputs (``--out`` folder, default ``benchmarks/results/ssl/local``; a rerun skips the (method, seed) pairs already there):
 
 - ``ssl.csv``: one row per method and seed (controls included): kNN-200, logistic regression, seconds, samples/s;
 - ``ssl_curves.csv``: one row per method, seed and epoch: the online kNN, the loss, wall-clock seconds since the
@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.evaluation.ssl_report import CONTROLS, PROBES, table
+from pipeline.evaluation.ssl_report import CONTROLS, PROBES, read_rows, table
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = ROOT / "presets/fashion-mnist-ssl.yaml"
@@ -50,13 +50,6 @@ CURVE_FIELDS = ("method", "seed", "epoch", "seconds", "online_knn", "loss", "sam
 def row_overrides(params: dict) -> list[str]:
     """A row's ``params`` dict -> ``-S``-style ``key=value`` overrides (values as JSON, which YAML reads)."""
     return [f"{k}={json.dumps(v)}" for k, v in params.items()]
-
-
-def read_csv(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def append_csv(path: Path, fields: tuple[str, ...], rows: list[dict]) -> None:
@@ -107,23 +100,15 @@ def fit_budget(args: argparse.Namespace, data, device) -> int:
     return epochs
 
 
-def run_seed(args: argparse.Namespace, seed: int, done: set[tuple[str, int]]) -> None:
+def run_seed(args: argparse.Namespace, seed: int, data, device, done: set[tuple[str, int]]) -> None:
+    """Seed ``seed`` of every row and both controls on ``data``, those not in ``done``, appended to the CSVs."""
     import torch
 
     from pipeline.config.params import load_params
-    from pipeline.data.sources import load_dataset
     from pipeline.data.split import to_float
     from pipeline.training.loop import PretrainLoop
 
     base = load_params(args.params, [*args.set, f"train.seed={seed}"])
-    data = load_dataset(base.data)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and base.train.device != "cpu"
-                                          else "cpu"))
-    if device.type == "cpu":
-        torch.set_num_threads(args.threads)
-    if args.budget_s and not any(s.startswith("train.epochs=") for s in args.set):
-        args.set.append(f"train.epochs={fit_budget(args, data, device)}")
-        base = load_params(args.params, [*args.set, f"train.seed={seed}"])
     n_train, n_test = len(data.train.y), len(data.test.y)
     common = {"seed": seed, "batch_size": base.train.batch_size, "n_train": n_train, "n_test": n_test,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
@@ -198,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=Path, default=PRESET)
     ap.add_argument("-S", "--set", action="append", default=[], help="key=value override of the preset (sizes)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/ssl/local",
+                    help="a folder of benchmarks/results/ssl/ is one recorded run (the report shows each)")
     ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when there is one")
     ap.add_argument("--threads", type=int, default=2, help="torch threads on the CPU")
     ap.add_argument("--budget-s", type=float, help="fewer epochs than the preset's so that every run fits this")
@@ -206,13 +192,26 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.plot:
-        done = {(r["method"], int(r["seed"])) for r in read_csv(args.out / "ssl.csv")}
+        import torch
+
+        from pipeline.config.params import load_params
+        from pipeline.data.sources import load_dataset
+
+        base = load_params(args.params, args.set)
+        data = load_dataset(base.data)  # the same images for every seed (data.seed is not train.seed)
+        cuda = torch.cuda.is_available() and base.train.device != "cpu"
+        device = torch.device(args.device or ("cuda" if cuda else "cpu"))
+        if device.type == "cpu":
+            torch.set_num_threads(args.threads)
+        if args.budget_s and not any(s.startswith("train.epochs=") for s in args.set):
+            args.set.append(f"train.epochs={fit_budget(args, data, device)}")
+        done = {(r["method"], int(r["seed"])) for r in read_rows(args.out / "ssl.csv")}
         for seed in args.seeds:
-            run_seed(args, seed, done)
-    curves = read_csv(args.out / "ssl_curves.csv")
+            run_seed(args, seed, data, device, done)
+    curves = read_rows(args.out / "ssl_curves.csv")
     if curves:
         plot(curves, args.out / "ssl_knn.png")
-    print(table(read_csv(args.out / "ssl.csv")))
+    print(table(read_rows(args.out / "ssl.csv")))
     return 0
 
 
