@@ -15,7 +15,8 @@ frozen backbone's embeddings are probed on the official 10,000 test images: kNN-
 (``pipeline.evaluation.probes``), fitted on a stratified ``probe.max_train`` subset of the training embeddings, as
 the evaluate stage does.
 
-Outputs (``--out`` folder, default ``benchmarks/results/ssl/local``; a rerun skips the (method, seed) pairs already there):
+Outputs (``--out`` folder, default ``benchmarks/results/ssl/local``; a rerun skips the (method, seed) pairs
+already there):
 
 - ``ssl.csv``: one row per method and seed (controls included): kNN-200, logistic regression, seconds, samples/s;
 - ``ssl_curves.csv``: one row per method, seed and epoch: the online kNN, the loss, wall-clock seconds since the
