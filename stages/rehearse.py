@@ -1,5 +1,5 @@
 """``rehearse`` command: a shipped params file's jobs, end to end on this machine, shrunk only in size
-(``pipeline.runs.rehearse``), before a cluster is rented for them.
+(``pipeline.config.rehearse``), before a cluster is rented for them.
 
 Writes the shrunk params and every job's outputs under ``--dir`` (default ``.rehearsal/<file name>/``, git-ignored,
 emptied first), with an MLflow store of its own there; the project's outputs and runs are not touched. ``--resume``
@@ -35,7 +35,7 @@ DEFAULT_DIR = ".rehearsal"
 @click.option("--params", "params_path", default="params.yaml", show_default=True, type=click.Path(dir_okay=False),
               help="The params file to rehearse (params.yaml, presets/*.yaml).")
 @click.option("-S", "--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Another size (repeatable); control keys are refused (pipeline/runs/rehearse.py: SIZE_KEYS).")
+              help="Another size (repeatable); control keys are refused (pipeline/config/rehearse.py: SIZE_KEYS).")
 @click.option("--gpus", type=click.IntRange(min=0), default=0, show_default=True,
               help="GPUs the local Ray declares (its workers train on gloo/CPU); 0 rehearses on CPUs.")
 @click.option("--dir", "work_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -49,8 +49,8 @@ def rehearse_cmd(params_path: str, overrides: tuple[str, ...], gpus: int, work_d
     """Rehearse a params file's jobs end to end on this machine, shrunk only in size (data, backbone, epochs, grid
     lengths, CPUs, storage, declared GPUs), every control key as shipped."""
     from pipeline.config.base import ParamsError
+    from pipeline.config.rehearse import plan
     from pipeline.host import usable_cpus
-    from pipeline.runs.rehearse import plan
 
     started = time.time()
     if gpus and os.environ.get("RAY_ADDRESS"):

@@ -31,7 +31,7 @@ def test_kuberay_cluster_mounts_one_shared_volume_everywhere():
 
 
 # ---------------------------------------------------------------------------------- recipes x the sweep preset
-# A preset trial asks for its function's {CPU: 0.25} (pipeline.runs.tune.TRIAL_CPU) and ray.num_workers = 4 workers of
+# A preset trial asks for its function's {CPU: 0.25} (pipeline.config.ray.TRIAL_CPU) and ray.num_workers = 4 workers of
 # {CPU: sweep.cpus_per_worker = 3, GPU: 1}. Both recipes give the head 2 Ray CPUs (8 trial functions) and GPU nodes
 # of {CPU: 3, GPU: 1} (one worker each, no CPU left over for a trial function), 16 of them at most: 16 GPUs / 4 per
 # trial = 4 trials at once, the preset's sweep.max_concurrent_trials (Ray cannot say how far an autoscaler may grow
@@ -63,8 +63,8 @@ def _recipe(name):
 @pytest.mark.parametrize("recipe", ["aws", "kuberay"])
 def test_recipe_runs_the_preset_trials_at_once_with_every_gpu_node_busy(recipe):
     from pipeline.config.params import load_params
+    from pipeline.config.ray import TRIAL_CPU
     from pipeline.runs.resources import TrialShape, infeasible
-    from pipeline.runs.tune import TRIAL_CPU
 
     (head_cpus, _), (node_cpus, node_gpus, _, most) = _recipe(recipe)
     p = load_params(ROOT / "presets/cluster-sweep.yaml")

@@ -9,6 +9,8 @@ from pydantic import Field
 
 from pipeline.config.base import Section
 
+TRIAL_CPU = 0.25  # a Tune trial's own CPUs (its function's; a one-worker trial also holds its worker's bundle)
+
 
 class RayConfig(Section):
     address: str | None = None

@@ -32,11 +32,11 @@ from ray import tune
 
 from pipeline.config.base import ParamsError, flatten
 from pipeline.config.params import Params
+from pipeline.config.ray import TRIAL_CPU
 from pipeline.evaluation.report import HEADER, NA, PAPER_TABLES, RULE, fmt_cell, fmt_minutes, table_row
 from pipeline.runs import tracking as trk
 from pipeline.runs.train import WorkerSpec, error_reason, say
 from pipeline.runs.tune import (
-    TRIAL_CPU,
     SweepResult,
     TrialTracker,
     at_once,

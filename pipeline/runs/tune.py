@@ -33,6 +33,7 @@ from typing import Any
 from ray import tune
 
 from pipeline.config.params import Params, validate_params
+from pipeline.config.ray import TRIAL_CPU
 from pipeline.evaluation.health import is_health_key
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import TRIAL_CONSOLE_LEVEL
@@ -52,8 +53,6 @@ from pipeline.runs.train import (
     status_reason,
     worker_device,
 )
-
-TRIAL_CPU = 0.25  # a trial's own CPUs (its function's; a one-worker trial also holds its worker's bundle)
 
 
 class SweepError(RuntimeError):

@@ -139,8 +139,8 @@ def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
     many trials at once as pipeline.runs.resources computes, probes on a worker's GPU bundle. Ctrl-C while its sweep
     of two-worker trials runs ends the rehearsal in 30 s, with no partial sweep outputs and MLflow's sweep run KILLED;
     the command it prints resumes it: the unfinished trials only, every epoch logged once, the same MLflow run."""
+    from pipeline.config.ray import TRIAL_CPU
     from pipeline.runs.resources import TrialShape, trials_at_once
-    from pipeline.runs.tune import TRIAL_CPU
 
     assert ON_DECLARED_GPUS in FILES
     work, log = tmp_path / "gpu", tmp_path / "trials.log"

@@ -35,9 +35,9 @@ from typing import Any
 
 from pipeline.config.base import ParamsError, parse_override, read_params_file
 from pipeline.config.params import validate_params
+from pipeline.config.ray import TRIAL_CPU
 from pipeline.config.tables import TablesConfig
 
-TRIAL_CPU = 0.25  # a trial's own CPUs (pipeline.runs.tune.TRIAL_CPU; tests/runs/test_rehearse.py checks they agree)
 GRID_KEYS = ("sweep.depth", "sweep.batch_size", "sweep.strength", "sweep.lr", "tables.rows", "sets.seeds",
              "sets.datasets")
 

@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.config.base import flatten, read_params_file
 from pipeline.config.params import validate_params
-from pipeline.runs.rehearse import GRID_KEYS, SIZE_KEYS, RehearsalError, get, plan, with_default_rows
+from pipeline.config.rehearse import GRID_KEYS, SIZE_KEYS, RehearsalError, get, plan, with_default_rows
 from tests.conftest import ROOT
 
 SHIPPED = ["params.yaml", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "presets").glob("*.yaml"))]
@@ -134,12 +134,6 @@ def test_trials_at_once_are_this_machines_unless_told():
     assert get(p.raw, "sweep.max_concurrent_trials") == 1
     p = plan(ROOT / "presets/paper-tables.yaml")
     assert get(p.raw, "tables.max_concurrent_trials") is None
-
-
-def test_trial_cpu_is_the_sweeps():
-    from pipeline.runs import rehearse, tune
-
-    assert rehearse.TRIAL_CPU == tune.TRIAL_CPU
 
 
 def test_the_command_refuses_a_control_key_before_any_work(tmp_path, monkeypatch, ray_starts):
