@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from tests import faults
+from tests.config.test_rehearse import FILES, SETS_FILES
 from tests.conftest import ROOT, invoke
-from tests.runs.test_rehearse import FILES, SETS_FILES
 from tests.stages.test_sweep import sweep_runs
 
 pytestmark = [pytest.mark.slow]
