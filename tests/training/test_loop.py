@@ -364,3 +364,18 @@ def test_online_knn_bank_holds_the_last_images_in_step_order(prepared):
     z, index = separable_bank(loop.y_train, steps=30, b=256)  # 7,680 rows
     assert loop.knn(z, index) == 1.0
     assert loop.knn(z[::-1], index[::-1]) == 0.0  # the same rows, oldest last: the wrong ones in the bank
+
+
+@pytest.mark.parametrize("limit_train", [256, None])
+def test_the_monitors_cost_is_its_test_queries_whatever_the_training_set(limit_train, one_thread):
+    """What a monitored epoch embeds beyond its steps: the kNN's test queries (min(KNN_QUERIES, test set)) and the
+    health's one global batch of two views, the same rows on 256 training images as on all of them."""
+    data = load_dataset(DataConfig(dataset="digits", root="unused", limit_train=limit_train))
+    params = load_params(ROOT / "params.yaml", ["train.epochs=1", "train.knn_every=1", "train.batch_size=64",
+                                                "model.depth=1"])
+    loop = PretrainLoop(params, data, torch.device("cpu"))
+    rows = []
+    loop.model.backbone.register_forward_hook(
+        lambda m, args, out: rows.append(len(args[0])) if not m.training else None)
+    loop.fit(lambda m, ckpt: None)
+    assert sum(rows) == min(KNN_QUERIES, len(data.test.y)) + 2 * 64
