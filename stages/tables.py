@@ -36,7 +36,8 @@ OUT = Path("tables")
 def tables_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Run the paper's Tables 1-2 (tables.rows) as one Ray Tune job and write reports/TABLES.md."""
     from pipeline.data.prepared import load_prepared
-    from pipeline.runs.tables import COLUMNS, csv_records, render, resolve_rows, run_tables
+    from pipeline.evaluation.tables_report import COLUMNS, csv_records, render
+    from pipeline.runs.tables import resolve_rows, run_tables
     from pipeline.runs.train import cleanup
     from pipeline.runs.tune import SweepError, finish_tracking
 

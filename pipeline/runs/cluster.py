@@ -34,13 +34,11 @@ from pipeline.config.base import ParamsError
 from pipeline.config.params import Params
 from pipeline.host import usable_cpus
 from pipeline.runs.ray_undocumented import pending_nodes
-from pipeline.runs.resources import KINDS
+from pipeline.runs.resources import KINDS, TrialShape, infeasible
 
 if TYPE_CHECKING:
     import ray
     import ray.train
-
-    from pipeline.runs.resources import TrialShape
 
 
 #: What no Ray setting keeps off the console, as the filter Ray's driver applies to each line a worker prints before
@@ -315,8 +313,6 @@ def local_nodes() -> list[dict[str, float]]:
     uses Ray's own count)."""
     import torch
 
-    from pipeline.host import usable_cpus
-
     return [{"CPU": float(usable_cpus()), "GPU": float(torch.cuda.device_count())}]
 
 
@@ -336,8 +332,6 @@ def use_gpu(params: Params, gpus: float) -> bool:
 
 
 def _shape(params: Params, gpu: bool, cpus_per_worker: float | None, trial_cpu: float) -> TrialShape:
-    from pipeline.runs.resources import TrialShape
-
     return TrialShape(params.ray.num_workers, cpus_per_worker or params.ray.cpus_per_worker, gpu, trial_cpu)
 
 
@@ -345,8 +339,6 @@ def check_request(params: Params, nodes: list[dict[str, float]], *, gpu: bool, c
                   trial_cpu: float = 0.0, what: str = "pretraining") -> None:
     """Raise :class:`ParamsError` if ``ray.num_workers`` workers (plus a trial's own bundle) can never fit on
     ``nodes``, all the nodes there will be."""
-    from pipeline.runs.resources import infeasible
-
     reason = infeasible(nodes, _shape(params, gpu, cpus_per_worker, trial_cpu), what=what)
     if reason:
         raise ParamsError(reason)
@@ -447,8 +439,6 @@ def start_local_ray(num_gpus: int = 0, **init: Any) -> None:
     this Ray also while other local Rays run (without, it cannot, and the bundles stay taken). ``init``: more
     ``ray.init`` arguments (``num_cpus``, ``object_store_memory``)."""
     import ray
-
-    from pipeline.host import usable_cpus
 
     if ray.is_initialized():
         return

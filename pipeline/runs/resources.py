@@ -77,12 +77,8 @@ def places(nodes: Sequence[Mapping[str, float]], shape: TrialShape) -> bool:
     return True
 
 
-def _n(x: float) -> str:
-    return f"{x:g}"
-
-
 def _plural(x: float, word: str) -> str:
-    return f"{_n(x)} {word}{'' if x == 1 else 's'}"
+    return f"{x:g} {word}{'' if x == 1 else 's'}"
 
 
 def infeasible(nodes: Sequence[Mapping[str, float]], shape: TrialShape | None = None, *,

@@ -120,10 +120,10 @@ def _copy(open_src: Any, open_dst: Any) -> None:
 
 def staged_manifest(location: str) -> dict[str, Any] | None:
     """The manifest of a staged copy, or None if there is none (or it is unreadable)."""
-    return _read_json(location, MANIFEST)
+    return read_json(location, MANIFEST)
 
 
-def _read_json(location: str, name: str) -> dict[str, Any] | None:
+def read_json(location: str, name: str) -> Any:
     """``<location>/<name>`` (a local path or a URI) parsed as JSON, or None if missing or unreadable."""
     try:
         filesystem, path = _fs(location)
@@ -225,12 +225,12 @@ def checkpoint_dirs(run_dir: str) -> list[str]:
 
 def read_placement(run_dir: str) -> Any:
     """What :func:`write_placement` left in ``run_dir`` (a local path or a URI), or None."""
-    return _read_json(run_dir, PLACEMENT_FILE)
+    return read_json(run_dir, PLACEMENT_FILE)
 
 
 def read_status(run_dir: str) -> dict[str, Any] | None:
     """The status a worker left in ``run_dir`` (a local path or a URI), or None."""
-    return _read_json(run_dir, STATUS_FILE)
+    return read_json(run_dir, STATUS_FILE)
 
 
 def clear_status(run_dir: str) -> None:

@@ -12,7 +12,8 @@ frozen backbone is then probed as the paper does.
 - MLflow, from the driver (:class:`TablesTracker`, a ``pipeline.runs.tune.TrialTracker``): one parent run, one
   child per row with its per-epoch metrics, its probe accuracies and its hours; FAILED with the reason for a row that
   failed.
-- :func:`render` lays the two tables out as the paper does, our row under the paper's row it reproduces.
+- ``pipeline.evaluation.tables_report`` lays the two tables out as the paper does, our row under the paper's row it
+  reproduces.
 
 Probes run after training where the row's resources are (:func:`probe_where_trained`: in the trial of a one-worker
 row, as a Ray task of one worker's CPUs and GPU for a row of several workers); ``probe.max_train`` caps their
@@ -33,7 +34,8 @@ from ray import tune
 from pipeline.config.base import ParamsError, flatten
 from pipeline.config.params import Params
 from pipeline.config.ray import TRIAL_CPU
-from pipeline.evaluation.report import HEADER, NA, PAPER_TABLES, RULE, fmt_cell, fmt_minutes, table_row
+from pipeline.evaluation.report import NA, PAPER_TABLES, fmt_cell, fmt_minutes
+from pipeline.evaluation.tables_report import PROBES
 from pipeline.runs import tracking as trk
 from pipeline.runs.train import WorkerSpec, error_reason, say
 from pipeline.runs.tune import (
@@ -50,11 +52,7 @@ from pipeline.runs.tune import (
     tune_job,
 )
 
-PROBES = ("ffn", "svm", "knn50", "knn200")  # the paper's columns, in the order of report.COLUMNS
 STAGE = "tables"
-COLUMNS = ("table", "name", "paper", "trial_id", "train.mode", "loss.name", "model.depth", "model.backbone",
-           "train.batch_size", "epochs", *PROBES, "train_minutes", "fit_seconds", "eval_seconds", "workers", "gpus",
-           "hours", "hours_unit", "probe_cpus", "probe_gpus", "status", "error")
 
 
 # ---------------------------------------------------------------------------------------------------- rows
@@ -73,14 +71,9 @@ class Row:
                 "params": self.overrides}
 
 
-def base_params(params: Params) -> dict[str, Any]:
-    """What every row starts from: the file's params (its ``tables`` section left out)."""
-    return params.model_dump()
-
-
 def resolve_rows(params: Params, n_train: int | None = None) -> list[Row]:
     """Every row's full params; raises :class:`ParamsError` naming each bad row and key, before any work."""
-    base = base_params(params)
+    base = params.model_dump()  # what every row starts from
     modes = {1: "self_supervised", 2: "supervised"}
     rows, problems = [], []
     for i, r in enumerate(params.tables.rows):
@@ -114,10 +107,6 @@ def job_name(params: Params, manifest: dict[str, Any]) -> str:
     return trk.stable_name(STAGE, keyed, manifest)
 
 
-def hours_unit(gpu: bool) -> str:
-    return "GPU-hours" if gpu else "worker-hours"
-
-
 # -------------------------------------------------------------------------------------------------- probes
 def probe_backbone(params: Params, data, model) -> tuple[dict[str, float], int]:
     """The paper's probes on the frozen backbone embeddings, 100 % of the (``probe.max_train``-capped) train labels;
@@ -143,11 +132,6 @@ def probe_backbone(params: Params, data, model) -> tuple[dict[str, float], int]:
 
 
 # --------------------------------------------------------------------------------------------------- trial
-def row_labels(row: dict[str, Any]) -> dict[str, Any]:
-    """A row's identity: the MLflow params of its child run."""
-    return {"table": row["table"], "row": row["name"], **row["params"]}
-
-
 def probe_row(params: dict[str, Any], data_dir: str, manifest: dict[str, Any],
               model_state: dict[str, Any]) -> tuple[dict[str, float], int, dict[str, float]]:
     """A row's probes on its trained model (:func:`probe_backbone`), wherever this runs; also returns the Ray
@@ -215,7 +199,8 @@ class TablesTracker(TrialTracker):
         self.unit = unit
 
     def labels(self, config: dict[str, Any]) -> dict[str, Any]:
-        return row_labels(config["row"])
+        row = config["row"]  # its identity: the MLflow params of its child run
+        return {"table": row["table"], "row": row["name"], **row["params"]}
 
     def child_name(self, config: dict[str, Any]) -> str:
         """A row's MLflow run name: ``TransFusion 9-Layer (table 1)``."""
@@ -304,8 +289,8 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
                   **{f"tables.{r.table}.{r.name}": json.dumps(r.overrides, sort_keys=True) for r in rows}}
         uri, exp, parent = mlflow_run(root, name, stage=STAGE, title=trk.tables_label([r.table for r in rows]),
                                       logged=logged, manifest=manifest, data_dir=data_dir, tags={STAGE: name})
-    unit = hours_unit(gpu)
-    base = base_params(params)
+    unit = "GPU-hours" if gpu else "worker-hours"
+    base = params.model_dump()  # what every row starts from
     job = WorkerSpec(params=base, data_dir=stage_prepared(data_dir, storage), manifest=manifest, storage=storage,
                      name=name, use_gpu=gpu, callbacks=callbacks)
     space = {"row": tune.grid_search([r.config() for r in rows])}
@@ -331,60 +316,3 @@ def as_sweep(params: Params) -> Params:
     sweep = params.sweep.model_copy(update={"cpus_per_worker": params.ray.cpus_per_worker,
                                             "max_concurrent_trials": params.tables.max_concurrent_trials})
     return params.model_copy(update={"sweep": sweep})
-
-
-# ------------------------------------------------------------------------------------------------- outputs
-def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: str) -> str:
-    """``reports/TABLES.md``: Tables 1-2 in the paper's layout, each of our rows under the paper's row it reproduces
-    (ours in bold; "n/a": not computed), with the cost of each row in ``unit``."""
-    m, t = params.model, params.train
-    lines = [
-        "# The paper's Tables 1-2, reproduced",
-        "",
-        f"Ours: dataset **{dataset}**, backbone `{m.backbone}`, {t.epochs} epochs (unless a row says otherwise), "
-        f"augmentation `{params.augment.preset}`, {params.ray.num_workers} worker(s) per row. Probes on the frozen "
-        "backbone embeddings of the test split (3-layer FFN 256/128/64, SVM, K-NN k=50 and k=200), fitted on 100 % "
-        "of the train labels" + (f" (at most {params.probe.max_train} samples)" if params.probe.max_train else "")
-        + ". Time: our training minutes. The paper's rows are CIFAR-10 with ResNet-18 for 200 epochs: compare "
-        "values only if ours is that recipe.",
-        "",
-    ]
-    failed = []
-    for table, (caption, paper_rows) in PAPER_TABLES.items():
-        ours = [r for r in records if r["table"] == table]
-        if not ours:
-            continue
-        lines += [f"## {caption}", "", HEADER + f" {unit} |", RULE + "---|"]
-        placed = set()
-        for name, batch, accs, minutes in paper_rows:
-            lines.append(table_row(f"paper: {name}", batch, accs, minutes, "-"))
-            for r in ours:
-                if r["paper"] == name and r["index"] not in placed and (
-                        r["train.batch_size"] == batch or not any(n == name and b == r["train.batch_size"]
-                                                                  for n, b, *_ in paper_rows)):
-                    lines.append(_our_row(r))
-                    placed.add(r["index"])
-        lines += [_our_row(r) for r in ours if r["index"] not in placed]
-        failed += [r for r in ours if r["status"] != "TERMINATED"]
-        lines.append("")
-    if failed:
-        lines += ["Rows that failed (their numbers are n/a):", ""]
-        lines += [f"- table {r['table']} **{r['name']}**: {r['error']}" for r in failed]
-        lines.append("")
-    lines += ["Rows and their params:", "", "| table | row | params |", "|---|---|---|"]
-    lines += [f"| {r.table} | {r.name} | `{json.dumps(r.params, sort_keys=True)}` |" for r in params.tables.rows]
-    lines.append("")
-    return "\n".join(lines)
-
-
-def _our_row(r: dict[str, Any]) -> str:
-    accs = tuple(NA if r[k] is None else r[k] for k in PROBES)
-    minutes = NA if r["train_minutes"] is None else float(r["train_minutes"])
-    hours = NA if r["hours"] is None else fmt_cell(float(r["hours"]))
-    return table_row(f"**ours: {r['name']}**", r["train.batch_size"], accs, minutes, hours)
-
-
-def csv_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``tables/results.csv`` rows: a number we could not compute is "n/a"."""
-    return [{k: NA if r.get(k) is None or (isinstance(r.get(k), float) and not math.isfinite(r[k])) else r[k]
-             for k in COLUMNS} for r in records]

@@ -204,15 +204,6 @@ def worker_device(use_gpu: bool, backend: str, *, ray_train: bool = True) -> tor
                        "(a rehearsal on a node that only declares GPUs)")
 
 
-def torch_config(backend: str) -> Any:
-    """Ray Train's ``TorchConfig`` for ``ray.backend`` (None: Ray's default, nccl on GPUs and gloo otherwise)."""
-    if backend == "auto":
-        return None
-    from ray.train.torch import TorchConfig
-
-    return TorchConfig(backend=backend)
-
-
 class Session:
     """Where a worker's checkpoint comes from and where its per-epoch reports go.
 
@@ -484,7 +475,7 @@ def fit_run(spec: WorkerSpec, params: Params, callbacks: list[Any], keep: int, m
     console at ``console_level`` (a trial's: ``pipeline.runs.cluster.TRIAL_CONSOLE_LEVEL``). Returns
     the state in its final checkpoint and where that is (None, None without one)."""
     import ray.train
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     # the controller collects each report when it polls (default every 2 s) and a worker's next report
     # waits for that: with short epochs that idles the workers, so poll faster (propagated by Ray Train)
@@ -492,7 +483,8 @@ def fit_run(spec: WorkerSpec, params: Params, callbacks: list[Any], keep: int, m
     result = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"spec": spec},
-        torch_config=torch_config(params.ray.backend),
+        # auto: Ray's own choice (backend None: nccl on GPUs, gloo otherwise)
+        torch_config=TorchConfig(backend=None if params.ray.backend == "auto" else params.ray.backend),
         scaling_config=ray.train.ScalingConfig(num_workers=params.ray.num_workers, use_gpu=spec.use_gpu,
                                                resources_per_worker={"CPU": params.ray.cpus_per_worker}),
         run_config=ray.train.RunConfig(name=spec.name, storage_path=spec.storage, callbacks=callbacks,

@@ -38,7 +38,7 @@ from pipeline.evaluation.health import is_health_key
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import TRIAL_CONSOLE_LEVEL
 from pipeline.runs.resources import TrialShape, trials_at_once
-from pipeline.runs.storage import clear_status, is_uri, join
+from pipeline.runs.storage import clear_status, is_uri, join, read_json
 from pipeline.runs.train import (
     HISTORY_FILE,
     Session,
@@ -395,17 +395,7 @@ def checkpoint_history(checkpoint_path: Any, name: str = HISTORY_FILE) -> list[d
     ``name`` :data:`pipeline.runs.train.WORKERS_FILE`, where each rank ran."""
     if not isinstance(checkpoint_path, str) or not checkpoint_path:
         return None
-    from pyarrow import fs as pafs
-
-    try:
-        if "://" in checkpoint_path:
-            filesystem, path = pafs.FileSystem.from_uri(checkpoint_path)
-        else:
-            filesystem, path = pafs.LocalFileSystem(), checkpoint_path
-        with filesystem.open_input_stream(f"{path}/{name}") as f:
-            return json.loads(f.read())
-    except (OSError, ValueError):
-        return None
+    return read_json(checkpoint_path, name)
 
 
 def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, tracker: TrialTracker, concurrent: int,
@@ -437,7 +427,7 @@ def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, track
             tune_config=tune.TuneConfig(metric=metric, mode="max" if metric else None, scheduler=scheduler,
                                         num_samples=num_samples,
                                         max_concurrent_trials=concurrent, reuse_actors=reuse_actors,
-                                        trial_dirname_creator=lambda t: f"trial-{t.trial_id}"),
+                                        trial_dirname_creator=lambda t: trial_name(t.trial_id)),
             run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0, callbacks=[tracker]),
         )
     start = time.time()
@@ -449,18 +439,14 @@ def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, track
     unfinished = tracker.unfinished()
     if unfinished or not tracker.status:
         tracker.kill_unfinished()
-        _end_parent(tracker, "KILLED")
+        trk.end_run(tracker.uri, tracker.parent_id, "KILLED")
         total = max(tracker.total, len(tracker.status))
         raise SweepError(f"the {what} was interrupted with {len(unfinished)} of {total} trials unfinished; rerun "
                          f"the stage to resume it from {path}")
     if all(r.error for r in grid):
-        _end_parent(tracker, "FAILED")
+        trk.end_run(tracker.uri, tracker.parent_id, "FAILED")
         raise SweepError(f"every trial of the {what} failed: " + "; ".join(error_reason(r.error) for r in grid)[:2000])
     return grid, resumed, time.time() - start
-
-
-def _end_parent(tracker: TrialTracker, status: str) -> None:
-    trk.end_run(tracker.uri, tracker.parent_id, status)
 
 
 def finish_tracking(root: Path, result: SweepResult, best: dict[str, Any] | None, files: list[Path]) -> None:
