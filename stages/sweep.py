@@ -80,8 +80,9 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
 @runtime_errors(DatasetError, TrackingError, ClusterError, ValueError, StorageError)
 def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Sweep depth, batch size and augmentation strength with Ray Tune (each trial a Ray Train run)."""
+    from pipeline.config.space import SPACE_KEYS, check_points
     from pipeline.data.prepared import load_prepared
-    from pipeline.runs.sweep import SPACE_KEYS, check_points, run_sweep
+    from pipeline.runs.sweep import run_sweep
     from pipeline.runs.train import cleanup
     from pipeline.runs.tune import SweepError, finish_tracking
 

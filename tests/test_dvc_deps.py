@@ -232,7 +232,7 @@ def sweep_reads() -> list[str]:
     the section name where every key of it (in params.yaml) is read, else the keys, in params.yaml's order."""
     from pipeline.config.base import flatten
     from pipeline.config.params import load_params
-    from pipeline.runs.sweep import axes, base_params
+    from pipeline.config.space import axes, base_params
 
     # every value base_params might overwrite set to something else than what it would write
     params = load_params(ROOT / "params.yaml", [

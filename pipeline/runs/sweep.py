@@ -1,12 +1,11 @@
 """Ray Tune sweeps over depth, batch size and augmentation strength (and lr): the paper's claims, tested.
 
-The sweep's own logic: its space (:func:`axes`, :func:`grid_points`: grid or random draws, repeats as seeds), every
-trial's base params (:func:`base_params`) and their validation before any work (:func:`check_points`), its stable
-name (:func:`sweep_name`), the job (:func:`run_sweep`) and its rows (:func:`trial_rows`). Each trial runs the
-pretraining worker loop on its point of the space through ``pipeline.runs.tune`` (the Ray Tune machinery this job
-shares with the paper's tables): in the trial itself for one worker, as a Ray Train run for several; either way Tune
-gets the same per-epoch metrics (online kNN accuracy, loss, measured view noise ε, the blocks' health), and ASHA
-(optional) stops the hopeless trials early.
+The sweep's job: its space and every trial's params come from ``pipeline.config.space`` (pure, checked before any
+work); here its stable name (:func:`sweep_name`), the job (:func:`run_sweep`) and its rows (:func:`trial_rows`).
+Each trial runs the pretraining worker loop on its point of the space through ``pipeline.runs.tune`` (the Ray Tune
+machinery this job shares with the paper's tables): in the trial itself for one worker, as a Ray Train run for
+several; either way Tune gets the same per-epoch metrics (online kNN accuracy, loss, measured view noise ε, the
+blocks' health), and ASHA (optional) stops the hopeless trials early.
 
 Resources: a trial holds ``TRIAL_CPU`` and its workers ``ray.num_workers × sweep.cpus_per_worker``;
 ``max_concurrent_trials`` is ``sweep.max_concurrent_trials``, else what the cluster's limiting resource holds
@@ -21,7 +20,6 @@ resume from their checkpoints, and the same MLflow parent and children continue.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import time
@@ -30,8 +28,18 @@ from typing import Any
 
 from ray import tune
 
-from pipeline.config.base import ParamsError, flatten
+from pipeline.config.base import flatten
 from pipeline.config.params import Params
+from pipeline.config.space import (
+    SPACE_KEYS,
+    axes,
+    base_params,
+    check_points,
+    grid_points,
+    point_of,
+    point_params,
+    trial_params,
+)
 from pipeline.evaluation.health import dead_blocks, is_health_key, unflat
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import connect, wait_for_workers
@@ -55,18 +63,12 @@ from pipeline.runs.tune import (
     inline,
     last_checkpoint_path,
     max_concurrent,
-    point_of,
     trainable,
     trial_name,
-    trial_params,
     trial_placement,
     tune_job,
 )
 
-SPACE_KEYS = {"depth": "model.depth", "batch_size": "train.batch_size", "strength": "augment.strength",
-              "lr": "train.lr"}
-SEED_KEY = "train.seed"
-ABC_DEPTH = "model.abc.blocks"  # what the depth axis sets with model.method: abc (point_params)
 # The params.yaml keys a sweep's result depends on: dvc.yaml's sweep stage lists exactly these (a whole section
 # where every key is read). Its own section, and every trial's base (`base_params`) without what that overwrites
 # (train.epochs, knn_every, checkpoint_every; ray.cpus_per_worker) or always sweeps (model.depth, train.batch_size,
@@ -79,56 +81,6 @@ DVC_PARAMS = ("sweep", "model.method", "model.backbone", "model.embed_dim", "mod
               "train.device", "train.grad_cache_chunk", "train.knn_k", "train.head_lr_scale", "train.precision",
               "train.memory_format",
               "train.data_budget_mb", "train.head_budget_mb", "ray.num_workers", "ray.use_gpu")
-
-
-# ------------------------------------------------------------------------------------------------- space
-def axes(params: Params) -> dict[str, list[Any]]:
-    """The swept keys and their values, ``{"model.depth": [0, 1], ...}``; lr only if listed.
-
-    In grid mode ``sweep.num_samples`` > 1 repeats the grid with seeds ``train.seed + 0 .. num_samples - 1``
-    (identical repeats would only measure the same run twice).
-    """
-    s = params.sweep
-    out = {SPACE_KEYS[k]: list(getattr(s, k)) for k in SPACE_KEYS if getattr(s, k)}
-    if s.search == "grid" and s.num_samples > 1:
-        out[SEED_KEY] = [params.train.seed + i for i in range(s.num_samples)]
-    return out
-
-
-def grid_points(params: Params) -> list[dict[str, Any]]:
-    """Every combination of the sweep's values, as ``{"model.depth": 1, ...}``."""
-    a = axes(params)
-    return [dict(zip(a, combo, strict=True)) for combo in itertools.product(*a.values())]
-
-
-def base_params(params: Params) -> dict[str, Any]:
-    """What every trial shares: the params with the sweep's epochs, a kNN check every epoch (ASHA's metric),
-    a checkpoint every epoch (resume loses at most one) and the sweep's per-worker CPUs."""
-    base = params.model_dump()
-    base["train"]["epochs"] = params.sweep.epochs
-    base["train"]["knn_every"] = 1
-    base["train"]["warmup_epochs"] = min(base["train"]["warmup_epochs"], params.sweep.epochs - 1)
-    base["train"]["checkpoint_every"] = 1
-    base["ray"]["cpus_per_worker"] = params.sweep.cpus_per_worker
-    return base
-
-
-def point_params(base: dict[str, Any], point: dict[str, Any]) -> Params:
-    """A trial's params: the base with the point applied. With ``model.method: abc`` the depth axis sets ABC's SAB
-    blocks (``model.abc.blocks``; ABC has no TransFusion blocks), while the point, its labels and the result columns
-    keep the name ``model.depth``."""
-    if base["model"].get("method") == "abc":
-        point = {ABC_DEPTH if k == SPACE_KEYS["depth"] else k: v for k, v in point.items()}
-    return trial_params(base, point)
-
-
-def check_points(params: Params, n_train: int | None = None) -> None:
-    """Validate every point of the space before any work; raises ParamsError naming the point and the key."""
-    base = base_params(params)
-    for point in grid_points(params):
-        p = point_params(base, point)
-        if n_train is not None and p.train.batch_size > n_train:
-            raise ParamsError(f"sweep.batch_size: {p.train.batch_size} exceeds the training set ({n_train} samples)")
 
 
 def sweep_name(params: Params, manifest: dict[str, Any]) -> str:

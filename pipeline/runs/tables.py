@@ -34,6 +34,7 @@ from ray import tune
 from pipeline.config.base import ParamsError, flatten
 from pipeline.config.params import Params
 from pipeline.config.ray import TRIAL_CPU
+from pipeline.config.space import trial_params
 from pipeline.evaluation.report import NA, PAPER_TABLES, fmt_cell, fmt_minutes
 from pipeline.evaluation.tables_report import PROBES
 from pipeline.runs import tracking as trk
@@ -47,7 +48,6 @@ from pipeline.runs.tune import (
     inline,
     max_concurrent,
     trainable,
-    trial_params,
     trial_placement,
     tune_job,
 )

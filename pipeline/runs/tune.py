@@ -20,7 +20,6 @@ tables (``pipeline.runs.tables``): a library both use, knowing neither.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -32,8 +31,9 @@ from typing import Any
 
 from ray import tune
 
-from pipeline.config.params import Params, validate_params
+from pipeline.config.params import Params
 from pipeline.config.ray import TRIAL_CPU
+from pipeline.config.space import describe, point_of
 from pipeline.evaluation.health import is_health_key
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import TRIAL_CONSOLE_LEVEL
@@ -61,29 +61,6 @@ class SweepError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------- params
-def trial_params(base: dict[str, Any], point: dict[str, Any], source: str | None = None) -> Params:
-    """The base params with one point of the space applied (validated: e.g. batch vs workers); errors name
-    ``source`` (default: the sweep point)."""
-    raw = json.loads(json.dumps(base))
-    for dotted, value in point.items():  # "model.depth", or nested: "model.abc.blocks"
-        *path, key = dotted.split(".")
-        node = raw
-        for part in path:
-            node = node.setdefault(part, {})
-        node[key] = value
-    return validate_params(raw, source=source or f"sweep point {point}")
-
-
-def point_of(config: dict[str, Any]) -> dict[str, Any]:
-    """A trial's point: the dotted keys of its config (``{"model.depth": 1, ...}``)."""
-    return {k: v for k, v in config.items() if "." in k}
-
-
-def describe(point: dict[str, Any]) -> str:
-    """``"depth 1, batch_size 32, strength 0.5"`` for progress lines."""
-    return ", ".join(f"{k.split('.')[-1]} {v}" for k, v in point.items())
-
-
 def max_concurrent(params: Params, totals: dict[str, float], gpu: bool, n_trials: int) -> int:
     """``sweep.max_concurrent_trials`` if set, else as many trials as the cluster's resources now (``totals``) hold
     by their limiting resource (``pipeline.runs.resources.trials_at_once``: a trial's ``TRIAL_CPU`` and its

@@ -12,9 +12,10 @@ import yaml
 from pipeline.config.base import ParamsError
 from pipeline.config.params import load_params
 from pipeline.config.ray import TRIAL_CPU
+from pipeline.config.space import axes, base_params, check_points, grid_points, point_params, trial_params
 from pipeline.runs.resources import TrialShape, trials_at_once
-from pipeline.runs.sweep import axes, base_params, check_points, grid_points, point_params, sweep_name
-from pipeline.runs.tune import inline, max_concurrent, trial_params, trial_placement
+from pipeline.runs.sweep import sweep_name
+from pipeline.runs.tune import inline, max_concurrent, trial_placement
 from stages.sweep import COLUMNS, best_trial, write_outputs
 from tests.conftest import ROOT
 

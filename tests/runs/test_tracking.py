@@ -147,7 +147,8 @@ def test_run_names_follow_the_params():
     sweep by its size and the axes it varies; a trial by its point; a tables row by its name and table."""
     from pipeline.config.base import flatten
     from pipeline.config.params import load_params
-    from pipeline.runs.sweep import SweepTracker, axes, grid_points
+    from pipeline.config.space import axes, grid_points
+    from pipeline.runs.sweep import SweepTracker
     from pipeline.runs.tables import TablesTracker
 
     params = load_params(ROOT / "params.yaml", ["model.depth=3", "loss.name=supcon", "train.mode=supervised",
