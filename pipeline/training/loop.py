@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +49,7 @@ from pipeline.evaluation.health import QKAffinity, block_stats, flat, kernel_hea
 from pipeline.evaluation.knn import knn_accuracy
 from pipeline.host import device_memory
 from pipeline.training.precision import for_device
-from pipeline.training.step import GlobalBatchStep, NonFiniteLossError, all_gather_rows, broadcast_from_rank0
+from pipeline.training.step import GlobalBatchStep, NonFiniteLossError, broadcast_from_rank0
 
 KNN_BANK, KNN_QUERIES = 5000, 2000
 DATA_BUDGET_SHARE = 0.25  # train.data_budget_mb: null -> this share of the device's memory (device_memory)
@@ -243,10 +242,6 @@ class PretrainLoop:
             perm = perm.to(self.device)  # (N,)
         gen = torch.Generator(self.device).manual_seed(_seed(t.seed, epoch, self.rank, 7))
         losses, noises = [], []  # floats, or 0-d device tensors with defer_sync
-        every = t.knn_every
-        monitored = epoch + 1 == t.epochs or bool(every and (epoch + 1) % every == 0)
-        # the kNN bank: view 1's embeddings of the epoch's last KNN_BANK images, as the steps computed them
-        bank: deque[tuple[torch.Tensor, torch.Tensor]] = deque(maxlen=-(-KNN_BANK // self.batch))
         start = time.perf_counter()
         for s in range(self.steps_per_epoch):
             x, ids = self._local_batch(perm, s)
@@ -262,9 +257,6 @@ class PretrainLoop:
             else:
                 losses.append(self.step(views, torch.cat([ids, ids])))
                 noises.append(view_noise(v1, v2))
-            if monitored:  # (b, m) this worker's view 1, and the global batch's indices (B,)
-                z1 = self.step.embeddings[: len(x)].to(torch.float32, copy=True)
-                bank.append((z1, perm[s * self.batch : (s + 1) * self.batch]))
             if self.scaler is None:
                 self.optimizer.step()
             else:  # fp16: unscale, skip the step on inf/NaN gradients (same on every rank: they are all-reduced)
@@ -282,7 +274,10 @@ class PretrainLoop:
         seconds = time.perf_counter() - start
         ended_at = time.time()
         self.epoch += 1
-        knn = self.knn(*zip(*bank, strict=True)) if monitored else None
+        knn = None
+        every = t.knn_every
+        if self.rank == 0 and (self.epoch == t.epochs or (every and self.epoch % every == 0)):
+            knn = self.knn()
         return EpochMetrics(
             epoch=self.epoch, loss=sum(losses) / len(losses), lr=self.optimizer.param_groups[0]["lr"],
             samples_per_s=self.steps_per_epoch * self.batch / seconds, view_noise=sum(noises) / len(noises),
@@ -365,28 +360,14 @@ class PretrainLoop:
         self.model.train()
         return torch.cat(out)
 
-    def knn(self, bank: Sequence[torch.Tensor], index: Sequence[torch.Tensor]) -> float | None:
-        """Online kNN accuracy (cosine, k = ``train.knn_k``) on rank 0 (None on the other ranks), as solo-learn's
-        online kNN: the bank is the training images' embeddings the steps computed anyway, view 1 of the epoch's
-        last ``KNN_BANK`` images (augmented, the model in training mode, as it moved through those steps); the
-        queries are ``KNN_QUERIES`` fixed test images, embedded here in eval mode. Per epoch that costs
-        ``KNN_QUERIES`` forwards, not ``KNN_BANK + KNN_QUERIES`` (a fixed bank embedded again each epoch).
-
-        ``bank``: per step, this worker's view-1 embeddings (b, m); ``index``: per step, the global batch's training
-        indices (B,). With several workers every rank calls this: the banks are gathered to the global batches'
-        order, which one worker holding the whole batch would have (global BatchNorm: the same embeddings).
-        """
-        z = torch.cat(bank)  # (s b, m)
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if world > 1:  # (W s b, m) rank-major -> per step, the ranks' rows in order: (s W b, m)
-            z = all_gather_rows(z).reshape(world, len(bank), -1, z.shape[-1]).transpose(0, 1).reshape(-1, z.shape[-1])
-        if self.rank != 0:
-            return None
-        zb, yb = z[-KNN_BANK:].cpu(), self.y_train[torch.cat(index).cpu()][-KNN_BANK:]  # (n, m), (n,)
+    def knn(self) -> float:
+        """Online kNN accuracy (cosine, k = train.knn_k) of backbone embeddings: train bank vs test split."""
+        g = torch.Generator().manual_seed(0)
+        bank = torch.randperm(len(self.y_train), generator=g)[:KNN_BANK]
         test = self.data.test
-        queries = torch.randperm(len(test.y), generator=torch.Generator().manual_seed(0))[:KNN_QUERIES]
-        zq = self.embed(test.x, index=queries)  # (q, m)
-        return knn_accuracy(zb, yb, zq, test.y[queries], k=self.params.train.knn_k)
+        queries = torch.randperm(len(test.y), generator=g)[:KNN_QUERIES]
+        zb, zq = self.embed(self.data.train.x, index=bank), self.embed(test.x, index=queries)
+        return knn_accuracy(zb, self.y_train[bank], zq, test.y[queries], k=self.params.train.knn_k)
 
     # ------------------------------------------------------------------ the loop
     def fit(self, report: Callable[[EpochMetrics, bool], None], callbacks: Sequence[Callback] = ()) -> None:

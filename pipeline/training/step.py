@@ -211,7 +211,6 @@ class GlobalBatchStep:
     scaler: torch.amp.GradScaler | None = None
     reducer: GradReducer | None = None  # with several workers: made by the first step (pipeline.training.comm)
     overlap: bool = True  # False: one coalesced all-reduce after the backward instead (a baseline for benchmarks)
-    embeddings: Tensor | None = None  # the last step's backbone embeddings (2b, m) of this worker, detached
 
     def __init__(
         self,
@@ -329,7 +328,6 @@ class GlobalBatchStep:
         if self.chunk is None or self.chunk >= x.shape[0]:
             with self._autocast(x.device):
                 z = self.model.backbone(x)  # (2b, m)
-            self.embeddings = z.detach()
             loss = self._head_loss(z, ids, world_size, rank)
             if world_size == 1 or not self.overlap:
                 total = self._total(loss, world_size, check)
@@ -347,7 +345,6 @@ class GlobalBatchStep:
         else:
             with torch.no_grad(), self._autocast(x.device):
                 z = _upcast(torch.cat([self.model.backbone(c) for c in x.split(self.chunk)]))
-            self.embeddings = z.detach()
             z.requires_grad_(True)
             loss = self._head_loss(z, ids, world_size, rank)
             total = self._total(loss, world_size, check)
