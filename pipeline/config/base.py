@@ -125,6 +125,21 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+def set_dotted(raw: dict[str, Any], dotted: str | list[str], value: Any) -> None:
+    """``raw["a"]["b"]["c"] = value`` for ``"a.b.c"`` (or ``["a", "b", "c"]``), in place, missing sections created;
+    raises :class:`ParamsError` where a step of the path holds a value, not a section."""
+    parts = dotted.split(".") if isinstance(dotted, str) else dotted
+    node = raw
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if not isinstance(nxt, dict):
+            if nxt is not None:
+                raise ParamsError(f"{p!r} is a value, not a section")
+            nxt = node[p] = {}
+        node = nxt
+    node[parts[-1]] = value
+
+
 def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
     """Return a copy of ``raw`` with each ``key=value`` override set (intermediate sections created)."""
     import copy
@@ -132,15 +147,10 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
     out = copy.deepcopy(raw)
     for text in overrides:
         parts, value = parse_override(text)
-        node = out
-        for p in parts[:-1]:
-            nxt = node.get(p)
-            if not isinstance(nxt, dict):
-                if nxt is not None:
-                    raise ParamsError(f"override {text!r}: {p!r} is a value, not a section")
-                nxt = node[p] = {}
-            node = nxt
-        node[parts[-1]] = value
+        try:
+            set_dotted(out, parts, value)
+        except ParamsError as exc:
+            raise ParamsError(f"override {text!r}: {exc}") from None
     return out
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config.base import ParamsError, parse_override, read_params_file
+from pipeline.config.base import ParamsError, parse_override, read_params_file, set_dotted
 from pipeline.config.params import validate_params
 from pipeline.config.ray import TRIAL_CPU
 from pipeline.config.tables import TablesConfig
@@ -81,14 +81,6 @@ def get(raw: dict[str, Any], dotted: str) -> Any:
             return None
         node = node[part]
     return node
-
-
-def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
-    *path, last = dotted.split(".")
-    node = raw
-    for part in path:
-        node = node.setdefault(part, {})
-    node[last] = value
 
 
 def _quarter_floor(x: float) -> float:
@@ -214,7 +206,7 @@ def plan(path: str | Path, overrides: Iterable[str] = (), *, cpus: int = 2, gpus
     raw = copy.deepcopy(shipped)
     for key, value in changed.items():
         if key not in ("sweep.lr",) or get(shipped, key):
-            _set(raw, key, value)
+            set_dotted(raw, key, value)
     sweep = raw.get("sweep", {})
     if sweep.get("asha") and int(sweep.get("epochs", 0)) <= int(sweep.get("grace_period", 0)):
         problems.append(f"sweep.epochs: {sweep['epochs']} with sweep.asha and sweep.grace_period "

@@ -12,7 +12,7 @@ import itertools
 import json
 from typing import Any
 
-from pipeline.config.base import ParamsError
+from pipeline.config.base import ParamsError, set_dotted
 from pipeline.config.params import Params, validate_params
 
 SPACE_KEYS = {"depth": "model.depth", "batch_size": "train.batch_size", "strength": "augment.strength",
@@ -75,11 +75,7 @@ def trial_params(base: dict[str, Any], point: dict[str, Any], source: str | None
     ``source`` (default: the sweep point)."""
     raw = json.loads(json.dumps(base))
     for dotted, value in point.items():  # "model.depth", or nested: "model.abc.blocks"
-        *path, key = dotted.split(".")
-        node = raw
-        for part in path:
-            node = node.setdefault(part, {})
-        node[key] = value
+        set_dotted(raw, dotted, value)
     return validate_params(raw, source=source or f"sweep point {point}")
 
 
