@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from pipeline.config.base import flatten
+from pipeline.config.names import evaluate_label
 from pipeline.config.params import Params, load_params
 from pipeline.data.types import DatasetError
 from pipeline.evaluation.evaluate import Evaluation, evaluate, load_data, load_pretrained
@@ -71,7 +72,7 @@ def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, fil
     data = trk.dataset_input(manifest, data_dir if data_dir.is_absolute() else root / data_dir, context="evaluation")
     return trk.log_stage_run("evaluate", root, params=flatten(params.probe, "probe."), metrics=metrics, files=files,
                              parent=parent_run_id, artifact_path="evaluate", inputs=[data],
-                             name=trk.evaluate_label(params.probe.probes, params.probe.label_fractions))
+                             name=evaluate_label(params.probe.probes, params.probe.label_fractions))
 
 
 def time_parts(started: float, marks: list[float], ev: Evaluation) -> list[tuple[str, float]]:

@@ -23,6 +23,7 @@ from typing import Any
 import click
 
 from pipeline.config.base import ParamsError, load_section
+from pipeline.config.names import SEP
 from pipeline.config.sets import SetsConfig
 from pipeline.data.set_tasks import check_inputs
 from pipeline.data.types import DatasetError
@@ -51,12 +52,12 @@ def log_runs(cfg: SetsConfig, summary: dict, files: list[Path]) -> str:
     flat = {f"{d}.{m}.{k}": v for d, ms in summary.items() for m, e in ms.items() for k, v in e.items()
             if k in METRICS}
     parent = trk.log_stage_run("sets", root, params=params, metrics=flat, files=files, artifact_path="sets",
-                               name=f"sets{trk.SEP}{'+'.join(cfg.datasets)}{trk.SEP}{len(cfg.seeds)} seeds")
+                               name=f"sets{SEP}{'+'.join(cfg.datasets)}{SEP}{len(cfg.seeds)} seeds")
     for d, ms in summary.items():
         for m, e in ms.items():
             metrics = {k: v for k, v in e.items() if isinstance(v, (int, float)) and v == v}
             trk.log_stage_run("sets", root, params={**params, "dataset": d, "method": m}, metrics=metrics, files=[],
-                              parent=parent, name=f"{m}{trk.SEP}{d}")
+                              parent=parent, name=f"{m}{SEP}{d}")
     return parent
 
 

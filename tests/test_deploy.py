@@ -64,7 +64,7 @@ def _recipe(name):
 def test_recipe_runs_the_preset_trials_at_once_with_every_gpu_node_busy(recipe):
     from pipeline.config.params import load_params
     from pipeline.config.ray import TRIAL_CPU
-    from pipeline.runs.resources import TrialShape, infeasible
+    from pipeline.config.resources import TrialShape, infeasible
 
     (head_cpus, _), (node_cpus, node_gpus, _, most) = _recipe(recipe)
     p = load_params(ROOT / "presets/cluster-sweep.yaml")

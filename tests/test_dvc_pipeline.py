@@ -200,7 +200,7 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
 
     import mlflow
 
-    from pipeline.runs.tracking import data_digest
+    from pipeline.config.names import data_digest
 
     repo, out = tiny_repro
     assert ran(out) == {"prepare", "pretrain", "evaluate", "report", "sweep", "theory", "sets"}

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from pipeline.config.base import ParamsError, set_dotted
+from pipeline.config.names import stable_name
 from pipeline.config.params import Params, validate_params
 
 SPACE_KEYS = {"depth": "model.depth", "batch_size": "train.batch_size", "strength": "augment.strength",
@@ -87,3 +89,17 @@ def point_of(config: dict[str, Any]) -> dict[str, Any]:
 def describe(point: dict[str, Any]) -> str:
     """``"depth 1, batch_size 32, strength 0.5"`` for progress lines."""
     return ", ".join(f"{k.split('.')[-1]} {v}" for k, v in point.items())
+
+
+def sweep_name(params: Params, manifest: Mapping[str, Any]) -> str:
+    """The sweep's stable name: its trials' base without the swept keys (their base value never reaches a trial), the
+    sweep's section, the workers, the data."""
+    base = base_params(params)
+    keyed = {s: base[s] for s in ("model", "loss", "augment", "train", "sweep")}
+    for dotted in axes(params):
+        section, key = dotted.split(".")
+        keyed[section].pop(key, None)
+        if dotted == SPACE_KEYS["depth"] and params.model.method == "abc":
+            keyed["model"]["abc"].pop("blocks", None)
+    keyed["ray"] = {"num_workers": params.ray.num_workers}
+    return stable_name("sweep", keyed, manifest)

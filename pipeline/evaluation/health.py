@@ -224,3 +224,16 @@ def warnings_for(health: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 def dead_blocks(health: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return [b for b, h in health.items() if b != KERNEL and verdict(h) == "dead"]
+
+
+def health_line(health: dict[str, Any]) -> str:
+    """The console's health of the blocks: " | positive pairs: b1 12.7% b2 0.0%" ("" at depth 0); ABC's kernel:
+    " | kernel: same class 0.81, other 0.07, > 0.5 12.3%"."""
+    blocks = unflat(health)
+    if KERNEL in blocks:
+        h = blocks[KERNEL]
+        return (f" | kernel: same class {h['same_class']:.2f}, other {h['other']:.2f}, "
+                f"> 0.5 {h['above_half']:.1%}")
+    if not blocks:
+        return ""
+    return " | positive pairs: " + " ".join(f"b{b.split('_')[1]} {h['positive']:.1%}" for b, h in blocks.items())

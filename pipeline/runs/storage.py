@@ -13,10 +13,10 @@ machine with local storage the staged copy is a hard link when the file system a
 whose training set exceeds its data budget maps the files (``fetch_prepared(..., mmap=True)``) instead of reading
 them: on shared storage every worker of a node then shares the same pages, and reads only the rows it trains on.
 
-Also here: the run status a worker leaves for the driver (``transfusion_status.json`` in the Ray run directory),
+Also here: what a worker leaves for the driver in the Ray run directory (:data:`STATUS_FILE`, :data:`PLACEMENT_FILE`),
 readable wherever the run directory lives.
 
-Pure orchestration: pyarrow's file systems (a Ray dependency) for URIs, no Ray, no MLflow.
+pyarrow's file systems (a Ray dependency) for URIs; Ray only to name the node in an error.
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pipeline.config.names import data_digest
 from pipeline.data.prepared import MANIFEST, PREPARED_FILES, load_prepared
 from pipeline.data.types import Dataset, DatasetError
-from pipeline.runs.tracking import data_digest
 
 STAGED = "prepared-data"
 STATUS_FILE = "transfusion_status.json"
-PLACEMENT_FILE = "transfusion_workers.json"  # where each rank trains (write_placement)
+PLACEMENT_FILE = "transfusion_workers.json"  # where each rank trains
 CACHE_ENV = "TRANSFUSION_DATA_CACHE"  # where workers keep downloads of remote staged data (default: the temp dir)
 
 
@@ -95,7 +95,7 @@ def stage_prepared(data_dir: Path, storage: str) -> str:
     """
     manifest = json.loads((data_dir / MANIFEST).read_text())
     dest = join(storage, STAGED, data_digest(manifest))
-    if staged_manifest(dest) == manifest:
+    if read_json(dest, MANIFEST) == manifest:
         return dest
     names = (*PREPARED_FILES, MANIFEST)
     if not is_uri(dest):
@@ -116,11 +116,6 @@ def stage_prepared(data_dir: Path, storage: str) -> str:
 def _copy(open_src: Any, open_dst: Any) -> None:
     with open_src() as src, open_dst() as out:
         shutil.copyfileobj(src, out, 1 << 20)
-
-
-def staged_manifest(location: str) -> dict[str, Any] | None:
-    """The manifest of a staged copy, or None if there is none (or it is unreadable)."""
-    return read_json(location, MANIFEST)
 
 
 def read_json(location: str, name: str) -> Any:
@@ -156,7 +151,7 @@ def fetch_prepared(location: str, expected: dict[str, Any], mmap: bool = False) 
     """
     fix = ("ray.storage_path must be storage that every node sees at the same path (an NFS/EFS mount) or a URI "
            "such as s3://bucket/prefix; the driver stages the prepared data there")
-    seen = staged_manifest(location)
+    seen = read_json(location, MANIFEST)
     if seen is None:
         raise DatasetError(f"{_node()} cannot see the prepared data at {location} (no {MANIFEST} there); {fix}")
     if seen.get("files") != expected.get("files"):
@@ -189,23 +184,15 @@ def _download(location: str, digest: str) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------- run status
-def _write_json(run_dir: str, name: str, data: Any) -> None:
+def write_json(run_dir: str, name: str, data: Any) -> None:
+    """``<run_dir>/<name>`` (a local path or a URI) as JSON: what a worker leaves for the driver in its Ray run
+    directory, :data:`STATUS_FILE` (e.g. ``{"error": "non_finite", "message": ..., "epoch": 3}``) and
+    :data:`PLACEMENT_FILE` (where each rank trains, written when training starts: the checkpoints hold it too, but a
+    trial that ASHA stops while its newest checkpoint uploads can be left with none that does)."""
     filesystem, path = _fs(run_dir)
     filesystem.create_dir(path, recursive=True)
     with filesystem.open_output_stream(f"{path}/{name}") as f:
         f.write(json.dumps(data).encode())
-
-
-def write_status(run_dir: str, status: dict[str, Any]) -> None:
-    """Leave a status (e.g. ``{"error": "non_finite", "message": ..., "epoch": 3}``) in a Ray run directory."""
-    _write_json(run_dir, STATUS_FILE, status)
-
-
-def write_placement(run_dir: str, workers: list[dict[str, Any]]) -> None:
-    """Where each rank of a Ray run trains (node, host, device, Ray's GPU ids), left in its run directory when
-    training starts: the checkpoints hold it too, but a trial that ASHA stops while its newest checkpoint uploads
-    can be left with none that does (seen on a resumed trial: an empty ``gpu_ids`` in ``sweeps/results.csv``)."""
-    _write_json(run_dir, PLACEMENT_FILE, workers)
 
 
 def checkpoint_dirs(run_dir: str) -> list[str]:
@@ -221,16 +208,6 @@ def checkpoint_dirs(run_dir: str) -> list[str]:
     names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory
                     and i.base_name.startswith("checkpoint_")), reverse=True)
     return [join(run_dir, name) for name in names]
-
-
-def read_placement(run_dir: str) -> Any:
-    """What :func:`write_placement` left in ``run_dir`` (a local path or a URI), or None."""
-    return read_json(run_dir, PLACEMENT_FILE)
-
-
-def read_status(run_dir: str) -> dict[str, Any] | None:
-    """The status a worker left in ``run_dir`` (a local path or a URI), or None."""
-    return read_json(run_dir, STATUS_FILE)
 
 
 def clear_status(run_dir: str) -> None:

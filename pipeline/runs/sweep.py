@@ -1,7 +1,7 @@
 """Ray Tune sweeps over depth, batch size and augmentation strength (and lr): the paper's claims, tested.
 
 The sweep's job: its space and every trial's params come from ``pipeline.config.space`` (pure, checked before any
-work); here its stable name (:func:`sweep_name`), the job (:func:`run_sweep`) and its rows (:func:`trial_rows`).
+work); here the job (:func:`run_sweep`) and its rows (:func:`trial_rows`).
 Each trial runs the pretraining worker loop on its point of the space through ``pipeline.runs.tune`` (the Ray Tune
 machinery this job shares with the paper's tables): in the trial itself for one worker, as a Ray Train run for
 several; either way Tune gets the same per-epoch metrics (online kNN accuracy, loss, measured view noise ε, the
@@ -29,22 +29,24 @@ from typing import Any
 from ray import tune
 
 from pipeline.config.base import flatten
+from pipeline.config.names import sweep_label
 from pipeline.config.params import Params
+from pipeline.config.resources import TrialShape
 from pipeline.config.space import (
-    SPACE_KEYS,
     axes,
     base_params,
     check_points,
     grid_points,
     point_of,
     point_params,
+    sweep_name,
     trial_params,
 )
 from pipeline.evaluation.health import dead_blocks, is_health_key, unflat
-from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import connect, wait_for_workers
-from pipeline.runs.storage import check_storage, checkpoint_dirs, join, read_placement, stage_prepared
+from pipeline.runs.storage import PLACEMENT_FILE, check_storage, checkpoint_dirs, join, read_json, stage_prepared
 from pipeline.runs.train import (
+    EPOCH_METRICS,
     WORKERS_FILE,
     WorkerSpec,
     error_reason,
@@ -83,19 +85,6 @@ DVC_PARAMS = ("sweep", "model.method", "model.backbone", "model.embed_dim", "mod
               "train.data_budget_mb", "train.head_budget_mb", "ray.num_workers", "ray.use_gpu")
 
 
-def sweep_name(params: Params, manifest: dict[str, Any]) -> str:
-    """Stable name from everything that determines the sweep's result (params it reads, the data)."""
-    base = base_params(params)
-    keyed = {s: base[s] for s in ("model", "loss", "augment", "train", "sweep")}
-    for dotted in axes(params):  # swept keys: their base value never reaches a trial
-        section, key = dotted.split(".")
-        keyed[section].pop(key, None)
-        if dotted == SPACE_KEYS["depth"] and params.model.method == "abc":
-            keyed["model"]["abc"].pop("blocks", None)
-    keyed["ray"] = {"num_workers": params.ray.num_workers}
-    return trk.stable_name("sweep", keyed, manifest)
-
-
 def parent_params(params: Params) -> dict[str, Any]:
     """The parent run's params: the sweep's section and the trials' base (model, loss, augment, train)."""
     return {**flatten(params.sweep, "sweep."),
@@ -106,7 +95,7 @@ def parent_params(params: Params) -> dict[str, Any]:
 def parent_title(params: Params) -> str:
     """The parent run's name: ``sweep · 8 trials · depth×batch×strength``."""
     trials = len(grid_points(params)) if params.sweep.search == "grid" else params.sweep.num_samples
-    return trk.sweep_label(trials, axes(params))
+    return sweep_label(trials, axes(params))
 
 
 # ------------------------------------------------------------------------------------------------- trial
@@ -158,7 +147,8 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     trainer = trainable(_trial, job, trial_placement(trial_params(base, {}), gpu))
     tracker = SweepTracker(s.epochs, uri, exp, parent)
     n = len(grid_points(params)) if s.search == "grid" else samples
-    concurrent = max_concurrent(params, totals, gpu, n)
+    shape = TrialShape(params.ray.num_workers, s.cpus_per_worker, gpu, TRIAL_CPU)
+    concurrent = max_concurrent(s.max_concurrent_trials, shape, totals, n)
     announce = (f"[sweep] {name}: {n} trials ({s.search}), {s.epochs} epochs each, up to {concurrent} at a time"
                 + (", ASHA early stopping" if s.asha else ""))
     grid, resumed, seconds = tune_job(trainer, space, name=name, storage=storage, tracker=tracker,
@@ -174,12 +164,12 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
 # ------------------------------------------------------------------------------------------------- outputs
 def trial_rows(grid, epochs: int, labels=point_of, storage: str | None = None) -> list[dict[str, Any]]:
     """One row per trial (``labels(config)``: the columns that identify it; ``error``: why it failed, or ""); where
-    each rank ran from the trial's Ray Train run directory under ``storage`` (``write_placement``), else from its
+    each rank ran from the trial's Ray Train run directory under ``storage`` (its ``PLACEMENT_FILE``), else from its
     checkpoints.
 
     The history comes from the trial's newest complete checkpoint, which holds every epoch up to it also across a
     resume (Tune's own table of a restored trial starts at the resumed epoch), and Tune's results after it."""
-    keep = ("epoch", *TrialTracker.METRICS, "seconds")
+    keep = ("epoch", *EPOCH_METRICS)
     rows = []
     for result in grid:
         df = result.metrics_dataframe
@@ -193,7 +183,7 @@ def trial_rows(grid, epochs: int, labels=point_of, storage: str | None = None) -
                                 *(checkpoint_dirs(run_dir) if run_dir else [])])
         # where each rank ran, from the run dir, else the newest checkpoint that has it: a trial stopped (ASHA) while
         # its last checkpoint was still uploading has it in the one before
-        placed = read_placement(run_dir) if run_dir else None
+        placed = read_json(run_dir, PLACEMENT_FILE) if run_dir else None
         found = (checkpoint_history(path, WORKERS_FILE) for path in newest)
         workers = sorted(placed or next((w for w in found if w), []), key=lambda w: w["rank"])
         # the newest complete checkpoint's history, then the epochs Tune's table reported after it

@@ -32,8 +32,10 @@ from typing import Any
 from ray import tune
 
 from pipeline.config.base import ParamsError, flatten
+from pipeline.config.names import row_label, stable_name, tables_label
 from pipeline.config.params import Params
 from pipeline.config.ray import TRIAL_CPU
+from pipeline.config.resources import TrialShape
 from pipeline.config.space import trial_params
 from pipeline.evaluation.report import NA, PAPER_TABLES, fmt_cell, fmt_minutes
 from pipeline.evaluation.tables_report import PROBES
@@ -104,7 +106,7 @@ def job_name(params: Params, manifest: dict[str, Any]) -> str:
     """Stable name from everything that determines the job's result: the rows and their base, probes, data."""
     keyed = {s: getattr(params, s).model_dump() for s in ("model", "loss", "augment", "train", "probe", "tables")}
     keyed["ray"] = {"num_workers": params.ray.num_workers}
-    return trk.stable_name(STAGE, keyed, manifest)
+    return stable_name(STAGE, keyed, manifest)
 
 
 # -------------------------------------------------------------------------------------------------- probes
@@ -204,7 +206,7 @@ class TablesTracker(TrialTracker):
 
     def child_name(self, config: dict[str, Any]) -> str:
         """A row's MLflow run name: ``TransFusion 9-Layer (table 1)``."""
-        return trk.row_label(config["row"]["name"], config["row"]["table"])
+        return row_label(config["row"]["name"], config["row"]["table"])
 
     def epochs_of(self, trial) -> int:
         return int(trial.config["row"]["params"].get("train.epochs", self.epochs))
@@ -227,7 +229,7 @@ class TablesTracker(TrialTracker):
         child = self._child(trial)
         if child:
             keys = [f"probe.{k}" for k in PROBES] + ["train_seconds", "fit_seconds", "eval_seconds", "hours"]
-            trk.log_epoch(self.uri, child, {k: result[k] for k in keys}, step=int(result["epoch"]))
+            trk.log_metrics_batch(self.uri, child, [result], tuple(keys))
             trk.set_tags(child, {"hours_unit": self.unit}, uri=self.uri)
 
 
@@ -287,7 +289,7 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
         logged = {**{k: v for k, v in flatten(params).items() if k.split(".")[0] in ("model", "loss", "augment",
                                                                                         "train", "probe")},
                   **{f"tables.{r.table}.{r.name}": json.dumps(r.overrides, sort_keys=True) for r in rows}}
-        uri, exp, parent = mlflow_run(root, name, stage=STAGE, title=trk.tables_label([r.table for r in rows]),
+        uri, exp, parent = mlflow_run(root, name, stage=STAGE, title=tables_label([r.table for r in rows]),
                                       logged=logged, manifest=manifest, data_dir=data_dir, tags={STAGE: name})
     unit = "GPU-hours" if gpu else "worker-hours"
     base = params.model_dump()  # what every row starts from
@@ -297,7 +299,8 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     trainer = trainable(_row_trial, job,  # a row's workers may differ from the base's: its own placement
                         lambda config: trial_placement(trial_params(base, config["row"]["params"]), gpu))
     tracker = TablesTracker(params.train.epochs, uri, exp, parent, unit=unit)
-    concurrent = max_concurrent(as_sweep(params), totals, gpu, len(rows))
+    shape = TrialShape(params.ray.num_workers, params.ray.cpus_per_worker, gpu, TRIAL_CPU)  # a row's workers
+    concurrent = max_concurrent(params.tables.max_concurrent_trials, shape, totals, len(rows))
     announce = (f"[tables] {name}: {len(rows)} rows (table 1: {sum(r.table == 1 for r in rows)}, table 2: "
                 f"{sum(r.table == 2 for r in rows)}), up to {concurrent} at a time, {'GPU' if gpu else 'CPU'} workers")
     # no scheduler: results need not carry knn_acc (train.knn_every), and one-worker rows may reuse a process
@@ -308,11 +311,3 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     say(f"[tables] {len(records)} rows in {seconds:.0f} s, {at_once(tracker, concurrent)}")
     return SweepResult(rows=records, name=name, mlflow_run_id=parent, seconds=seconds, resumed=resumed,
                        concurrent=concurrent, peak=tracker.peak_at_once()), unit
-
-
-def as_sweep(params: Params) -> Params:
-    """The params as the sweep's concurrency rule reads them: a row's workers take ``ray.cpus_per_worker``, and
-    ``tables.max_concurrent_trials`` caps the rows at once."""
-    sweep = params.sweep.model_copy(update={"cpus_per_worker": params.ray.cpus_per_worker,
-                                            "max_concurrent_trials": params.tables.max_concurrent_trials})
-    return params.model_copy(update={"sweep": sweep})

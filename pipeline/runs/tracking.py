@@ -9,8 +9,8 @@ places there (:func:`epoch_logger`).
 This is the one module that imports MLflow (tests/runs/test_tracking.py checks it): the stages and the sweep/tables
 jobs create, continue, log to and end their runs through the functions below.
 
-Runs are named by what they are (:func:`pretrain_label`, :func:`sweep_label`, :func:`point_label`,
-:func:`row_label`); the stable identity a job resumes by (``pretrain-<digest>``) is the tag :data:`IDENTITY_TAG`.
+Runs are named by what they are (``pipeline.config.names``: ``pretrain · cnn_small · depth 1 · jsd · b128 · s0``);
+the stable identity a job resumes by (``pretrain-<digest>``) is the tag :data:`IDENTITY_TAG`.
 The prepared data is each run's MLflow dataset input (:func:`dataset_input`; a child inherits its parent's). Under
 ``dvc exp run`` every new run carries the DVC experiment's name and baseline commit (:func:`dvc_experiment_tags`).
 """
@@ -18,7 +18,6 @@ The prepared data is each run's MLflow dataset input (:func:`dataset_input`; a c
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -29,12 +28,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pipeline.config.names import data_digest
+
 EXPERIMENT = "transfusion"
 IDENTITY_TAG = "identity"  # the stable name a job resumes by (Ray's run name, ``pretrain-<digest>``)
 # the variables DVC sets for the stage commands of an experiment (dvc/env.py, dvc/repo/experiments/queue/base.py)
 DVC_EXP_NAME, DVC_EXP_BASELINE_REV = "DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"
 DVC_EXP_TAGS = {DVC_EXP_NAME: "dvc.exp_name", DVC_EXP_BASELINE_REV: "dvc.exp_baseline"}
-SEP = " · "
 
 
 class TrackingError(RuntimeError):
@@ -253,8 +253,8 @@ def epoch_logger(uri: str, run_id: str):
             if "epoch" not in m or self.warned:
                 return
             try:
-                log_epoch(uri, run_id, {k: v for k, v in m.items() if k not in ("epoch", "ended_at")},
-                          step=int(m["epoch"]), client=self.client)
+                log_metrics_batch(uri, run_id, [m], tuple(k for k in m if k not in ("epoch", "ended_at")),
+                                  client=self.client)
             except Exception as exc:
                 self._warn(exc)
 
@@ -285,86 +285,9 @@ def dvc_experiment_tags(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return {tag: env[var] for var, tag in DVC_EXP_TAGS.items() if env.get(var)}
 
 
-# ------------------------------------------------------------------------------------- run names, dataset
-def _short(key: str, value: Any) -> str:
-    """One part of a run name: ``b128`` (batch size), ``s0`` (seed), else ``<last part of the key> <value>``."""
-    if key.endswith("batch_size"):
-        return f"b{value}"
-    if key.endswith(".seed"):
-        return f"s{value}"
-    return f"{key.rsplit('.', 1)[-1]} {value}"
-
-
-def axis_label(key: str) -> str:
-    """``model.depth`` -> ``depth``, ``train.batch_size`` -> ``batch``."""
-    last = key.rsplit(".", 1)[-1]
-    return "batch" if last == "batch_size" else last
-
-
-def pretrain_label(flat: Mapping[str, Any], stage: str = "pretrain") -> str:
-    """``pretrain · cnn_small · depth 1 · jsd · b128 · s0``: a pretraining run's name from its flat params
-    (``model.method: abc``: ``pretrain · cnn_small · abc multiplicative 2 blocks · bce · b128 · s0``)."""
-    head = f"depth {flat['model.depth']}"
-    if flat.get("model.method") == "abc":
-        head = f"abc {flat['model.abc.compatibility']} {flat['model.abc.blocks']} blocks"
-    return SEP.join([stage, str(flat["model.backbone"]), head, str(flat["loss.name"]),
-                     _short("train.batch_size", flat["train.batch_size"]), _short("train.seed", flat["train.seed"])])
-
-
-def point_label(point: Mapping[str, Any]) -> str:
-    """``depth 1 · b16 · strength 1.0``: a sweep trial's name from its point (``{"model.depth": 1, ...}``)."""
-    return SEP.join(_short(k, v) for k, v in point.items()) or "trial"
-
-
-def sweep_label(trials: int, axes: Mapping[str, list[Any]]) -> str:
-    """``sweep · 8 trials · depth×batch×strength``: the axes with more than one value."""
-    varied = "×".join(axis_label(k) for k, values in axes.items() if len(values) > 1)
-    return SEP.join(["sweep", f"{trials} trial{'s' if trials != 1 else ''}", *([varied] if varied else [])])
-
-
-def row_label(name: str, table: int) -> str:
-    """``TransFusion 9-Layer (table 1)``: a tables row's name."""
-    return f"{name} (table {table})"
-
-
-def evaluate_label(probes: Sequence[str], fractions: Sequence[float]) -> str:
-    """``evaluate · 5 probes · labels 10%, 100%``: an evaluation's name from its probes and label fractions."""
-    labels = ", ".join(f"{100 * f:g}%" for f in fractions)
-    return SEP.join(["evaluate", f"{len(probes)} probe{'s' if len(probes) != 1 else ''}", f"labels {labels}"])
-
-
-def tables_label(tables: Sequence[int]) -> str:
-    """``tables · 8 rows · table 1: 5, table 2: 3``: a tables job's name from its rows' tables."""
-    counts = ", ".join(f"table {t}: {tables.count(t)}" for t in sorted(set(tables)))
-    return SEP.join(["tables", f"{len(tables)} row{'s' if len(tables) != 1 else ''}", counts])
-
-
-def _digest(value: Any) -> str:
-    """16 hex digits of the sha256 of ``value`` as JSON (keys sorted)."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _files(manifest: Mapping[str, Any]) -> dict[str, str]:
-    return {name: f["sha256"] for name, f in sorted(manifest["files"].items())}
-
-
-def data_digest(manifest: Mapping[str, Any]) -> str:
-    """One version of the prepared data: 16 hex digits of a sha256 over its files' sha256 (the manifest's ``files``).
-    The name of its staged copy (``pipeline.runs.storage``); MLflow's dataset digest is its first 8
-    (:func:`dataset_input`)."""
-    return _digest(_files(manifest))
-
-
-def stable_name(prefix: str, keyed: dict[str, Any], manifest: Mapping[str, Any]) -> str:
-    """``<prefix>-<16 hex digits>``: the name of a Ray run or Tune job from everything that determines its result,
-    ``keyed`` (the params it reads) and the prepared data's files, so that a rerun resumes it exactly when it would
-    compute the same thing."""
-    return f"{prefix}-{_digest({**keyed, 'data': _files(manifest)})}"
-
-
 def dataset_input(manifest: Mapping[str, Any], source: str | os.PathLike, context: str = "training"):
     """The prepared data as an MLflow dataset input: named by the manifest's ``dataset``, its digest the first 8 hex
-    digits of :func:`data_digest`, its source the prepared directory (a local source), its profile
+    digits of ``pipeline.config.names.data_digest``, its source the prepared directory (a local source), its profile
     the sizes, classes, input shape and the ``data`` params it was prepared with; tagged with ``context`` (training,
     evaluation)."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
@@ -375,17 +298,6 @@ def dataset_input(manifest: Mapping[str, Any], source: str | os.PathLike, contex
     dataset = Dataset(name=str(manifest["dataset"]), digest=data_digest(manifest)[:8], source_type="local",
                       source=json.dumps({"uri": str(source)}), profile=json.dumps(profile))
     return DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])
-
-
-def log_epoch(uri: str, run_id: str, metrics: Mapping[str, float], step: int, client: Any = None) -> None:
-    """Log one epoch's metrics to ``run_id`` (through ``client`` when given)."""
-    import time
-
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
-    (client or _client(uri)).log_batch(run_id, metrics=batch, synchronous=True)
 
 
 def log_missing_epochs(uri: str, run_id: str, history: list[Mapping[str, Any]], keys: tuple[str, ...]) -> int:

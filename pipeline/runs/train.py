@@ -33,23 +33,25 @@ from typing import Any
 import torch
 
 from pipeline.config.base import ParamsError, flatten
+from pipeline.config.names import pretrain_label, stable_name
 from pipeline.config.params import Params
 from pipeline.core.plan import HeadPlan
 from pipeline.data.prepared import load_prepared, prepared_nbytes
-from pipeline.evaluation.health import KERNEL, is_health_key, unflat
+from pipeline.evaluation.health import is_health_key
 from pipeline.io import load_torch
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import TRAIN_CONSOLE_LEVEL, connect, train_logging, wait_for_workers, with_worker_cpus
 from pipeline.runs.storage import (
+    PLACEMENT_FILE,
+    STATUS_FILE,
     check_storage,
     clear_status,
     fetch_prepared,
     is_uri,
     join,
-    read_status,
+    read_json,
     stage_prepared,
-    write_placement,
-    write_status,
+    write_json,
 )
 from pipeline.training.loop import Callback, EpochMetrics, PretrainLoop, data_budget
 from pipeline.training.step import NonFiniteLossError
@@ -62,23 +64,10 @@ STATE_DIR = ".transfusion"  # the driver's own state of a run or job under the p
 CALLBACKS_ENV = "TRANSFUSION_CALLBACKS"  # loop callbacks for every run and trial: "module:attr,module:attr"
 
 
-def epoch_metric_names(history: list[dict[str, Any]]) -> tuple[str, ...]:
-    """The per-epoch metrics MLflow gets: :data:`EPOCH_METRICS` and the blocks' health (``block_1.positive``, ...; ABC's
-    kernel: ``kernel.same_class``, ...)."""
-    return EPOCH_METRICS + tuple(k for k in (history[-1] if history else {}) if is_health_key(k))
-
-
-def health_line(health: dict[str, Any]) -> str:
-    """The console's health of the blocks: " | positive pairs: b1 12.7% b2 0.0%" ("" at depth 0); ABC's kernel:
-    " | kernel: same class 0.81, other 0.07, > 0.5 12.3%"."""
-    blocks = unflat(health)
-    if KERNEL in blocks:
-        h = blocks[KERNEL]
-        return (f" | kernel: same class {h['same_class']:.2f}, other {h['other']:.2f}, "
-                f"> 0.5 {h['above_half']:.1%}")
-    if not blocks:
-        return ""
-    return " | positive pairs: " + " ".join(f"b{b.split('_')[1]} {h['positive']:.1%}" for b, h in blocks.items())
+def epoch_metric_names(row: Mapping[str, Any]) -> tuple[str, ...]:
+    """The per-epoch metrics MLflow gets, of a pretraining run and of a trial: :data:`EPOCH_METRICS` and the blocks'
+    health that ``row`` (an epoch's metrics) holds (``block_1.positive``, ...; ABC's kernel: ``kernel.same_class``)."""
+    return EPOCH_METRICS + tuple(k for k in row if is_health_key(k))
 
 
 class PretrainError(RuntimeError):
@@ -138,16 +127,6 @@ def load_callbacks(refs: str | None = None) -> list[Callback]:
         ray.cloudpickle.register_pickle_by_value(module)
         callbacks.append(callback)
     return callbacks
-
-
-def data_line(loop: PretrainLoop) -> str:
-    """Where a worker's training set lives: ``"training set 0.4 MiB on cpu (data budget 3,968 MiB)"``, or
-    ``"... streamed from memory-mapped files, each step reading its rows (data budget 0 MiB)"``."""
-    x = loop.data.train.x
-    where = ("streamed from memory-mapped files, each step reading its rows" if loop.streaming
-             else f"on {loop.device}")
-    return (f"training set {x.numel() * x.element_size() / 2**20:,.1f} MiB {where} "
-            f"(data budget {loop.data_budget / 2**20:,.0f} MiB)")
 
 
 def say(line: str) -> None:
@@ -248,7 +227,7 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
     epochs, report each through ``session`` with a checkpoint every ``train.checkpoint_every`` epochs (rank 0).
 
     Returns the loop, or None when the loss became non-finite: then rank 0 has written the error status
-    (``pipeline.runs.storage.write_status`` on ``spec.run_dir``) and the last good checkpoint is kept.
+    (``pipeline.runs.storage.STATUS_FILE`` in ``spec.run_dir``) and the last good checkpoint is kept.
     """
     import ray.train
 
@@ -262,11 +241,11 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
                           mmap=device.type == "cuda" or prepared_nbytes(spec.manifest) > budget)
     loop = PretrainLoop(params, data, device, rank=rank, world_size=world, budget=budget)
     if rank == 0 and not spec.quiet:
-        say(f"[pretrain] {data_line(loop)}")
+        say(f"[pretrain] {loop.data_line()}")
         say(f"[pretrain] {loop.head_plan.describe()}")
     workers = _placement(rank, world, device)
     if rank == 0:
-        write_placement(spec.run_dir, workers)
+        write_json(spec.run_dir, PLACEMENT_FILE, workers)
 
     checkpoint = session.get_checkpoint()
     if checkpoint is None and spec.resume_dir:  # Ray's own record of the run was lost: ours is the checkpoint
@@ -280,9 +259,7 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
     def report(m: EpochMetrics, checkpoint_now: bool) -> None:
         metrics = {k: v for k, v in m.as_dict().items() if v is not None}
         if rank == 0 and not spec.quiet:
-            knn = f" knn {m.knn_acc:.4f}" if m.knn_acc is not None else ""
-            say(f"[pretrain] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
-                f"eps {m.view_noise:.4f} {m.samples_per_s:,.0f} samples/s{health_line(m.health)}")
+            say(f"[pretrain] {m.line(params.train.epochs)}")
         if checkpoint_now and rank == 0:
             d = tempfile.mkdtemp(prefix="transfusion-ckpt-")
             torch.save({**loop.state_dict(), "workers": workers}, Path(d) / STATE_FILE)
@@ -296,7 +273,7 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
         loop.fit(report, spec.callbacks)
     except NonFiniteLossError as exc:  # every rank sees the same all-reduced loss and stops alike
         if rank == 0:
-            write_status(spec.run_dir, {"error": "non_finite", "message": str(exc), "epoch": loop.epoch})
+            write_json(spec.run_dir, STATUS_FILE, {"error": "non_finite", "message": str(exc), "epoch": loop.epoch})
         return None
     return loop
 
@@ -389,7 +366,7 @@ def run_name(params: Params, manifest: dict[str, Any]) -> str:
     """A stable name from everything that determines the result: the params pretraining reads, the data."""
     keyed = {s: getattr(params, s).model_dump() for s in ("model", "loss", "augment", "train")}
     keyed["ray"] = {"num_workers": params.ray.num_workers}
-    return trk.stable_name("pretrain", keyed, manifest)
+    return stable_name("pretrain", keyed, manifest)
 
 
 def storage_location(params: Params, root: Path) -> str:
@@ -433,7 +410,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     if tracking:  # named by what it trains (``pretrain · cnn_small · depth 1 · jsd · b128 · s0``)
         flat = {k: v for k, v in flatten(params).items() if k.split(".")[0] in ("model", "loss", "augment", "train")
                 or k in ("ray.num_workers", "ray.use_gpu")}
-        uri, _, run_id = mlflow_run(root, name, stage="pretrain", title=trk.pretrain_label(flat), logged=flat,
+        uri, _, run_id = mlflow_run(root, name, stage="pretrain", title=pretrain_label(flat), logged=flat,
                                     manifest=manifest, data_dir=data_dir)
     spec = WorkerSpec(params=params.model_dump(), data_dir=stage_prepared(data_dir, storage), manifest=manifest,
                       storage=storage, name=name, use_gpu=gpu, callbacks=callbacks,
@@ -453,7 +430,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
         if system:
             system.stop()
     fit_seconds = time.perf_counter() - fit_start
-    status = read_status(run_dir)
+    status = read_json(run_dir, STATUS_FILE)
     if status:
         trk.end_run(uri, run_id, "FAILED")
         raise PretrainError(f"pretraining stopped: {status['message']}; the last good checkpoint is kept in "
@@ -461,7 +438,8 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     if state is None:
         raise PretrainError("pretraining finished without a checkpoint")
     if run_id:  # epochs checkpointed before an interruption but never logged: the run shows every epoch once
-        trk.log_missing_epochs(uri, run_id, state["history"], epoch_metric_names(state["history"]))
+        history = state["history"]
+        trk.log_missing_epochs(uri, run_id, history, epoch_metric_names((history or [{}])[-1]))
         if "head_plan" in state:  # the head's path on the workers (pipeline.core.plan): dense|tiled, sharded
             trk.set_tags(run_id, HeadPlan(**state["head_plan"]).tags(), uri=uri)
     return PretrainResult(state=state, run_name=name, mlflow_run_id=run_id, input_shape=data.input_shape,

@@ -20,6 +20,7 @@ tables (``pipeline.runs.tables``): a library both use, knowing neither.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -31,22 +32,22 @@ from typing import Any
 
 from ray import tune
 
+from pipeline.config.names import point_label
 from pipeline.config.params import Params
 from pipeline.config.ray import TRIAL_CPU
+from pipeline.config.resources import TrialShape, trials_at_once
 from pipeline.config.space import describe, point_of
-from pipeline.evaluation.health import is_health_key
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import TRIAL_CONSOLE_LEVEL
-from pipeline.runs.resources import TrialShape, trials_at_once
-from pipeline.runs.storage import clear_status, is_uri, join, read_json
+from pipeline.runs.storage import STATUS_FILE, clear_status, is_uri, join, read_json
 from pipeline.runs.train import (
     HISTORY_FILE,
     Session,
     TrialFailed,
     WorkerSpec,
+    epoch_metric_names,
     error_reason,
     fit_run,
-    read_status,
     recover_run_snapshot,
     run_worker,
     say,
@@ -61,15 +62,12 @@ class SweepError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------- params
-def max_concurrent(params: Params, totals: dict[str, float], gpu: bool, n_trials: int) -> int:
-    """``sweep.max_concurrent_trials`` if set, else as many trials as the cluster's resources now (``totals``) hold
-    by their limiting resource (``pipeline.runs.resources.trials_at_once``: a trial's ``TRIAL_CPU`` and its
-    ``ray.num_workers`` workers of ``sweep.cpus_per_worker`` CPUs and a GPU each when training on GPUs), never more than
-    the trials there are, at least 1. Set it on a cluster that autoscales: it grows for the trials Tune starts."""
-    if params.sweep.max_concurrent_trials is not None:
-        return params.sweep.max_concurrent_trials
-    shape = TrialShape(params.ray.num_workers, params.sweep.cpus_per_worker, gpu, TRIAL_CPU)
-    return trials_at_once(totals, shape, cap=max(1, n_trials))
+def max_concurrent(fixed: int | None, shape: TrialShape, totals: dict[str, float], n_trials: int) -> int:
+    """``fixed`` (``sweep.max_concurrent_trials``, ``tables.max_concurrent_trials``) if set, else as many trials of
+    ``shape`` as the cluster's resources now (``totals``) hold by their limiting resource
+    (``pipeline.config.resources.trials_at_once``), never more than the trials there are, at least 1. Set it on a
+    cluster that autoscales: it grows for the trials Tune starts."""
+    return fixed if fixed is not None else trials_at_once(totals, shape, cap=max(1, n_trials))
 
 
 def at_once(tracker: TrialTracker, concurrent: int) -> str:
@@ -121,9 +119,9 @@ class TuneSession(Session):
 
 def trial_placement(params: Params, gpu: bool) -> tune.PlacementGroupFactory:
     """What a trial on ``params`` (a trial's: ``ray.cpus_per_worker`` is the sweep's) holds: its own ``TRIAL_CPU``
-    and ``ray.num_workers`` worker bundles (``pipeline.runs.resources``'s :class:`TrialShape`, which ``max_concurrent``
-    packs). A Ray Train trial asks for its workers' bundles itself;
-    an inline trial reserves its one worker's bundle and trains in it (the GPU, if any, is its own)."""
+    and ``ray.num_workers`` worker bundles (``pipeline.config.resources.TrialShape``, which ``max_concurrent`` packs).
+    A Ray Train trial asks for its workers' bundles itself; an inline trial reserves its one worker's bundle and
+    trains in it (the GPU, if any, is its own)."""
     if not inline(params):
         return tune.PlacementGroupFactory([{"CPU": TRIAL_CPU}])
     worker = TrialShape(1, params.ray.cpus_per_worker, gpu).worker
@@ -151,7 +149,7 @@ def fit_trial(job: WorkerSpec, params: Params) -> TrialRun:
         spec.resume_dir = recover_run_snapshot(None if is_uri(run_dir) else run_dir)
         state, path = fit_run(spec, params, [TuneReportCallback()], keep=1, console_level=TRIAL_CONSOLE_LEVEL)
     seconds = time.time() - start
-    status = read_status(run_dir)  # kept with the run: a restored trial whose run had diverged fails again
+    status = read_json(run_dir, STATUS_FILE)  # kept with the run: a restored trial whose run had diverged fails again
     if status:
         raise TrialFailed(status_reason(status))
     if state is None:
@@ -208,7 +206,6 @@ class TrialTracker(tune.Callback):
     MLflow; by default its point).
     """
 
-    METRICS = ("loss", "knn_acc", "view_noise", "samples_per_s", "lr")
     PREFIX: str  # "[sweep]": the job's progress lines
     STAGE: str  # "sweep-trial": the children's stage tag
     job = ""  # the job's path (:meth:`attach`)
@@ -255,7 +252,7 @@ class TrialTracker(tune.Callback):
 
     def child_name(self, config: dict[str, Any]) -> str:
         """A trial's MLflow run name: its point (``depth 1 · b16 · strength 1.0``); its id is the tag ``trial_id``."""
-        return trk.point_label(point_of(config))
+        return point_label(point_of(config))
 
     def _done(self, trials, ending=None) -> str:
         """``"3/8"``: the trials that have ended, ``ending`` included (Tune calls ``on_trial_complete`` and
@@ -266,12 +263,9 @@ class TrialTracker(tune.Callback):
     def peak_at_once(self) -> int:
         """The most trials that were training at the same moment (from each one's first result to its end): what
         the cluster really ran at once, to compare with the computed ``max_concurrent_trials``."""
-        events = sorted((t, +1 if i == 0 else -1) for span in self.training.values() for i, t in enumerate(span))
-        peak = now = 0
-        for _, step in sorted(events, key=lambda e: (e[0], e[1])):  # an end before a start at the same instant
-            now += step
-            peak = max(peak, now)
-        return peak
+        # +1 at a start, -1 at an end; sorted by time, an end before a start at the same instant
+        events = sorted((t, -1 if i else 1) for span in self.training.values() for i, t in enumerate(span))
+        return max(itertools.accumulate(step for _, step in events), default=0)
 
     def on_step_end(self, iteration, trials, **info) -> None:
         # statuses as the control loop left them: after an interruption Tune's cleanup marks the stopped trials
@@ -303,12 +297,7 @@ class TrialTracker(tune.Callback):
             + f" eps {result.get('view_noise', math.nan):.4f}")
         child = self._child(trial)
         if child:
-            trk.log_metrics_batch(self.uri, child, [result], self.metric_names(result))
-
-    def metric_names(self, h: dict[str, Any]) -> tuple[str, ...]:
-        """:data:`METRICS` and the health that ``h`` holds (``block_1.positive``, ...; ABC's ``kernel.same_class``, ...:
-        ``pipeline.evaluation.health.is_health_key``, as pretraining's ``epoch_metric_names``)."""
-        return self.METRICS + tuple(k for k in h if is_health_key(k))
+            trk.log_metrics_batch(self.uri, child, [result], epoch_metric_names(result))
 
     def _end(self, trials, trial, status: str) -> None:
         epoch = self.last_epoch.get(trial.trial_id, 0)
@@ -324,7 +313,7 @@ class TrialTracker(tune.Callback):
             # epochs a resumed trial checkpointed before an interruption but never reported to Tune: from the
             # checkpoint's history, so that the run shows every epoch once
             history = checkpoint_history(last_checkpoint_path(trial.last_result, trial)) or []
-            trk.log_missing_epochs(self.uri, child, history, self.metric_names(history[-1] if history else {}))
+            trk.log_missing_epochs(self.uri, child, history, epoch_metric_names((history or [{}])[-1]))
             trk.end_run(self.uri, child, status, tags={"stopped_early": early, **({"error": reason} if reason else {})})
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:

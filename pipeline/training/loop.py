@@ -45,7 +45,7 @@ from pipeline.data.augment import BatchAugment, view_noise
 from pipeline.data.prepared import gather_rows
 from pipeline.data.split import to_float
 from pipeline.data.types import Dataset
-from pipeline.evaluation.health import QKAffinity, block_stats, flat, kernel_health, read_health
+from pipeline.evaluation.health import QKAffinity, block_stats, flat, health_line, kernel_health, read_health
 from pipeline.evaluation.knn import knn_accuracy
 from pipeline.host import device_memory
 from pipeline.training.precision import for_device
@@ -130,6 +130,13 @@ class EpochMetrics:
         out = {k: v for k, v in self.__dict__.items() if k != "health"}
         return {**out, **self.health}
 
+    def line(self, epochs: int) -> str:
+        """The console's line of this epoch: ``"epoch 2/6 loss 1.29541 knn 0.7472 eps 0.0123 1,234 samples/s | ..."``
+        (the blocks' health: :func:`pipeline.evaluation.health.health_line`)."""
+        knn = f" knn {self.knn_acc:.4f}" if self.knn_acc is not None else ""
+        return (f"epoch {self.epoch}/{epochs} loss {self.loss:.5f}{knn} eps {self.view_noise:.4f} "
+                f"{self.samples_per_s:,.0f} samples/s{health_line(self.health)}")
+
 
 class PretrainLoop:
     """Owns the model, optimizer, schedule and data of one worker. ``fit`` runs the remaining epochs."""
@@ -183,6 +190,15 @@ class PretrainLoop:
         self.history: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ checkpoint state
+    def data_line(self) -> str:
+        """Where this worker's training set lives: ``"training set 0.4 MiB on cpu (data budget 3,968 MiB)"``, or
+        ``"... streamed from memory-mapped files, each step reading its rows (data budget 0 MiB)"``."""
+        x = self.data.train.x
+        where = (f"on {self.device}" if not self.streaming
+                 else "streamed from memory-mapped files, each step reading its rows")
+        return (f"training set {x.numel() * x.element_size() / 2**20:,.1f} MiB {where} "
+                f"(data budget {self.data_budget / 2**20:,.0f} MiB)")
+
     def state_dict(self) -> dict[str, Any]:
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(), "epoch": self.epoch, "history": self.history,

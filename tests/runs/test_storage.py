@@ -9,19 +9,19 @@ import pytest
 import torch
 
 from pipeline.config.data import DataConfig
-from pipeline.data.prepared import PREPARED_FILES, save_prepared
+from pipeline.data.prepared import MANIFEST, PREPARED_FILES, save_prepared
 from pipeline.data.sources import load_dataset
 from pipeline.data.types import DatasetError
 from pipeline.runs.storage import (
     CACHE_ENV,
     STAGED,
+    STATUS_FILE,
     clear_status,
     data_digest,
     fetch_prepared,
-    read_status,
+    read_json,
     stage_prepared,
-    staged_manifest,
-    write_status,
+    write_json,
 )
 from tests.data.test_datasets import mapped_file
 
@@ -39,7 +39,7 @@ def test_staging_is_content_addressed_linked_and_idempotent(tmp_path, prepared):
     storage = str(tmp_path / "shared")
     where = stage_prepared(data_dir, storage)
     assert where == os.path.join(storage, STAGED, data_digest(manifest))
-    assert staged_manifest(where) == manifest
+    assert read_json(where, MANIFEST) == manifest
     # same file system: a hard link, not a second copy
     for name in PREPARED_FILES:
         assert os.stat(os.path.join(where, name)).st_ino == os.stat(data_dir / name).st_ino
@@ -100,9 +100,9 @@ def test_remote_storage_uri_is_staged_and_downloaded_once(tmp_path, prepared, mo
 @pytest.mark.parametrize("uri", [False, True])
 def test_status_round_trip(tmp_path, uri):
     run_dir = (tmp_path / "run").as_uri() if uri else str(tmp_path / "run")
-    assert read_status(run_dir) is None
-    write_status(run_dir, {"error": "non_finite", "message": "loss nan", "epoch": 3})
-    assert read_status(run_dir) == {"error": "non_finite", "message": "loss nan", "epoch": 3}
+    assert read_json(run_dir, STATUS_FILE) is None
+    write_json(run_dir, STATUS_FILE, {"error": "non_finite", "message": "loss nan", "epoch": 3})
+    assert read_json(run_dir, STATUS_FILE) == {"error": "non_finite", "message": "loss nan", "epoch": 3}
     clear_status(run_dir)
-    assert read_status(run_dir) is None
+    assert read_json(run_dir, STATUS_FILE) is None
     clear_status(run_dir)  # nothing to clear: fine

@@ -12,9 +12,16 @@ import yaml
 from pipeline.config.base import ParamsError
 from pipeline.config.params import load_params
 from pipeline.config.ray import TRIAL_CPU
-from pipeline.config.space import axes, base_params, check_points, grid_points, point_params, trial_params
-from pipeline.runs.resources import TrialShape, trials_at_once
-from pipeline.runs.sweep import sweep_name
+from pipeline.config.resources import TrialShape, trials_at_once
+from pipeline.config.space import (
+    axes,
+    base_params,
+    check_points,
+    grid_points,
+    point_params,
+    sweep_name,
+    trial_params,
+)
 from pipeline.runs.tune import inline, max_concurrent, trial_placement
 from stages.sweep import COLUMNS, best_trial, write_outputs
 from tests.conftest import ROOT
@@ -89,7 +96,9 @@ def test_an_invalid_point_names_the_point_and_the_key():
     (("ray.num_workers=2",), {"CPU": 36, "GPU": 4}, True, 100, 2),  # 4 one-GPU nodes and a CPU node
 ])
 def test_max_concurrent_by_the_clusters_limiting_resource(overrides, totals, gpu, n_trials, expected):
-    assert max_concurrent(params(*overrides), totals, gpu, n_trials) == expected
+    p = params(*overrides)
+    shape = TrialShape(p.ray.num_workers, p.sweep.cpus_per_worker, gpu, TRIAL_CPU)
+    assert max_concurrent(p.sweep.max_concurrent_trials, shape, totals, n_trials) == expected
 
 
 @pytest.mark.parametrize(("overrides", "gpu"), [((), False), ((), True), (("ray.num_workers=2",), False),
@@ -108,7 +117,7 @@ def test_a_trial_holds_the_bundles_max_concurrent_counts(overrides, gpu):
     else:
         assert held == [{"CPU": TRIAL_CPU}] and shape.bundles()[-1] == {"CPU": TRIAL_CPU}
     totals = {"CPU": 2.0, "GPU": 4.0 if gpu else 0.0}
-    assert max_concurrent(p, totals, gpu, 8) == trials_at_once(totals, shape, 8)
+    assert max_concurrent(None, shape, totals, 8) == trials_at_once(totals, shape, 8)
 
 
 def test_sweep_name_ignores_swept_keys_and_follows_the_rest():
@@ -247,7 +256,7 @@ def test_where_ranks_ran_comes_from_the_run_directory_when_no_checkpoint_has_it(
     placement rank 0 left in the trial's Ray Train run directory (``storage/trial-<id>``) gives the row its GPUs."""
     import pandas as pd
 
-    from pipeline.runs.storage import write_placement
+    from pipeline.runs.storage import PLACEMENT_FILE, write_json
     from pipeline.runs.sweep import trial_rows
 
     gone = tmp_path / "trial-y" / "checkpoint_000009"  # pruned, or torn: nothing readable there
@@ -258,7 +267,8 @@ def test_where_ranks_ran_comes_from_the_run_directory_when_no_checkpoint_has_it(
 
     (row,) = trial_rows([Result()], epochs=20, labels=lambda config: {}, storage=str(tmp_path))
     assert (row["workers"], row["gpu_ids"]) == (0, "")  # nothing to read: "" (not a made-up placement)
-    write_placement(str(tmp_path / "trial-y"), [{"rank": 1, "gpu_ids": ["1"]}, {"rank": 0, "gpu_ids": ["0"]}])
+    placed = [{"rank": 1, "gpu_ids": ["1"]}, {"rank": 0, "gpu_ids": ["0"]}]
+    write_json(str(tmp_path / "trial-y"), PLACEMENT_FILE, placed)
     (row,) = trial_rows([Result()], epochs=20, labels=lambda config: {}, storage=str(tmp_path))
     assert (row["workers"], row["gpu_ids"], row["epochs"]) == (2, "0 1", 10)
 

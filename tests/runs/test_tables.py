@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.config.base import ParamsError
 from pipeline.config.params import load_params
-from pipeline.runs.tables import as_sweep, resolve_rows
+from pipeline.runs.tables import resolve_rows
 from pipeline.runs.train import TrialFailed, error_reason
 from tests.conftest import ROOT
 
@@ -89,11 +89,6 @@ def test_a_batch_beyond_the_data_is_refused():
     p = params("tables.rows=[{name: A, table: 1, params: {train.batch_size: 512}}]")
     with pytest.raises(ParamsError, match=r"train.batch_size 512 exceeds the training set \(300 samples\)"):
         resolve_rows(p, n_train=300)
-
-
-def test_rows_take_the_clusters_per_worker_cpus_for_concurrency():
-    p = as_sweep(params("ray.cpus_per_worker=2.0", "tables.max_concurrent_trials=3"))
-    assert (p.sweep.cpus_per_worker, p.sweep.max_concurrent_trials) == (2.0, 3)
 
 
 def test_error_reason_is_one_line_also_through_rays_wrapper():

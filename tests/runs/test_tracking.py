@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.config.names import data_digest
 from pipeline.runs.tracking import (
     DVC_EXP_TAGS,
     IDENTITY_TAG,
@@ -16,17 +17,11 @@ from pipeline.runs.tracking import (
     check_reachable,
     child_run,
     create_run,
-    data_digest,
     dataset_input,
     dvc_experiment_tags,
     end_run,
-    evaluate_label,
     experiment_id,
     log_metrics_batch,
-    pretrain_label,
-    stable_name,
-    sweep_label,
-    tables_label,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,37 +137,21 @@ def test_only_the_tracking_module_imports_mlflow():
     assert offenders == [], f"import MLflow through pipeline.runs.tracking instead: {offenders}"
 
 
-def test_run_names_follow_the_params():
-    """Runs are named by what they are: the pretraining run by its stage, backbone, depth, loss, batch and seed; a
-    sweep by its size and the axes it varies; a trial by its point; a tables row by its name and table."""
-    from pipeline.config.base import flatten
+def test_trials_and_rows_are_named_by_their_point_or_row():
+    """A sweep trial's MLflow run is named by its point, a tables row by its name and table (``pipeline.config.names``
+    makes the names; tests/config/test_names.py)."""
     from pipeline.config.params import load_params
-    from pipeline.config.space import axes, grid_points
+    from pipeline.config.space import grid_points
     from pipeline.runs.sweep import SweepTracker
     from pipeline.runs.tables import TablesTracker
 
-    params = load_params(ROOT / "params.yaml", ["model.depth=3", "loss.name=supcon", "train.mode=supervised",
-                                                "train.batch_size=64", "train.seed=7", "model.backbone=mlp"])
-    assert pretrain_label(flatten(params)) == "pretrain · mlp · depth 3 · supcon · b64 · s7"
-    abc = load_params(ROOT / "params.yaml", ["model.method=abc", "model.qk_init=default", "loss.name=bce",
-                                             "model.abc.compatibility=additive", "model.abc.blocks=0"])
-    assert pretrain_label(flatten(abc)) == (f"pretrain · {abc.model.backbone} · abc additive 0 blocks · bce · "
-                                            f"b{abc.train.batch_size} · s{abc.train.seed}")
     default = load_params(ROOT / "params.yaml")
-    assert pretrain_label(flatten(default)) == (f"pretrain · {default.model.backbone} · depth {default.model.depth} · "
-                                                f"{default.loss.name} · b{default.train.batch_size} · "
-                                                f"s{default.train.seed}")
-    assert sweep_label(len(grid_points(default)), axes(default)) == "sweep · 8 trials · depth×batch×strength"
-    one = load_params(ROOT / "params.yaml", ["sweep.depth=[1]", "sweep.strength=[1.0]", "sweep.batch_size=[50,100]"])
-    assert sweep_label(len(grid_points(one)), axes(one)) == "sweep · 2 trials · batch"
     names = [SweepTracker(1).child_name(point) for point in grid_points(default)]
     assert names[1] == "depth 0 · b16 · strength 1.0" and len(set(names)) == len(names) == 8
     seeds = load_params(ROOT / "params.yaml", ["sweep.num_samples=2"])
     assert SweepTracker(1).child_name(grid_points(seeds)[1]) == "depth 0 · b16 · strength 0.0 · s1"
     row = {"name": "TransFusion 9-Layer", "table": 1, "params": {"model.depth": 9}}
     assert TablesTracker(1, unit="GPU-hours").child_name({"row": row}) == "TransFusion 9-Layer (table 1)"
-    assert tables_label([r.table for r in default.tables.rows]) == "tables · 8 rows · table 1: 5, table 2: 3"
-    assert evaluate_label(["svm", "knn50"], [0.1, 1.0]) == "evaluate · 2 probes · labels 10%, 100%"
 
 
 def test_dvc_experiment_tags_come_from_the_variables_dvc_sets():
@@ -197,22 +176,6 @@ def test_the_dataset_input_names_the_data_its_digest_and_source(tmp_path):
     assert [(t.key, t.value) for t in data.tags] == [("mlflow.data.context", "evaluation")]
     other = {**MANIFEST, "files": {**MANIFEST["files"], "test.pt": {"sha256": "c" * 64}}}
     assert data_digest(other) != data_digest(MANIFEST)
-
-
-def test_one_digest_names_the_data_and_every_run_as_before():
-    """The data's digest (the staged copy's folder; MLflow's dataset digest its first 8) and the stable names of runs
-    and jobs (``pretrain-``, ``sweep-``, ``tables-``): sha256 of the file digests, and of the keyed params with them."""
-    import hashlib
-
-    def sha(value) -> str:
-        return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
-
-    files = {"test.pt": "b" * 64, "train.pt": "a" * 64}
-    assert data_digest(MANIFEST) == sha(files)[:16] == "84dfceeaae1608ed"
-    keyed = {"model": {"depth": 1}, "ray": {"num_workers": 2}}
-    assert stable_name("sweep", keyed, MANIFEST) == "sweep-" + sha({**keyed, "data": files})[:16]
-    assert stable_name("sweep", keyed, {**MANIFEST, "files": {"x": {"sha256": "c" * 64}}}) != stable_name(
-        "sweep", keyed, MANIFEST)
 
 
 @pytest.mark.slow

@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline.runs.train import EPOCH_METRICS, epoch_metric_names, health_line, worker_device
+from pipeline.evaluation.health import health_line
+from pipeline.runs.train import epoch_metric_names, run_name, worker_device
 
 
 @pytest.fixture()
@@ -54,19 +56,26 @@ def test_declared_gpus_that_cuda_cannot_see(monkeypatch):
 def test_the_epoch_metrics_and_the_console_carry_the_blocks_or_abcs_kernel():
     blocks = {"loss": 1.0, "block_1.positive": 0.5, "block_1.uniform_rows": 0.0, "block_2.positive": 0.25}
     kernel = {"loss": 1.0, "kernel.same_class": 0.8, "kernel.other": 0.1, "kernel.above_half": 0.125}
-    assert epoch_metric_names([blocks])[-3:] == ("block_1.positive", "block_1.uniform_rows", "block_2.positive")
-    assert epoch_metric_names([kernel])[-3:] == ("kernel.same_class", "kernel.other", "kernel.above_half")
+    assert epoch_metric_names(blocks)[-3:] == ("block_1.positive", "block_1.uniform_rows", "block_2.positive")
+    assert epoch_metric_names(kernel)[-3:] == ("kernel.same_class", "kernel.other", "kernel.above_half")
     assert health_line(blocks) == " | positive pairs: b1 50.0% b2 25.0%"
     assert health_line(kernel) == " | kernel: same class 0.80, other 0.10, > 0.5 12.5%"
     assert health_line({"loss": 1.0}) == ""
 
 
-def test_a_trials_mlflow_metrics_carry_the_same_health_as_a_pretraining_run():
-    from types import SimpleNamespace
+def test_stable_names_follow_what_each_run_reads():
+    """A run resumes by its stable name: a key it reads changes it, one it does not read leaves it."""
+    from pipeline.config.params import load_params
+    from pipeline.runs.tables import job_name
 
-    from pipeline.runs.tune import TrialTracker
+    def p(*overrides: str):
+        return load_params(Path(__file__).resolve().parents[2] / "params.yaml", list(overrides))
 
-    for h in ({"loss": 1.0, "block_1.positive": 0.5}, {"loss": 1.0, "kernel.same_class": 0.8, "kernel.other": 0.1}):
-        names = TrialTracker.metric_names(SimpleNamespace(METRICS=TrialTracker.METRICS), h)
-        health = epoch_metric_names([h])[len(EPOCH_METRICS):]  # what a pretraining run logs beside its metrics
-        assert names == TrialTracker.METRICS + health and health  # ABC's kernel.* too, not only block_*
+    manifest = {"files": {"train.pt": {"sha256": "a" * 64}}}
+    name = run_name(p(), manifest)
+    assert name.startswith("pretrain-") and name == run_name(p("sweep.epochs=3", "probe.seed=4"), manifest)
+    assert run_name(p("train.lr=0.01"), manifest) != name
+    assert run_name(p("ray.num_workers=2"), manifest) != name
+    tables = job_name(p(), manifest)
+    assert tables.startswith("tables-") and tables == job_name(p("sweep.epochs=3"), manifest)
+    assert job_name(p("probe.seed=4"), manifest) != tables

@@ -136,11 +136,11 @@ def interrupt_mid_sweep(args, env, cwd) -> tuple[str, set[str], float, list[floa
 def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
     """cluster-sweep.yaml end to end (all its jobs, every check of the test above) on a Ray that declares 4 GPUs (none
     exist: ray.backend gloo), so with ray.use_gpu as shipped: each worker its own GPU, the sweep and the tables as
-    many trials at once as pipeline.runs.resources computes, probes on a worker's GPU bundle. Ctrl-C while its sweep
+    many trials at once as pipeline.config.resources computes, probes on a worker's GPU bundle. Ctrl-C while its sweep
     of two-worker trials runs ends the rehearsal in 30 s, with no partial sweep outputs and MLflow's sweep run KILLED;
     the command it prints resumes it: the unfinished trials only, every epoch logged once, the same MLflow run."""
     from pipeline.config.ray import TRIAL_CPU
-    from pipeline.runs.resources import TrialShape, trials_at_once
+    from pipeline.config.resources import TrialShape, trials_at_once
 
     assert ON_DECLARED_GPUS in FILES
     work, log = tmp_path / "gpu", tmp_path / "trials.log"

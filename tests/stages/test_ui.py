@@ -105,7 +105,7 @@ def test_a_remote_tracking_server_is_shown_not_started(project, monkeypatch):
         def no_server(*args, **kwargs):
             raise AssertionError("no local server may be started")
 
-        monkeypatch.setattr("pipeline.runs.mlflow_ui.os.execve", no_server)
+        monkeypatch.setattr("stages.ui.os.execve", no_server)
         result = invoke("ui")
     finally:
         server.shutdown()

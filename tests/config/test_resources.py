@@ -1,10 +1,10 @@
-"""The resource model (pipeline/runs/resources.py) against hand-computed cases, and on the live Ray."""
+"""The resource model (pipeline/config/resources.py) against hand-computed cases, and on the live Ray."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.runs.resources import TrialShape, infeasible, places, trials_at_once
+from pipeline.config.resources import TrialShape, infeasible, places, trials_at_once
 
 CPU2 = [{"CPU": 2.0}]  # this machine: one node, 2 CPUs, no GPU
 GPU_NODE = {"CPU": 4.0, "GPU": 1.0}
@@ -51,7 +51,7 @@ def test_bad_shapes_are_refused():
      ["a sweep trial", "(sweep.cpus_per_worker)", "plus 0.25 CPUs for the trial itself", "2.25 CPUs"]),
 ])
 def test_infeasible_on_a_2_cpu_machine(kwargs, says):
-    message = infeasible(CPU2, **kwargs)
+    message = infeasible(CPU2, TrialShape(**kwargs))
     assert message is not None and "\n" not in message
     for s in says:
         assert s in message, (s, message)
@@ -62,12 +62,10 @@ def test_infeasible_by_fragmentation_and_feasible_cases():
     assert "do not pack" in infeasible(two, TrialShape(3, 2.0))
     assert "on 2 nodes (largest node: 3 CPUs, 0 GPUs)" in infeasible(two, TrialShape(3, 2.0))
     assert infeasible(two, TrialShape(2, 2.0)) is None
-    assert infeasible(CPU2, num_workers=2, cpus_per_worker=1.0) is None
+    assert infeasible(CPU2, TrialShape(2, 1.0)) is None
     # the rehearsal's local Ray declaring 1 GPU, the GPU preset's 2 workers of a GPU each
     one_gpu = infeasible([{"CPU": 2.0, "GPU": 1.0}], TrialShape(2, 0.25, gpu=True))
     assert "2 GPUs in all" in one_gpu and "1 GPU on 1 node" in one_gpu and "more than the whole cluster" in one_gpu
-    with pytest.raises(TypeError):
-        infeasible(CPU2)
 
 
 # ------------------------------------------------------------------------------------------ trials at once
@@ -95,5 +93,5 @@ def test_the_live_nodes_are_this_sessions_ray(ray_session):
 
     nodes = live_nodes()
     assert nodes == [{"CPU": 2.0, "GPU": 0.0}]
-    assert "16 workers (ray.num_workers)" in infeasible(nodes, num_workers=16, cpus_per_worker=1.0)
+    assert "16 workers (ray.num_workers)" in infeasible(nodes, TrialShape(16, 1.0))
     assert trials_at_once(ray_session.cluster_resources(), TrialShape(1, 0.5, trial_cpu=0.25), 8) == 2

@@ -81,21 +81,14 @@ def _plural(x: float, word: str) -> str:
     return f"{x:g} {word}{'' if x == 1 else 's'}"
 
 
-def infeasible(nodes: Sequence[Mapping[str, float]], shape: TrialShape | None = None, *,
-               num_workers: int | None = None, cpus_per_worker: float | None = None, gpu: bool = False,
-               trial_cpu: float = 0.0, what: str | None = None) -> str | None:
+def infeasible(nodes: Sequence[Mapping[str, float]], shape: TrialShape, what: str | None = None) -> str | None:
     """Why a run of ``shape`` can never start on ``nodes`` (all the nodes there will be), as one paragraph; None if
     it fits.
 
-    Pass a :class:`TrialShape`, or its fields as keywords (``num_workers``, ``cpus_per_worker``, ``gpu``,
-    ``trial_cpu``). ``what`` names the run in the message ("pretraining", "a sweep trial"; by default from
-    ``trial_cpu``). The message names what was asked (``ray.num_workers``, ``ray.cpus_per_worker`` or
-    ``sweep.cpus_per_worker``, ``ray.use_gpu``) and what exists (CPUs, GPUs, nodes, the largest node).
+    ``what`` names the run in the message ("pretraining", "a sweep trial"; by default from ``shape.trial_cpu``). The
+    message names what was asked (``ray.num_workers``, ``ray.cpus_per_worker`` or ``sweep.cpus_per_worker``,
+    ``ray.use_gpu``) and what exists (CPUs, GPUs, nodes, the largest node).
     """
-    if shape is None:
-        if num_workers is None or cpus_per_worker is None:
-            raise TypeError("infeasible() needs a TrialShape or num_workers and cpus_per_worker")
-        shape = TrialShape(num_workers, cpus_per_worker, gpu, trial_cpu)
     if places(nodes, shape):
         return None
     what = what or ("a sweep trial" if shape.trial_cpu > 0 else "pretraining")

@@ -1,4 +1,4 @@
-"""The MLflow UI's set-up (``pipeline.runs.mlflow_ui``) without MLflow: ports, URLs, the server's command and
+"""The MLflow UI's set-up (``stages.ui``) without MLflow: ports, URLs, the server's command and
 environment, and handing the process over to it (exec). The real server, started and stopped: tests/stages/test_ui.py.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.runs.mlflow_ui import (
+from stages.ui import (
     UiError,
     check_port_free,
     exec_server,
@@ -65,7 +65,7 @@ def test_the_command_becomes_the_server_with_its_output_kept(tmp_path):
     before, into a pipe (block-buffered), comes out first."""
     shown = ("import os, sys; print(os.getpid(), os.environ['MLFLOW_SERVER_ENABLE_JOB_EXECUTION'], "
              "os.environ['KEPT'], sys.argv[1:])")
-    script = ("import os, sys\nfrom pipeline.runs.mlflow_ui import exec_server\nprint('before', os.getpid())\n"
+    script = ("import os, sys\nfrom stages.ui import exec_server\nprint('before', os.getpid())\n"
               f"exec_server([sys.executable, '-c', {shown!r}, 'a b'])\nprint('never')\n")
     unset = ("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "PYTHONUNBUFFERED")  # stdout block-buffered, as in a user's shell
     env = {k: v for k, v in os.environ.items() if k not in unset} | {"KEPT": "yes"}

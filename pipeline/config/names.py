@@ -1,0 +1,100 @@
+"""What every run is called: the names people read in MLflow, and the stable names a run or job resumes by.
+
+- **Labels** (MLflow run names, from params): :func:`pretrain_label` (``pretrain · cnn_small · depth 1 · jsd · b128 ·
+  s0``), :func:`point_label` (a sweep trial), :func:`sweep_label`, :func:`row_label` (a tables row),
+  :func:`evaluate_label`, :func:`tables_label`; their parts joined by :data:`SEP`.
+- **Stable names** (``pretrain-<16 hex digits>``: Ray's run name, the MLflow tag ``identity``, the driver's state
+  folder): :func:`stable_name` of everything that determines the result (the params it reads, the prepared data's
+  files), so that a rerun resumes exactly when it would compute the same thing, and a changed one starts afresh.
+  Each job keys its own (``pipeline.runs.train.run_name``, ``pipeline.config.space.sweep_name``,
+  ``pipeline.runs.tables.job_name``).
+- **The prepared data's digest** (:func:`data_digest`): the name of its staged copy on the run storage, and (its first
+  8 hex digits) MLflow's dataset digest.
+
+Pure: the stages' and jobs' names are checked without Ray or MLflow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+SEP = " · "
+
+
+def _short(key: str, value: Any) -> str:
+    """One part of a run name: ``b128`` (batch size), ``s0`` (seed), else ``<last part of the key> <value>``."""
+    if key.endswith("batch_size"):
+        return f"b{value}"
+    if key.endswith(".seed"):
+        return f"s{value}"
+    return f"{key.rsplit('.', 1)[-1]} {value}"
+
+
+def axis_label(key: str) -> str:
+    """``model.depth`` -> ``depth``, ``train.batch_size`` -> ``batch``."""
+    last = key.rsplit(".", 1)[-1]
+    return "batch" if last == "batch_size" else last
+
+
+def pretrain_label(flat: Mapping[str, Any], stage: str = "pretrain") -> str:
+    """``pretrain · cnn_small · depth 1 · jsd · b128 · s0``: a pretraining run's name from its flat params
+    (``model.method: abc``: ``pretrain · cnn_small · abc multiplicative 2 blocks · bce · b128 · s0``)."""
+    head = f"depth {flat['model.depth']}"
+    if flat.get("model.method") == "abc":
+        head = f"abc {flat['model.abc.compatibility']} {flat['model.abc.blocks']} blocks"
+    return SEP.join([stage, str(flat["model.backbone"]), head, str(flat["loss.name"]),
+                     _short("train.batch_size", flat["train.batch_size"]), _short("train.seed", flat["train.seed"])])
+
+
+def point_label(point: Mapping[str, Any]) -> str:
+    """``depth 1 · b16 · strength 1.0``: a sweep trial's name from its point (``{"model.depth": 1, ...}``)."""
+    return SEP.join(_short(k, v) for k, v in point.items()) or "trial"
+
+
+def sweep_label(trials: int, axes: Mapping[str, list[Any]]) -> str:
+    """``sweep · 8 trials · depth×batch×strength``: the axes with more than one value."""
+    varied = "×".join(axis_label(k) for k, values in axes.items() if len(values) > 1)
+    return SEP.join(["sweep", f"{trials} trial{'s' if trials != 1 else ''}", *([varied] if varied else [])])
+
+
+def row_label(name: str, table: int) -> str:
+    """``TransFusion 9-Layer (table 1)``: a tables row's name."""
+    return f"{name} (table {table})"
+
+
+def evaluate_label(probes: Sequence[str], fractions: Sequence[float]) -> str:
+    """``evaluate · 5 probes · labels 10%, 100%``: an evaluation's name from its probes and label fractions."""
+    labels = ", ".join(f"{100 * f:g}%" for f in fractions)
+    return SEP.join(["evaluate", f"{len(probes)} probe{'s' if len(probes) != 1 else ''}", f"labels {labels}"])
+
+
+def tables_label(tables: Sequence[int]) -> str:
+    """``tables · 8 rows · table 1: 5, table 2: 3``: a tables job's name from its rows' tables."""
+    counts = ", ".join(f"table {t}: {tables.count(t)}" for t in sorted(set(tables)))
+    return SEP.join(["tables", f"{len(tables)} row{'s' if len(tables) != 1 else ''}", counts])
+
+
+def _digest(value: Any) -> str:
+    """16 hex digits of the sha256 of ``value`` as JSON (keys sorted)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _files(manifest: Mapping[str, Any]) -> dict[str, str]:
+    return {name: f["sha256"] for name, f in sorted(manifest["files"].items())}
+
+
+def data_digest(manifest: Mapping[str, Any]) -> str:
+    """One version of the prepared data: 16 hex digits of a sha256 over its files' sha256 (the manifest's ``files``).
+    The name of its staged copy (``pipeline.runs.storage``); MLflow's dataset digest is its first 8
+    (``pipeline.runs.tracking.dataset_input``)."""
+    return _digest(_files(manifest))
+
+
+def stable_name(prefix: str, keyed: Mapping[str, Any], manifest: Mapping[str, Any]) -> str:
+    """``<prefix>-<16 hex digits>``: the name of a Ray run or Tune job from everything that determines its result,
+    ``keyed`` (the params it reads) and the prepared data's files, so that a rerun resumes it exactly when it would
+    compute the same thing."""
+    return f"{prefix}-{_digest({**keyed, 'data': _files(manifest)})}"
