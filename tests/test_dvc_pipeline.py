@@ -153,6 +153,7 @@ RECORD_VEGA = "window.__vega = []; window.vegaEmbed = (el, spec) => { window.__v
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.xdist_group("tiny_repro")  # one repro for both, in one test process
 def test_dvc_plots_show_renders_every_declared_plot_once(tiny_repro, tmp_path):
     """`dvc plots show` loads every plot, and in Chromium the page shows each plot of dvc.yaml exactly once: the
     images loaded, the Vega-Lite plots with data in the field they plot. Nothing else is on the page."""
@@ -195,6 +196,7 @@ def test_dvc_plots_show_renders_every_declared_plot_once(tiny_repro, tmp_path):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.xdist_group("tiny_repro")
 def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
     import json
 
