@@ -23,23 +23,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # the test processes side by side (py
         os.environ.setdefault(_var, "1")
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """With test processes side by side (``pytest -n 2``, pytest-xdist's ``loadgroup``: each process takes the next
-    test when it is almost out of work): the slow tests first, the longest first by their declared timeout (a test's
-    ``timeout`` mark is what it may take), so that the two processes share the long ones and the ~2,900 quick tests
-    fill the end. In collection order, the 3-minute rehearsal of the GPU preset started near the end and ran alone."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-
-    def cost(item) -> float:
-        if item.get_closest_marker("slow") is None:
-            return 0.0
-        timeout = item.get_closest_marker("timeout")
-        return float(timeout.args[0]) if timeout and timeout.args else 1.0
-
-    items.sort(key=cost, reverse=True)  # stable: the collection order within each cost
-
-
 def invoke(*args: str):
     """Run the `transfusion` CLI in-process (exceptions propagate, so a bug shows its traceback)."""
     from click.testing import CliRunner

@@ -326,13 +326,6 @@ def log_metrics_batch(uri: str, run_id: str, rows: list[Mapping[str, Any]], keys
         (client or _client(uri)).log_batch(run_id, metrics=batch, synchronous=True)
 
 
-def log_metrics(uri: str, run_id: str, metrics: Mapping[str, float]) -> None:
-    """Log single values (step 0, e.g. a finished job's summary) to ``run_id``."""
-    client = _client(uri)
-    for k, v in metrics.items():
-        client.log_metric(run_id, k, v)
-
-
 def log_artifacts(uri: str, run_id: str, files: list[Path]) -> None:
     """Upload the files of ``files`` that exist to the root of ``run_id``'s artifacts."""
     client = _client(uri)

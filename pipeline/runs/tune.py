@@ -424,12 +424,11 @@ def finish_tracking(root: Path, result: SweepResult, best: dict[str, Any] | None
     pid = result.mlflow_run_id
     metrics, tags = {}, {}
     if best:
-        metrics = {f"best.{k}": best[k] for k in ("knn_acc", "best_knn_acc", "view_noise")
-                   if isinstance(best.get(k), float) and math.isfinite(best[k])}
+        metrics = {f"best.{k}": best.get(k) for k in ("knn_acc", "best_knn_acc", "view_noise")}  # finite ones logged
         tags = {**{f"best.{k}": v for k, v in point_of(best).items()}, "best.trial_id": best["trial_id"]}
     metrics["trials"] = len(result.rows)
     metrics["trials_failed"] = sum(r["status"] == "ERROR" for r in result.rows)
-    trk.log_metrics(uri, pid, metrics)
+    trk.log_metrics_batch(uri, pid, [{"epoch": 0, **metrics}], tuple(metrics))  # step 0: the job's summary
     trk.set_tags(pid, tags, uri=uri)
     trk.log_artifacts(uri, pid, files)
     trk.end_run(uri, pid, "FINISHED")
