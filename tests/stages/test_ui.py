@@ -58,6 +58,7 @@ def test_serves_the_project_store_until_stopped_then_nothing_is_left(project, st
         else:
             os.kill(ui.proc.pid, signal.SIGTERM)  # `kill PID`: the command's pid alone
         assert ui.proc.wait(timeout=60) == 0, ui.output
+        assert "Traceback" not in ui.output and "Shutting down" in ui.output, ui.output  # a clean stop, as a user sees
         psutil.wait_procs(tree, timeout=10)
         assert all(gone(p) for p in tree), [(p.pid, p.cmdline()) for p in tree if not gone(p)]
         with socket.socket() as sock:
