@@ -67,6 +67,37 @@ def project(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture(scope="session")
+def _prepared_digits(tmp_path_factory):
+    """The digits as ``transfusion prepare`` writes them for params.yaml with ``data.limit_train`` = each size asked
+    for (None: params.yaml's own), prepared once per size for the test session."""
+    made: dict[int | None, Path] = {}
+
+    def get(limit: int | None) -> Path:
+        if limit not in made:
+            from stages.prepare import load_data, run
+
+            made[limit] = tmp_path_factory.mktemp("prepared") / "prepared"
+            run(load_data(str(ROOT / "params.yaml"), [] if limit is None else [f"data.limit_train={limit}"]),
+                made[limit])
+        return made[limit]
+
+    return get
+
+
+@pytest.fixture
+def prepare_digits(project, _prepared_digits):
+    """``prepare_digits(limit)``: the project with ``data/prepared`` as ``transfusion prepare -S
+    data.limit_train=<limit>`` writes it there (None: params.yaml's own), copied from the session's one preparation of
+    that size. For tests of what comes after ``prepare`` (its own tests run it)."""
+
+    def put(limit: int | None = None) -> Path:
+        shutil.copytree(_prepared_digits(limit), project / "data" / "prepared")
+        return project
+
+    return put
+
+
 @pytest.fixture
 def install_faults(monkeypatch):
     """Install a test-fault plan (``tests.faults``: ``install_faults(crash_at_epoch=2)``) in this process, whose stages

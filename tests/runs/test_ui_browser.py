@@ -52,7 +52,6 @@ def invoke(*args: str):
 
 def pretrain_runs(project: Path) -> list[dict]:
     """Two pretrain runs that differ only in their seed: MLflow name and id, final kNN accuracy, dataset of each."""
-    invoke("prepare", "-S", "data.limit_train=256")
     client = mlflow.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     runs = []
     for seed in SEEDS:
@@ -93,7 +92,8 @@ def screenshot_path(tmp_path: Path) -> Path:
     return path
 
 
-def test_runs_table_and_run_comparison_in_chromium(project, ray_session, tmp_path):
+def test_runs_table_and_run_comparison_in_chromium(prepare_digits, ray_session, tmp_path):
+    project = prepare_digits(256)
     expect = sync_api.expect
     runs = pretrain_runs(project)
     exp_id = experiment_id(project)

@@ -24,9 +24,8 @@ CPUS = len(os.sched_getaffinity(0))
 
 
 @pytest.fixture
-def prepared(project):
-    assert invoke("prepare", "-S", "data.limit_train=256").exit_code == 0
-    return project
+def prepared(prepare_digits):
+    return prepare_digits(256)
 
 
 def one_paragraph(output: str) -> str:
@@ -131,8 +130,8 @@ def test_the_resource_wait_goes_on_while_the_autoscaler_adds_nodes(ray_session):
 
 
 @pytest.mark.parametrize("stage", ["pretrain", "sweep", "tables"])
-def test_storage_under_a_regular_file_is_one_paragraph_before_ray(project, ray_starts, stage):
-    assert invoke("prepare", "-S", "data.limit_train=256").exit_code == 0
+def test_storage_under_a_regular_file_is_one_paragraph_before_ray(prepared, ray_starts, stage):
+    project = prepared
     (project / "afile").write_text("not a directory")
     result = invoke(stage, "-S", "ray.storage_path=afile/runs")
     assert result.exit_code == 1, result.output

@@ -23,7 +23,6 @@ import psutil
 import pytest
 
 from tests import faults
-from tests.conftest import invoke
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -36,10 +35,10 @@ RAY_INTERNALS = ("core_worker.cc", "gcs_", "raylet", "Token authentication", "Re
 
 
 @pytest.fixture
-def sandbox(project):
+def sandbox(prepare_digits):
     """The project (data prepared), a short temp root for the run's own Ray (unix socket paths are limited to ~107
     bytes) and an empty HOME; whatever Ray leaves running under them is killed after."""
-    assert invoke("prepare", "-S", "data.limit_train=512").exit_code == 0  # in this process: not what is tested
+    project = prepare_digits(512)
     tmp = tempfile.mkdtemp(prefix="tfq", dir="/tmp")
     home = Path(tmp) / "home"
     home.mkdir()

@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from pipeline.runs.train import SNAPSHOT_FILE, STATE_FILE, recover_run_snapshot
-from tests.conftest import invoke
 
 pytestmark = [pytest.mark.slow]
 
@@ -103,9 +102,8 @@ def epochs_in_curve(project) -> list[int]:
 
 
 @pytest.fixture
-def prepared(project):
-    assert invoke("prepare").exit_code == 0  # in this process: the faults are in the pretraining
-    return project
+def prepared(prepare_digits):
+    return prepare_digits()  # the faults are in the pretraining
 
 
 @pytest.mark.timeout(900)

@@ -21,9 +21,8 @@ TINY = ["-S", "train.epochs=3", "-S", "train.batch_size=128", "-S", "data.limit_
 
 
 @pytest.fixture
-def prepared(project):
-    assert invoke("prepare", "-S", "data.limit_train=512").exit_code == 0
-    return project
+def prepared(prepare_digits):
+    return prepare_digits(512)
 
 
 def mlflow_runs(project):

@@ -17,9 +17,8 @@ TINY = ["-S", "model.embed_dim=16", "-S", "sweep.depth=[1]", "-S", "sweep.batch_
 
 
 @pytest.fixture
-def prepared(project):
-    assert invoke("prepare", "-S", "data.limit_train=256").exit_code == 0
-    return project
+def prepared(prepare_digits):
+    return prepare_digits(256)
 
 
 def read_csv(path):
