@@ -252,9 +252,9 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
     sweeps = [r for r in runs if r.data.tags.get("stage") == "sweep"]
     trials = [r for r in runs if r.data.tags.get("stage") == "sweep-trial"]
     assert len(sweeps) == 1 and sweeps[0].info.status == "FINISHED" and len(trials) == 2
-    sets = [r for r in runs if r.data.tags.get("stage") == "sets"]  # two studies: a parent and 10 children each
+    sets = [r for r in runs if r.data.tags.get("stage") == "sets"]  # the study: a parent and 10 children
     parents = [r for r in sets if "mlflow.parentRunId" not in r.data.tags]
-    assert len(parents) == 2 and len(sets) == 22
+    assert len(parents) == 1 and len(sets) == 11
     assert {r.info.run_name for r in sets if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id} == {
         f"{m} · {d}" for m in ("abc_multiplicative", "abc_additive", "transfusion", "pairwise", "rbf")
         for d in ("circles", "digits")}
