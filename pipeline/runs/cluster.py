@@ -263,7 +263,9 @@ def use_gpu(params: Params, gpus: float) -> bool:
     return params.ray.use_gpu or params.train.device == "cuda" or gpus > 0
 
 
-def _shape(params: Params, gpu: bool, cpus_per_worker: float | None, trial_cpu: float) -> TrialShape:
+def trial_shape(params: Params, gpu: bool, cpus_per_worker: float | None = None, trial_cpu: float = 0.0) -> TrialShape:
+    """What one run of ``params`` asks for: ``ray.num_workers`` workers of ``cpus_per_worker`` (default
+    ``ray.cpus_per_worker``) CPUs, a GPU each when ``gpu``, plus a trial's own ``trial_cpu``."""
     return TrialShape(params.ray.num_workers, cpus_per_worker or params.ray.cpus_per_worker, gpu, trial_cpu)
 
 
@@ -271,7 +273,7 @@ def check_request(params: Params, nodes: list[dict[str, float]], *, gpu: bool, c
                   trial_cpu: float = 0.0, what: str = "pretraining") -> None:
     """Raise :class:`ParamsError` if ``ray.num_workers`` workers (plus a trial's own bundle) can never fit on
     ``nodes``, all the nodes there will be."""
-    reason = infeasible(nodes, _shape(params, gpu, cpus_per_worker, trial_cpu), what=what)
+    reason = infeasible(nodes, trial_shape(params, gpu, cpus_per_worker, trial_cpu), what=what)
     if reason:
         raise ParamsError(reason)
 
@@ -291,7 +293,7 @@ def wait_for_workers(params: Params, *, gpu: bool, cpus_per_worker: float | None
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    shape = _shape(params, gpu, cpus_per_worker, trial_cpu)
+    shape = trial_shape(params, gpu, cpus_per_worker, trial_cpu)
     bundle: dict[str, Any] = {"CPU": shape.cpus_per_worker, **({"GPU": 1} if gpu else {})}
     what = f"{params.ray.num_workers} worker(s) of {bundle}" + (f" and a trial's {{'CPU': {trial_cpu:g}}}"
                                                                   if trial_cpu else "")

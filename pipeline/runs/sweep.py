@@ -31,7 +31,6 @@ from ray import tune
 from pipeline.config.base import flatten
 from pipeline.config.names import sweep_label
 from pipeline.config.params import Params
-from pipeline.config.resources import TrialShape
 from pipeline.config.space import (
     axes,
     base_params,
@@ -43,7 +42,7 @@ from pipeline.config.space import (
     trial_params,
 )
 from pipeline.evaluation.health import dead_blocks, is_health_key, unflat
-from pipeline.runs.cluster import connect, wait_for_workers
+from pipeline.runs.cluster import connect, trial_shape, wait_for_workers
 from pipeline.runs.storage import PLACEMENT_FILE, check_storage, checkpoint_dirs, join, read_json, stage_prepared
 from pipeline.runs.train import (
     EPOCH_METRICS,
@@ -147,7 +146,7 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     trainer = trainable(_trial, job, trial_placement(trial_params(base, {}), gpu))
     tracker = SweepTracker(s.epochs, uri, exp, parent)
     n = len(grid_points(params)) if s.search == "grid" else samples
-    shape = TrialShape(params.ray.num_workers, s.cpus_per_worker, gpu, TRIAL_CPU)
+    shape = trial_shape(params, gpu, s.cpus_per_worker, TRIAL_CPU)
     concurrent = max_concurrent(s.max_concurrent_trials, shape, totals, n)
     announce = (f"[sweep] {name}: {n} trials ({s.search}), {s.epochs} epochs each, up to {concurrent} at a time"
                 + (", ASHA early stopping" if s.asha else ""))

@@ -35,7 +35,6 @@ from pipeline.config.base import ParamsError, flatten
 from pipeline.config.names import row_label, stable_name, tables_label
 from pipeline.config.params import Params
 from pipeline.config.ray import TRIAL_CPU
-from pipeline.config.resources import TrialShape
 from pipeline.config.space import trial_params
 from pipeline.evaluation.report import NA, PAPER_TABLES, fmt_cell, fmt_minutes
 from pipeline.evaluation.tables_report import PROBES
@@ -271,7 +270,7 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     Raises :class:`ParamsError` for bad rows (before Ray and tracking) and :class:`pipeline.runs.tune.SweepError` if the
     job was interrupted or every row failed.
     """
-    from pipeline.runs.cluster import connect, wait_for_workers, with_worker_cpus
+    from pipeline.runs.cluster import connect, trial_shape, wait_for_workers, with_worker_cpus
     from pipeline.runs.storage import check_storage, stage_prepared
     from pipeline.runs.train import load_callbacks, mlflow_run, storage_location
 
@@ -299,7 +298,7 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     trainer = trainable(_row_trial, job,  # a row's workers may differ from the base's: its own placement
                         lambda config: trial_placement(trial_params(base, config["row"]["params"]), gpu))
     tracker = TablesTracker(params.train.epochs, uri, exp, parent, unit=unit)
-    shape = TrialShape(params.ray.num_workers, params.ray.cpus_per_worker, gpu, TRIAL_CPU)  # a row's workers
+    shape = trial_shape(params, gpu, trial_cpu=TRIAL_CPU)  # a row's workers: ray.cpus_per_worker
     concurrent = max_concurrent(params.tables.max_concurrent_trials, shape, totals, len(rows))
     announce = (f"[tables] {name}: {len(rows)} rows (table 1: {sum(r.table == 1 for r in rows)}, table 2: "
                 f"{sum(r.table == 2 for r in rows)}), up to {concurrent} at a time, {'GPU' if gpu else 'CPU'} workers")

@@ -25,7 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,10 +64,10 @@ STATE_DIR = ".transfusion"  # the driver's own state of a run or job under the p
 CALLBACKS_ENV = "TRANSFUSION_CALLBACKS"  # loop callbacks for every run and trial: "module:attr,module:attr"
 
 
-def epoch_metric_names(row: Mapping[str, Any]) -> tuple[str, ...]:
+def epoch_metric_names(history: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
     """The per-epoch metrics MLflow gets, of a pretraining run and of a trial: :data:`EPOCH_METRICS` and the blocks'
-    health that ``row`` (an epoch's metrics) holds (``block_1.positive``, ...; ABC's kernel: ``kernel.same_class``)."""
-    return EPOCH_METRICS + tuple(k for k in row if is_health_key(k))
+    health that the last epoch of ``history`` holds (``block_1.positive``, ...; ABC's kernel: ``kernel.same_class``)."""
+    return EPOCH_METRICS + tuple(k for k in (history[-1] if history else {}) if is_health_key(k))
 
 
 class PretrainError(RuntimeError):
@@ -438,8 +438,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     if state is None:
         raise PretrainError("pretraining finished without a checkpoint")
     if run_id:  # epochs checkpointed before an interruption but never logged: the run shows every epoch once
-        history = state["history"]
-        trk.log_missing_epochs(uri, run_id, history, epoch_metric_names((history or [{}])[-1]))
+        trk.log_missing_epochs(uri, run_id, state["history"], epoch_metric_names(state["history"]))
         if "head_plan" in state:  # the head's path on the workers (pipeline.core.plan): dense|tiled, sharded
             trk.set_tags(run_id, HeadPlan(**state["head_plan"]).tags(), uri=uri)
     return PretrainResult(state=state, run_name=name, mlflow_run_id=run_id, input_shape=data.input_shape,

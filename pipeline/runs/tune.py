@@ -297,7 +297,7 @@ class TrialTracker(tune.Callback):
             + f" eps {result.get('view_noise', math.nan):.4f}")
         child = self._child(trial)
         if child:
-            trk.log_metrics_batch(self.uri, child, [result], epoch_metric_names(result))
+            trk.log_metrics_batch(self.uri, child, [result], epoch_metric_names([result]))
 
     def _end(self, trials, trial, status: str) -> None:
         epoch = self.last_epoch.get(trial.trial_id, 0)
@@ -313,7 +313,7 @@ class TrialTracker(tune.Callback):
             # epochs a resumed trial checkpointed before an interruption but never reported to Tune: from the
             # checkpoint's history, so that the run shows every epoch once
             history = checkpoint_history(last_checkpoint_path(trial.last_result, trial)) or []
-            trk.log_missing_epochs(self.uri, child, history, epoch_metric_names((history or [{}])[-1]))
+            trk.log_missing_epochs(self.uri, child, history, epoch_metric_names(history))
             trk.end_run(self.uri, child, status, tags={"stopped_early": early, **({"error": reason} if reason else {})})
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:

@@ -56,8 +56,8 @@ def test_declared_gpus_that_cuda_cannot_see(monkeypatch):
 def test_the_epoch_metrics_and_the_console_carry_the_blocks_or_abcs_kernel():
     blocks = {"loss": 1.0, "block_1.positive": 0.5, "block_1.uniform_rows": 0.0, "block_2.positive": 0.25}
     kernel = {"loss": 1.0, "kernel.same_class": 0.8, "kernel.other": 0.1, "kernel.above_half": 0.125}
-    assert epoch_metric_names(blocks)[-3:] == ("block_1.positive", "block_1.uniform_rows", "block_2.positive")
-    assert epoch_metric_names(kernel)[-3:] == ("kernel.same_class", "kernel.other", "kernel.above_half")
+    assert epoch_metric_names([blocks])[-3:] == ("block_1.positive", "block_1.uniform_rows", "block_2.positive")
+    assert epoch_metric_names([kernel])[-3:] == ("kernel.same_class", "kernel.other", "kernel.above_half")
     assert health_line(blocks) == " | positive pairs: b1 50.0% b2 25.0%"
     assert health_line(kernel) == " | kernel: same class 0.80, other 0.10, > 0.5 12.5%"
     assert health_line({"loss": 1.0}) == ""
