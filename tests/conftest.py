@@ -23,6 +23,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # the test processes side by side (py
         os.environ.setdefault(_var, "1")
 
 
+def pytest_collection_modifyitems(items):
+    """Tests marked ``first`` first (a stable sort: the others keep their order). Under ``pytest -n 2`` the longest
+    test then starts at once in one process while the other process runs the rest; last in the queue, it ran alone at
+    the end while the other process idled (70 s of 863 s in one measured run)."""
+    items.sort(key=lambda item: item.get_closest_marker("first") is None)
+
+
 def invoke(*args: str):
     """Run the `transfusion` CLI in-process (exceptions propagate, so a bug shows its traceback)."""
     from click.testing import CliRunner

@@ -132,6 +132,7 @@ def interrupt_mid_sweep(args, env, cwd) -> tuple[str, set[str], float, list[floa
     return out, ended, time.monotonic() - sent, gaps, proc.returncode
 
 
+@pytest.mark.first  # the suite's longest test (~180 s alone, ~300 s beside another)
 @pytest.mark.timeout(900)
 def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
     """cluster-sweep.yaml end to end (all its jobs, every check of the test above) on a Ray that declares 4 GPUs (none
