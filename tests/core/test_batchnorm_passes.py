@@ -26,13 +26,13 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import pipeline.core.batchnorm as bn
 from pipeline.core.batchnorm import FusedGlobalBatchNormFn, GlobalBatchNorm
+from tests import gloo
 
 HALF = (torch.float16, torch.bfloat16)
 FUSED_OPS = ("batch_norm_stats", "batch_norm_gather_stats_with_counts", "batch_norm_elemt",
@@ -422,7 +422,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 def two_workers(tmp_path_factory):
     """Both ranks' results of every case and path, from one spawn of 2 gloo workers."""
     d = tmp_path_factory.mktemp("bn2")
-    mp.spawn(_worker, args=(str(d / "init"), str(d)), nprocs=2, join=True)
+    gloo.spawn(_worker, (str(d / "init"), str(d)))
     results = []
     for r in range(2):
         with open(d / f"rank{r}.pkl", "rb") as f:

@@ -10,10 +10,10 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from pipeline.training.comm import GradReducer, buckets_of
+from tests import gloo
 from tests.training.test_step import BACKBONES, B, make_batch, make_model
 
 
@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_overlapped_sums_equal_the_coalesced_all_reduce_bit_for_bit(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    gloo.spawn(_worker, (2, str(tmp_path / "init"), str(tmp_path)))
     ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
     for backbone, _ in BACKBONES:
         for out in ranks:
@@ -184,7 +184,7 @@ def _order_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_ranks_launch_in_the_same_fixed_order_with_a_truncated_head(tmp_path):
-    mp.spawn(_order_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    gloo.spawn(_order_worker, (2, str(tmp_path / "init"), str(tmp_path)))
     ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
     assert ranks[0][0] == ranks[1][0]  # the same buckets, launched in the same order, in every step
     for steps, unused, overlapped, coalesced, _ in ranks:

@@ -19,13 +19,13 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipeline.config.data import DataConfig
 from pipeline.config.params import load_params
 from pipeline.data.prepared import load_prepared, save_prepared
 from pipeline.data.sources import load_dataset
 from pipeline.training.loop import DATA_BUDGET_SHARE, KNN_BANK, KNN_QUERIES, Callback, PretrainLoop, data_budget
+from tests import gloo
 from tests.conftest import ROOT
 from tests.data.test_datasets import mapped_file
 
@@ -151,7 +151,7 @@ def _two_paths_worker(rank: int, world: int, init_file: str, data_dir: str, out_
 
 @pytest.mark.slow
 def test_two_gloo_workers_streamed_equal_in_memory(prepared, tmp_path):
-    mp.spawn(_two_paths_worker, args=(2, str(tmp_path / "init"), str(prepared), str(tmp_path)), nprocs=2, join=True)
+    gloo.spawn(_two_paths_worker, (2, str(tmp_path / "init"), str(prepared), str(tmp_path)))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for histories in ranks:
         assert histories["streamed"] == histories["in_memory"] and len(histories["streamed"]) == 2

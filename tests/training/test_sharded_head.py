@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipeline.core.abc import ABCHead
 from pipeline.core.backbones import build_backbone
 from pipeline.core.losses import make_loss
 from pipeline.core.model import ABCModel, Rows, TransFusion, TransFusionHead, bce_loss
 from pipeline.training.step import GlobalBatchStep
+from tests import gloo
 
 B, SHAPE = 8, (1, 6, 6)  # 8 images, two views each; 4 a worker
 LABELS = torch.tensor([0, 1, 2, 0, 1, 2, 0, 3])  # class 3 is a singleton: a row without a positive
@@ -160,7 +160,7 @@ def assert_same(got, want, rtol=1e-9):
 @pytest.mark.slow
 def test_two_sharded_workers_equal_one_dense_process(tmp_path):
     init = tmp_path / "init"
-    mp.spawn(_worker, args=(2, str(init), str(tmp_path), CASES), nprocs=2, join=True)
+    gloo.spawn(_worker, (2, str(init), str(tmp_path), CASES))
     ranks = []
     for r in range(2):
         with open(tmp_path / f"rank{r}.pkl", "rb") as f:

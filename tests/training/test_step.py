@@ -17,20 +17,20 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipeline.core.backbones import build_backbone
 from pipeline.core.batchnorm import GlobalBatchNorm, convert_batchnorm
 from pipeline.core.losses import make_loss
 from pipeline.core.model import TransFusion, TransFusionHead
 from pipeline.training.step import GlobalBatchStep, NonFiniteLossError, local_rows
+from tests import gloo
 
 B, SHAPE = 8, (1, 8, 8)  # 8 images, two views each
 
 
 @dataclass(frozen=True)
 class Spec:
-    """One configuration of the equality harness (picklable for mp.spawn)."""
+    """One configuration of the equality harness (picklable for the ranks, tests.gloo)."""
 
     loss_name: str = "jsd"
     mode: str = "self"  # self | sup
@@ -123,7 +123,7 @@ def run_two(tmp_path, spec: Spec):
         (tmp_path / f"rank{r}.pkl").unlink(missing_ok=True)
     init = tmp_path / "init"
     init.unlink(missing_ok=True)
-    mp.spawn(_worker, args=(2, str(init), str(tmp_path), spec), nprocs=2, join=True)
+    gloo.spawn(_worker, (2, str(init), str(tmp_path), spec))
     results = []
     for r in range(2):
         with open(tmp_path / f"rank{r}.pkl", "rb") as f:
@@ -310,8 +310,7 @@ def test_ranks_seeded_differently_start_identical(tmp_path):
 
     save_prepared(load_dataset(DataConfig(dataset="digits", root=str(tmp_path), limit_train=64, limit_test=32)),
                   tmp_path / "prepared")
-    mp.spawn(_broadcast_worker, args=(2, str(tmp_path / "init"), str(tmp_path), str(tmp_path / "prepared")),
-             nprocs=2, join=True)
+    gloo.spawn(_broadcast_worker, (2, str(tmp_path / "init"), str(tmp_path), str(tmp_path / "prepared")))
     results = []
     for r in range(2):
         with open(tmp_path / f"rank{r}.pkl", "rb") as f:
