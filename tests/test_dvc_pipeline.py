@@ -238,6 +238,11 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
         set_param(repo, section, key, value)
         assert ran(run(["dvc", "repro", "--dry"], repo)) == {section}  # only that stage reads its section
         set_param(repo, section, key, TINY[section, key])
+    # model.depth: pretraining (and, by its outputs, what follows it), not the sweep, which sets each trial's depth
+    depth = yaml.safe_load((repo / "params.yaml").read_text())["model"]["depth"]
+    set_param(repo, "model", "depth", depth + 1)
+    assert ran(run(["dvc", "repro", "--dry"], repo)) == {"pretrain"}
+    set_param(repo, "model", "depth", depth)
     assert ran(run(["dvc", "repro"], repo)) == set()
     evaluation = json.loads((repo / "metrics/evaluate.json").read_text())
     assert set(evaluation["probes"]["backbone"]["svm"]) == {"0.5", "1"}
@@ -280,21 +285,22 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "baseline"], repo)
     baseline = run(["git", "rev-parse", "HEAD"], repo).strip()
-    out = run(["dvc", "exp", "run", "-S", "model.depth=2"], repo)  # the sweep overrides model.depth: not re-run
-    assert ran(out) == {"pretrain", "evaluate", "report"}
+    # an experiment that re-runs the stages of the probes only (one that retrains is the --dry check above)
+    out = run(["dvc", "exp", "run", "-S", "probe.label_fractions=[0.25,1.0]"], repo)
+    assert ran(out) == {"evaluate", "report"}
     shown = run(["dvc", "exp", "show", "--json"], repo)
-    assert '"depth": 2' in shown.replace("'", '"')
-    runs = client.search_runs([exp.experiment_id], filter_string="params.model.depth = '2'")
-    assert len(runs) == 1 and runs[0].data.tags["stage"] == "pretrain"
+    assert '"label_fractions": [0.25, 1.0]' in shown.replace("'", '"')
+    runs = client.search_runs([exp.experiment_id], filter_string="params.probe.label_fractions = '[0.25, 1.0]'")
+    assert len(runs) == 1 and runs[0].data.tags["stage"] == "evaluate"
 
     # DVC -> MLflow: the experiment's metrics carry the run ids; MLflow -> DVC: its runs carry its name and baseline
-    name, metrics = experiment_metrics(json.loads(shown), "metrics/pretrain.json", "model.depth", 2)
+    name, metrics = experiment_metrics(json.loads(shown), "metrics/evaluate.json", "probe.label_fractions", [0.25, 1.0])
     tagged = client.search_runs([exp.experiment_id], filter_string=f"tags.dvc.exp_name = '{name}'")
-    assert sorted(r.data.tags["stage"] for r in tagged) == ["evaluate", "pretrain"]
+    assert [r.data.tags["stage"] for r in tagged] == ["evaluate"]  # the stages it ran, and only those
     assert all(r.data.tags["dvc.exp_baseline"] == baseline for r in tagged)
-    assert metrics["mlflow_run_id"] == runs[0].info.run_id == next(r.info.run_id for r in tagged
-                                                                   if r.data.tags["stage"] == "pretrain")
-    assert runs[0].info.run_name == "pretrain · cnn_small · depth 2 · jsd · b100 · s0"
+    assert metrics["mlflow_run_id"] == runs[0].info.run_id == tagged[0].info.run_id
+    assert metrics["pretrain_mlflow_run_id"] == pretrain[0].info.run_id  # the model it probed, from the baseline
+    assert runs[0].info.run_name == "evaluate · 2 probes · labels 25%, 100%"
     listed = run(["dvc", "exp", "show", "--csv", "--drop", ".*", "--keep", "Experiment|.*mlflow_run_id"], repo)
     assert any(name in line and runs[0].info.run_id in line for line in listed.splitlines()), listed  # docs/tracking.md
 
