@@ -18,7 +18,8 @@ What a plan does (every field optional; epochs and steps count from 1):
                     mid-epoch, with its native dump, as one killed in a collective
 ``trial``           ``{"train.batch_size": 32}``: the faults above only in the runs and trials whose params have these
                     values (compared as text)
-``count_file``      rank 0 appends ``<trial id>`` (a pretraining run: its Ray run name) when training starts
+``count_file``      rank 0 appends ``<trial id> <epochs done> <pid>`` when training starts (a pretraining run: its Ray
+                    run name; the epochs a resumed run restored; its process)
 ``also``            more plans, each confined by its own ``trial``: one sweep with a slowed trial and a diverging one
 =================  ====================================================================================================
 """
@@ -103,7 +104,7 @@ class Faults(Callback):
     def on_train_start(self, loop: PretrainLoop) -> None:
         if self.plan.count_file and loop.rank == 0:
             with open(self.plan.count_file, "a") as f:
-                f.write(f"{run_id()}\n")
+                f.write(f"{run_id()} {loop.epoch} {os.getpid()}\n")
 
     def on_step_start(self, loop: PretrainLoop, epoch: int, step: int, x: torch.Tensor) -> torch.Tensor | None:
         nan = False

@@ -63,13 +63,17 @@ def stop_processes(popens: list[subprocess.Popen], marker: str) -> None:
 
 
 def wait_for_nodes(address: str, n: int, env: dict, timeout: float = 120) -> None:
-    probe = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+    """Until the cluster at ``address`` has ``n`` alive nodes. One probe process connects and polls (a process costs
+    ~2 CPU-s of imports here); a new one only while the head does not answer yet."""
+    probe = ("import ray, sys, time; ray.init(address=sys.argv[1], logging_level='ERROR'); end = float(sys.argv[3])\n"
+             "while sum(1 for x in ray.nodes() if x['Alive']) < int(sys.argv[2]) and time.time() < end:\n"
+             "    time.sleep(0.5)\n"
              "print(sum(1 for x in ray.nodes() if x['Alive']))")
     deadline = time.time() + timeout
     alive = 0
     while time.time() < deadline:
-        out = subprocess.run([sys.executable, "-c", probe, address], env=env, capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run([sys.executable, "-c", probe, address, str(n), str(deadline)], env=env,
+                             capture_output=True, text=True, timeout=timeout + 60)
         if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(n)]:
             return
         alive = out.stdout.strip()[-20:]

@@ -1,7 +1,8 @@
 """Faults from outside, on real processes: a training worker killed by pid, a driver killed mid-run.
 
-Each test runs `transfusion pretrain` as its own process with its own local Ray (RAY_TMPDIR: a temp dir of the
-test's, so that everything it leaves behind can be found and stopped without touching any other Ray).
+The killed worker's stage runs in the test's process, on the session's Ray. The killed driver's runs as its own
+process with its own local Ray (RAY_TMPDIR: a temp dir of the test's, so that everything it leaves behind can be found
+and stopped without touching any other Ray).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import mlflow
@@ -23,7 +25,8 @@ import psutil
 import pytest
 import torch
 
-from pipeline.runs.train import SNAPSHOT_FILE, STATE_FILE, recover_run_snapshot
+from pipeline.runs.train import HISTORY_FILE, SNAPSHOT_FILE, STATE_FILE, recover_run_snapshot
+from tests.conftest import invoke
 
 pytestmark = [pytest.mark.slow]
 
@@ -106,37 +109,51 @@ def prepared(prepare_digits):
     return prepare_digits()  # the faults are in the pretraining
 
 
+def last_recorded_epoch(project) -> int:
+    """The epoch of the newest checkpoint the Ray run's snapshot lists (0: none yet)."""
+    epochs = [0]
+    for snapshot in (project / "ray_results").glob(f"pretrain-*/{SNAPSHOT_FILE}"):
+        with contextlib.suppress(OSError):
+            text = snapshot.read_text()
+            for history in snapshot.parent.glob(f"checkpoint_*/{HISTORY_FILE}"):
+                if history.parent.name in text:
+                    epochs.append(int(json.loads(history.read_text())[-1]["epoch"]))
+    return max(epochs)
+
+
 @pytest.mark.timeout(900)
-def test_killed_worker_restarts_from_the_last_checkpoint(prepared, ray_tmp):
+def test_killed_worker_restarts_from_the_last_checkpoint(prepared, ray_session, install_faults, tmp_path):
     """ray.max_failures: the worker group restarts from the last checkpoint (a worker's exception takes the same path
-    in Ray Train as its death; the real death is the one tested)."""
-    every = 2
-    proc = start(prepared, ray_tmp, "pretrain", *RUN, "-S", f"train.checkpoint_every={every}",
-                 "-S", "ray.max_failures=1")
-    try:
-        m, before = read_until(proc, re.compile(r"\[pretrain\] epoch 3/6"))
-        (pid,), reached = train_workers(proc.pid), 3
-        # epochs take ~0.5 s here: kill once Ray has recorded the epoch-2 checkpoint (uploaded in the background),
-        # so that "the last checkpoint before the kill" is well defined
-        wait_for_recorded_checkpoint(prepared)
-        victim = psutil.Process(pid)
-        assert "RayTrainWorker" in " ".join(victim.cmdline()) or "ray::" in victim.name()
-        victim.kill()  # SIGKILL, from outside, by pid
-        m, after = read_until(proc, RESUMED)
-        new_pids = train_workers(proc.pid)  # the worker that resumed
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    log = "".join(before + after) + out
-    assert proc.returncode == 0, log
-    resumed_after = int(m.group(1))
-    # at most one checkpoint interval lost: the restart continues from the last checkpoint before the kill
-    assert reached - every <= resumed_after <= reached, log
-    assert resumed_after % every == 0
+    in Ray Train as its death; the real death is the one tested). The stage runs in this process, on the session's
+    Ray: what is killed is a worker, from outside, by pid (SIGKILL), not the driver."""
+    every, log = 2, tmp_path / "starts.log"
+    install_faults(count_file=str(log))
+    killed: dict[str, int] = {}
+
+    def kill_a_worker_after_a_checkpoint() -> None:
+        wait_for_recorded_checkpoint(prepared)  # epochs take ~0.5 s: "the last checkpoint before the kill" is known
+        deadline = time.time() + 60
+        while not (workers := train_workers(os.getpid())) and time.time() < deadline:
+            time.sleep(0.05)
+        (pid,) = workers  # the session's Ray is this process's child; one worker trains
+        killed.update(epoch=last_recorded_epoch(prepared), pid=pid)
+        psutil.Process(pid).kill()
+
+    killer = threading.Thread(target=kill_a_worker_after_a_checkpoint, daemon=True)
+    killer.start()
+    result = invoke("pretrain", *RUN, "-S", f"train.checkpoint_every={every}", "-S", "ray.max_failures=1")
+    killer.join(timeout=60)
+    assert result.exit_code == 0, result.output
+    assert killed, "no worker was killed"
+    starts = [line.split() for line in log.read_text().splitlines()]
+    assert len(starts) == 2 and starts[0][1] == "0", starts  # a start from scratch, then the restart
+    resumed_after = int(starts[1][1])
+    # at most one checkpoint interval lost: the restart continues from the last checkpoint before the kill (or one
+    # recorded in the instant between reading the record and the kill)
+    assert killed["epoch"] <= resumed_after <= killed["epoch"] + every and resumed_after % every == 0, (killed, starts)
+    assert int(starts[1][2]) != killed["pid"]  # a new worker process finished the run
     assert epochs_in_curve(prepared) == [1, 2, 3, 4, 5, 6]
     assert json.loads((prepared / "metrics/pretrain.json").read_text())["epochs"] == 6
-    assert new_pids and pid not in new_pids  # a new worker process finished the run
 
 
 @pytest.mark.timeout(900)
