@@ -1,8 +1,8 @@
 """Faults from outside, on real processes: a training worker killed by pid, a driver killed mid-run.
 
-The killed worker's stage runs in the test's process, on the session's Ray. The killed driver's runs as its own
-process with its own local Ray (RAY_TMPDIR: a temp dir of the test's, so that everything it leaves behind can be found
-and stopped without touching any other Ray).
+The killed worker's stage runs in the test's process, on the session's Ray. The killed driver runs as its own process
+with its own local Ray (RAY_TMPDIR: a temp dir of the test's, so that everything it leaves behind can be found and
+stopped without touching any other Ray); its rerun runs in the test's process.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from tests.conftest import invoke
 pytestmark = [pytest.mark.slow]
 
 EPOCH = re.compile(r"\[pretrain\] epoch (\d+)/(\d+)")
-RESUMED = re.compile(r"\[pretrain\] resumed from the checkpoint after epoch (\d+)")
 # 1437 digits at batch 32: ~45 steps, an epoch of a second or two here -- long enough to kill inside one
 RUN = ["-S", "train.batch_size=32", "-S", "model.embed_dim=16", "-S", "train.epochs=6", "-S", "train.knn_every=0"]
 
@@ -157,7 +156,9 @@ def test_killed_worker_restarts_from_the_last_checkpoint(prepared, ray_session, 
 
 
 @pytest.mark.timeout(900)
-def test_killed_driver_then_rerun_resumes(prepared, ray_tmp):
+def test_killed_driver_then_rerun_resumes(prepared, ray_tmp, ray_session, install_faults, tmp_path):
+    """The driver runs as its own process with its own local Ray, and is killed with all of it; the rerun is the
+    stage in this process, on the session's Ray (a new Ray, as after a lost machine or shell)."""
     args = ["pretrain", *RUN, "-S", "train.checkpoint_every=1"]
     proc = start(prepared, ray_tmp, *args)
     try:
@@ -183,12 +184,15 @@ def test_killed_driver_then_rerun_resumes(prepared, ray_tmp):
     (run_dir,) = [d for d in (prepared / "ray_results").iterdir() if d.name.startswith("pretrain-")]
     (run_dir / SNAPSHOT_FILE).write_text("")
 
-    proc = start(prepared, ray_tmp, *args)
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
+    log = tmp_path / "starts.log"
+    install_faults(count_file=str(log))  # the rerun's start record: the epochs it restored
+    result = invoke(*args)
+    out = result.output
+    assert result.exit_code == 0, out
     assert "was unreadable (torn by an interruption); resuming from checkpoint_" in out, out
-    m = RESUMED.search(out)
-    assert m and reached - 1 <= int(m.group(1)) <= reached, out  # not from scratch: at most one epoch lost
+    (start_record,) = [line.split() for line in log.read_text().splitlines()]
+    resumed = int(start_record[1])
+    assert reached - 1 <= resumed <= reached, (reached, out)  # not from scratch: at most one epoch lost
     assert epochs_in_curve(prepared) == [1, 2, 3, 4, 5, 6]
     client = mlflow.MlflowClient(f"sqlite:///{prepared / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("transfusion").experiment_id])
