@@ -43,19 +43,15 @@ def free_ports(n: int) -> list[int]:
 
 def stop_processes(popens: list[subprocess.Popen], marker: str) -> None:
     """Stop what this test started and nothing else (`ray stop` would end every Ray on the machine): the
-    `ray start --block` process groups, then any process whose command line names this cluster's temp dir. The
-    nodes' state is thrown away with their temp dirs, so a group still up 5 s after SIGTERM is killed (a graceful
-    `ray start --block` stop took 30 s of this test's teardown)."""
+    `ray start --block` process groups, then any process whose command line names this cluster's temp dir. SIGKILL at
+    once: the nodes' state is thrown away with their temp dirs (a graceful `ray start --block` stop took 30 s of this
+    test's teardown, and SIGTERM then 5 s of waiting)."""
     for p in popens:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)
+            os.killpg(p.pid, signal.SIGKILL)
     for p in popens:
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-    time.sleep(1)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
             if any(marker in part for part in proc.info["cmdline"] or []):
