@@ -1,7 +1,7 @@
 """The tests' multi-process gloo groups, started as forks of one server that has imported torch and the pipeline.
 
 ``torch.multiprocessing.spawn`` starts each rank as a fresh interpreter that imports torch and the pipeline again:
-3.8 CPU-s and 2 s of wall for each start of 2 ranks on the 2-core dev machine, paid ~25 times by the suite. Here the
+3.8 CPU-s and 2 s of wall for each start of 2 ranks on the 2-core dev machine, paid 21 times by the suite. Here the
 ranks are forked from Python's forkserver, which imports :data:`PRELOAD` once per test process: 0.07 CPU-s per start
 of 2 ranks after the first (measured: 4 starts of 2 ranks that init and destroy a gloo group, 1.51 CPU-s for the first
 one, which starts the server, then 0.07, 0.07, 0.06). A rank still starts from a clean state: the server only
