@@ -128,20 +128,27 @@ def test_killed_worker_restarts_from_the_last_checkpoint(prepared, ray_session, 
     every, log = 2, tmp_path / "starts.log"
     install_faults(count_file=str(log))
     killed: dict[str, int] = {}
+    failed: list[BaseException] = []  # the killer thread's error, raised in the test
 
     def kill_a_worker_after_a_checkpoint() -> None:
-        wait_for_recorded_checkpoint(prepared)  # epochs take ~0.5 s: "the last checkpoint before the kill" is known
-        deadline = time.time() + 60
-        while not (workers := train_workers(os.getpid())) and time.time() < deadline:
-            time.sleep(0.05)
-        (pid,) = workers  # the session's Ray is this process's child; one worker trains
-        killed.update(epoch=last_recorded_epoch(prepared), pid=pid)
-        psutil.Process(pid).kill()
+        try:
+            wait_for_recorded_checkpoint(prepared)  # epochs take ~0.5 s: "the last checkpoint before the kill" is known
+            deadline = time.time() + 60
+            while not (workers := train_workers(os.getpid())) and time.time() < deadline:
+                time.sleep(0.05)
+            assert len(workers) == 1, f"Ray Train workers of this process: {workers}"  # one worker trains
+            (pid,) = workers  # the session's Ray is this process's child
+            killed.update(epoch=last_recorded_epoch(prepared), pid=pid)
+            psutil.Process(pid).kill()
+        except BaseException as err:  # noqa: BLE001 - re-raised in the test below
+            failed.append(err)
 
     killer = threading.Thread(target=kill_a_worker_after_a_checkpoint, daemon=True)
     killer.start()
     result = invoke("pretrain", *RUN, "-S", f"train.checkpoint_every={every}", "-S", "ray.max_failures=1")
     killer.join(timeout=60)
+    if failed:
+        raise failed[0]
     assert result.exit_code == 0, result.output
     assert killed, "no worker was killed"
     starts = [line.split() for line in log.read_text().splitlines()]
