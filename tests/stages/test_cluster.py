@@ -59,8 +59,8 @@ def stop_processes(popens: list[subprocess.Popen], marker: str) -> None:
 
 
 def wait_for_nodes(address: str, n: int, env: dict, timeout: float = 120) -> None:
-    """Until the cluster at ``address`` has ``n`` alive nodes. One probe process connects and polls (a process costs
-    ~2 CPU-s of imports here); a new one only while the head does not answer yet."""
+    """Until the cluster at ``address`` has ``n`` alive nodes. One probe process imports Ray, connects and polls; a new
+    one only while the head does not answer yet (it was a new process every 2 s)."""
     probe = ("import ray, sys, time; ray.init(address=sys.argv[1], logging_level='ERROR'); end = float(sys.argv[3])\n"
              "while sum(1 for x in ray.nodes() if x['Alive']) < int(sys.argv[2]) and time.time() < end:\n"
              "    time.sleep(0.5)\n"
