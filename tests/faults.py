@@ -16,6 +16,11 @@ What a plan does (every field optional; epochs and steps count from 1):
 ``slow_rank``       ``(rank, seconds)``: that rank sleeps before each step (the others wait in the collectives)
 ``abort_at``        ``(epoch, step, rank)``: that rank calls ``os.abort()`` before that step: a worker dying by SIGABRT
                     mid-epoch, with its native dump, as one killed in a collective
+``hold_at``         ``(epoch, step, rank)``: once the checkpoint of the epoch before is persisted, that rank writes its
+                    pid to ``hold_file`` (atomically) and sleeps before that step until something kills it: a kill
+                    from outside that lands mid-run for certain, at a known place. Not again once ``hold_file``
+                    exists (the restarted run passes the same step); the epoch before must be a checkpointed one
+``hold_file``       where ``hold_at`` writes the held process's pid
 ``trial``           ``{"train.batch_size": 32}``: the faults above only in the runs and trials whose params have these
                     values (compared as text)
 ``count_file``      rank 0 appends ``<trial id> <epochs done> <pid>`` when training starts (a pretraining run: its Ray
@@ -42,7 +47,8 @@ from pipeline.training.loop import Callback, EpochMetrics, PretrainLoop
 ENV = "TRANSFUSION_TEST_FAULTS"  # the plan, as JSON (FaultPlan's fields)
 REF = "tests.faults:Faults"  # the callback, as $TRANSFUSION_CALLBACKS names it
 ROOT = Path(__file__).resolve().parents[1]
-CHECKPOINT_WAIT_S = 120.0
+CHECKPOINT_WAIT_S = 600.0  # Ray runs its workers at nice 15 (worker_niceness): a loaded machine starves them
+HOLD_S = 600.0  # a held rank that nothing killed by then fails its run
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,8 @@ class FaultPlan:
     nan_at_step: tuple[int, int] | None = None
     slow_rank: tuple[int, float] | None = None
     abort_at: tuple[int, int, int] | None = None
+    hold_at: tuple[int, int, int] | None = None
+    hold_file: str | None = None
     trial: dict[str, Any] | None = None
     count_file: str | None = None
     also: tuple[FaultPlan, ...] | None = None  # their count_file and also are not read
@@ -67,10 +75,13 @@ class FaultPlan:
         unknown = sorted(set(plan) - set(known))
         if unknown:
             raise ValueError(f"{ENV}: unknown keys {unknown}; a fault plan has {known}")
-        step, slow, abort, also = plan.get("nan_at_step"), plan.get("slow_rank"), plan.get("abort_at"), plan.get("also")
+        step, slow, also = plan.get("nan_at_step"), plan.get("slow_rank"), plan.get("also")
+        if plan.get("hold_at") is not None and not plan.get("hold_file"):
+            raise ValueError(f"{ENV}: hold_at needs a hold_file")
         return cls(**{**plan, "nan_at_step": None if step is None else (int(step[0]), int(step[1])),
                       "slow_rank": None if slow is None else (int(slow[0]), float(slow[1])),
-                      "abort_at": None if abort is None else (int(abort[0]), int(abort[1]), int(abort[2])),
+                      **{k: None if plan.get(k) is None else tuple(int(v) for v in plan[k])
+                         for k in ("abort_at", "hold_at")},
                       "also": None if also is None else tuple(cls.from_dict(a) for a in also)})
 
     def to_json(self) -> str:
@@ -113,6 +124,8 @@ class Faults(Callback):
                 time.sleep(p.slow_rank[1])
             if p.abort_at == (epoch, step, loop.rank):
                 os.abort()
+            if p.hold_at == (epoch, step, loop.rank) and not Path(p.hold_file).exists():
+                hold(epoch - 1, Path(p.hold_file))
             nan = nan or p.nan_at_epoch == epoch or p.nan_at_step == (epoch, step)
         return x * float("nan") if nan else None
 
@@ -157,6 +170,17 @@ def wait_for_checkpoint(epoch: int) -> None:
                 return
         time.sleep(0.05)
     raise AssertionError(f"the checkpoint of epoch {epoch} was not persisted in {CHECKPOINT_WAIT_S:.0f} s")
+
+
+def hold(checkpointed: int, pid_file: Path) -> None:
+    """After the checkpoint of epoch ``checkpointed`` is persisted: this process's pid to ``pid_file`` (atomically),
+    then sleep until killed."""
+    wait_for_checkpoint(checkpointed)
+    part = pid_file.with_name(pid_file.name + ".part")
+    part.write_text(f"{os.getpid()}\n")
+    os.replace(part, pid_file)
+    time.sleep(HOLD_S)
+    raise AssertionError(f"held for {HOLD_S:.0f} s before the step and never killed (tests.faults hold_at)")
 
 
 def environment(**plan: Any) -> dict[str, str]:

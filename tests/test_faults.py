@@ -105,6 +105,27 @@ def test_a_slow_rank_sleeps_and_an_abort_aborts(monkeypatch):
     assert json.loads(faults.environment(abort_at=(2, 3, 0))[faults.ENV]) == {"abort_at": [2, 3, 0]}
 
 
+def test_a_hold_writes_its_pid_then_sleeps_once_and_needs_a_file(monkeypatch, tmp_path):
+    """Outside Ray there is no checkpoint to wait for; the pid file appears whole, and a second pass (the restarted
+    run) does not hold again."""
+    import time
+
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    pid_file = tmp_path / "held"
+    plan = FaultPlan.from_dict({"hold_at": [3, 2, 0], "hold_file": str(pid_file)})
+    with pytest.raises(AssertionError, match="never killed"):  # the sleep is patched out: nothing killed it
+        nan_at(plan, run(), 3, 2)
+    assert slept == [faults.HOLD_S] and pid_file.read_text() == f"{os.getpid()}\n"
+    assert list(tmp_path.iterdir()) == [pid_file]  # no partial file left
+    for epoch, step, rank in [(3, 2, 0), (3, 1, 0), (2, 2, 0)]:
+        assert not nan_at(plan, run(rank=rank), epoch, step)
+    assert slept == [faults.HOLD_S]  # held once
+    assert not nan_at(FaultPlan(hold_at=(3, 2, 0), hold_file=str(pid_file)), run(rank=1), 3, 2)  # another rank
+    with pytest.raises(ValueError, match="hold_at needs a hold_file"):
+        faults.environment(hold_at=(3, 2, 0))
+
+
 def test_also_confines_each_plan_to_its_own_runs(monkeypatch):
     """One sweep, two faults: the strength-1.0 trial slowed, the strength-0.0 one diverging at epoch 2."""
     import time
