@@ -163,7 +163,7 @@ def test_killed_worker_restarts_from_the_last_checkpoint(prepared, ray_session, 
     if failed:
         raise failed[0]
     assert result.exit_code == 0, result.output
-    assert killed == {"epoch": every, "pid": killed.get("pid")}, killed
+    assert killed.get("epoch") == every, killed  # Ray's run record listed the checkpoint of epoch 2 at the kill
     starts = [line.split() for line in log.read_text().splitlines()]
     assert len(starts) == 2 and starts[0][1] == "0", starts  # a start from scratch, then the restart
     assert int(starts[1][1]) == every, starts  # it resumed from the last checkpoint before the kill
