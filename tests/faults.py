@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from pipeline.config.base import flatten
+from pipeline.io import atomic_path
 from pipeline.runs.train import CALLBACKS_ENV, HISTORY_FILE
 from pipeline.training.loop import Callback, EpochMetrics, PretrainLoop
 
@@ -176,9 +177,8 @@ def hold(checkpointed: int, pid_file: Path) -> None:
     """After the checkpoint of epoch ``checkpointed`` is persisted: this process's pid to ``pid_file`` (atomically),
     then sleep until killed."""
     wait_for_checkpoint(checkpointed)
-    part = pid_file.with_name(pid_file.name + ".part")
-    part.write_text(f"{os.getpid()}\n")
-    os.replace(part, pid_file)
+    with atomic_path(pid_file) as part:
+        part.write_text(f"{os.getpid()}\n")
     time.sleep(HOLD_S)
     raise AssertionError(f"held for {HOLD_S:.0f} s before the step and never killed (tests.faults hold_at)")
 
