@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import shutil
 from pathlib import Path
@@ -46,6 +47,12 @@ def invoke(*args: str):
     from stages.cli import main
 
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def pretrain_curve(project: Path) -> list[dict[str, str]]:
+    """The rows of a project's ``plots/pretrain.csv`` (one per epoch logged), as ``transfusion pretrain`` wrote them."""
+    with open(project / "plots" / "pretrain.csv") as f:
+        return list(csv.DictReader(f))
 
 
 @pytest.fixture

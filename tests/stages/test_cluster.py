@@ -6,7 +6,6 @@ share: the installed code and one storage mount. `pretrain` runs on it through R
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import os
 import re
@@ -20,6 +19,8 @@ import time
 
 import psutil
 import pytest
+
+from tests.conftest import pretrain_curve
 
 pytestmark = [pytest.mark.slow]
 
@@ -167,8 +168,7 @@ def test_pretrain_on_two_nodes_that_share_only_the_storage(project, two_node_clu
     log = out.stdout + out.stderr
     assert out.returncode == 0, log
     assert "[pretrain] 2 worker(s) on 2 node(s)" in log, log  # 1 CPU per node: one worker on each
-    with open(project / "plots/pretrain.csv") as f:
-        assert [int(r["epoch"]) for r in csv.DictReader(f)] == [1, 2]
+    assert [int(r["epoch"]) for r in pretrain_curve(project)] == [1, 2]
     assert json.loads((project / "metrics/pretrain.json").read_text())["epochs"] == 2
     print(f"shared: trained in {seconds:.0f} s")
 

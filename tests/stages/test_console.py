@@ -29,7 +29,7 @@ from pipeline.config.params import load_params
 from pipeline.data.prepared import load_prepared
 from pipeline.training.loop import PretrainLoop
 from tests import faults
-from tests.conftest import invoke
+from tests.conftest import invoke, pretrain_curve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -151,8 +151,7 @@ def test_a_worker_error_reaches_the_console_and_the_rerun_resumes_from_the_last_
 
     result = invoke("pretrain", *RUN, *THREE_EPOCHS)
     assert result.exit_code == 0, result.output
-    with open(project / "plots/pretrain.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = pretrain_curve(project)
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3]  # epochs 1-2 from before the crash, 3 after
     # the resumed run equals an uninterrupted one: same seeds, same numbers (run here without Ray)
     params = load_params("params.yaml", [t for t in [*RUN, *THREE_EPOCHS] if t != "-S"])

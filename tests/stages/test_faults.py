@@ -8,7 +8,6 @@ stopped without touching any other Ray); its rerun runs in the test's process.
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import os
 import re
@@ -29,7 +28,7 @@ import torch
 
 from pipeline.runs.train import HISTORY_FILE, SNAPSHOT_FILE, STATE_FILE, recover_run_snapshot
 from tests import faults
-from tests.conftest import invoke
+from tests.conftest import invoke, pretrain_curve
 
 pytestmark = [pytest.mark.slow]
 
@@ -107,11 +106,6 @@ def _process(pid: int) -> psutil.Process | None:
         return None
 
 
-def epochs_in_curve(project) -> list[int]:
-    with open(project / "plots/pretrain.csv") as f:
-        return [int(r["epoch"]) for r in csv.DictReader(f)]
-
-
 @pytest.fixture
 def prepared(prepare_digits):
     return prepare_digits(256)  # the faults are in the pretraining
@@ -168,7 +162,7 @@ def test_killed_worker_restarts_from_the_last_checkpoint(prepared, ray_session, 
     assert len(starts) == 2 and starts[0][1] == "0", starts  # a start from scratch, then the restart
     assert int(starts[1][1]) == every, starts  # it resumed from the last checkpoint before the kill
     assert int(starts[1][2]) != killed["pid"]  # a new worker process finished the run
-    assert epochs_in_curve(prepared) == [1, 2, 3, 4, 5, 6]
+    assert [int(r["epoch"]) for r in pretrain_curve(prepared)] == [1, 2, 3, 4, 5, 6]
     assert json.loads((prepared / "metrics/pretrain.json").read_text())["epochs"] == 6
 
 
@@ -212,7 +206,7 @@ def test_killed_driver_then_rerun_resumes(prepared, ray_tmp, ray_session, instal
     (start_record,) = [line.split() for line in log.read_text().splitlines()]
     resumed = int(start_record[1])
     assert reached == resumed == 3, (reached, out)  # from the last checkpoint: nothing of what was reported lost
-    assert epochs_in_curve(prepared) == [1, 2, 3, 4, 5, 6]
+    assert [int(r["epoch"]) for r in pretrain_curve(prepared)] == [1, 2, 3, 4, 5, 6]
     client = mlflow.MlflowClient(f"sqlite:///{prepared / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("transfusion").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # the same MLflow run, continued

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import csv
 import json
 
 import mlflow
 import pytest
 import torch
 
-from tests.conftest import invoke
+from tests.conftest import invoke, pretrain_curve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -26,11 +25,6 @@ def mlflow_runs(project):
     client = mlflow.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     exp = client.get_experiment_by_name("transfusion")
     return client, client.search_runs([exp.experiment_id]) if exp else []
-
-
-def history(project):
-    with open(project / "plots/pretrain.csv") as f:
-        return list(csv.DictReader(f))
 
 
 def test_unreachable_tracking_server_fails_before_training(prepared, monkeypatch):
@@ -53,7 +47,7 @@ def test_two_workers_write_outputs_and_track_in_mlflow(prepared, ray_session):
     metrics = json.loads((prepared / "metrics/pretrain.json").read_text())
     assert metrics["epochs"] == 3 and 0.0 <= metrics["knn_acc"] <= 1.0 and metrics["samples_per_s"] > 0
     assert 0.0 < metrics["view_noise"] < 1.0
-    rows = history(prepared)
+    rows = pretrain_curve(prepared)
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
     assert float(rows[-1]["lr"]) < float(rows[0]["lr"])  # cosine schedule
     # a finished run is forgotten so that `dvc repro -f` trains again; the staged data stays for the next run
