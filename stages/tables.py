@@ -1,10 +1,13 @@
 """``tables`` command: the paper's Tables 1-2 as one Ray Tune job (``pipeline.runs.tables``).
 
-Reads params: ``tables.rows`` (each row's overrides on ``model``/``loss``/``augment``/``train``), ``ray``, ``probe``;
-input ``data/prepared/``. Writes (atomically, once every row has ended): ``reports/TABLES.md`` (both tables in the
-paper's layout, ours beside the paper's, with each row's GPU-hours or, on a CPU-only cluster, worker-hours),
-``tables/results.csv`` and ``tables/results.json`` (a record per row). Invalid rows exit 2 before any work; an
-interrupted job exits 1 and resumes when rerun.
+Reads params: ``tables.rows`` (each row's overrides on ``model``/``loss``/``augment``/``train``), ``tables.seeds``,
+``tables.controls``, ``ray``, ``probe``; input ``data/prepared/``. Writes (atomically, once every run has ended):
+``tables/results.csv`` and ``tables/results.json`` (a record per row and seed, the controls' included),
+``tables/curves.csv`` (per epoch: online kNN, loss, health), and what renders from them: ``reports/TABLES.md`` (both
+tables in the paper's layout, ours beside the paper's, mean ± sd over seeds, with each row's GPU-hours or, on a
+CPU-only cluster, worker-hours; every probe of every row) and ``plots/tables/curves.png``. ``--render`` renders those
+two again from the CSVs, without training. Invalid rows exit 2 before any work; an interrupted job exits 1 and
+resumes when rerun.
 """
 
 from __future__ import annotations
@@ -25,6 +28,16 @@ from stages._common import ParamsUsageError, check_weights, params_options, runt
 
 REPORT = Path("reports/TABLES.md")
 OUT = Path("tables")
+FIGURE = Path("plots/tables/curves.png")
+
+
+def write_outputs(records: list[dict], curves: list[dict], params: Params, unit: str, dataset: str) -> list[Path]:
+    """The job's rendered outputs from its records and curves: ``reports/TABLES.md`` and the curves figure."""
+    from pipeline.evaluation.tables_report import curves_figure, render
+
+    curves_figure(curves, FIGURE)
+    write_text(REPORT, render(records, params, unit, dataset, figure=f"../{FIGURE}"))
+    return [REPORT, FIGURE]
 
 
 @click.command("tables")
@@ -32,15 +45,33 @@ OUT = Path("tables")
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
               show_default=True)
 @click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
+@click.option("--render", "render_only", is_flag=True,
+              help=f"Only render {REPORT} and {FIGURE} again from {OUT}/results.csv and curves.csv (no training).")
 @runtime_errors(DatasetError, TrackingError, ClusterError, StorageError)
-def tables_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
-    """Run the paper's Tables 1-2 (tables.rows) as one Ray Tune job and write reports/TABLES.md."""
+def tables_cmd(params: Params, data_dir: Path, no_tracking: bool, render_only: bool) -> None:
+    """Run tables.rows x tables.seeds (and the controls) as one Ray Tune job; write reports/TABLES.md."""
     from pipeline.data.prepared import load_prepared
-    from pipeline.evaluation.tables_report import COLUMNS, csv_records, render
+    from pipeline.evaluation.tables_report import (
+        COLUMNS,
+        csv_records,
+        curve_columns,
+        curve_rows,
+        read_curves,
+        read_records,
+    )
     from pipeline.runs.tables import resolve_rows, run_tables
     from pipeline.runs.train import cleanup
     from pipeline.runs.tune import SweepError, finish_tracking
 
+    if render_only:
+        if not (OUT / "results.json").is_file():
+            raise click.ClickException(f"no {OUT}/results.json to render: run `transfusion tables` first")
+        saved = json.loads((OUT / "results.json").read_text())
+        job = Params.model_validate({**saved["params"], "tables": saved["tables"]}, strict=False)  # the job's own
+        records = read_records(OUT / "results.csv")
+        write_outputs(records, read_curves(OUT / "curves.csv"), job, saved["hours_unit"], saved["dataset"])
+        click.echo(f"tables: {REPORT} and {FIGURE} rendered from {OUT}/ ({len(records)} runs)")
+        return
     try:  # every row resolves to valid params of its table before any work
         resolve_rows(params)
     except ParamsError as exc:
@@ -55,11 +86,15 @@ def tables_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     except SweepError as exc:
         raise click.ClickException(str(exc)) from exc
     dataset = json.loads((data_dir / "manifest.json").read_text()).get("dataset", "")
+    curves = curve_rows(result.rows)
     write_csv(OUT / "results.csv", csv_records(result.rows), COLUMNS)
-    write_json(OUT / "results.json", {"dataset": dataset, "hours_unit": unit, "rows": csv_records(result.rows)})
-    write_text(REPORT, render(result.rows, params, unit, dataset))
-    finish_tracking(root, result, None, [REPORT, OUT / "results.csv", OUT / "results.json"])
+    write_csv(OUT / "curves.csv", curves, curve_columns(curves))
+    write_json(OUT / "results.json", {"dataset": dataset, "hours_unit": unit, "rows": csv_records(result.rows),
+                                      "params": params.model_dump(mode="json"),
+                                      "tables": params.tables.model_dump(mode="json")})
+    files = write_outputs(result.rows, curves, params, unit, dataset)
+    finish_tracking(root, result, None, [*files, OUT / "results.csv", OUT / "results.json", OUT / "curves.csv"])
     cleanup(params, root, result.name, result.trial_runs())
     failed = sum(r["status"] != "TERMINATED" for r in result.rows)
-    click.echo(f"tables: {len(result.rows)} rows ({failed} failed) in {result.seconds:.0f} s -> {REPORT}, "
-               f"{OUT}/results.csv")
+    click.echo(f"tables: {len(result.rows)} runs ({failed} failed) in {result.seconds:.0f} s -> {REPORT}, "
+               f"{OUT}/results.csv, {FIGURE}")

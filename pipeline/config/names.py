@@ -60,9 +60,11 @@ def sweep_label(trials: int, axes: Mapping[str, list[Any]]) -> str:
     return SEP.join(["sweep", f"{trials} trial{'s' if trials != 1 else ''}", *([varied] if varied else [])])
 
 
-def row_label(name: str, table: int) -> str:
-    """``TransFusion 9-Layer (table 1)``: a tables row's name."""
-    return f"{name} (table {table})"
+def row_label(name: str, table: int, seed: int | None = None, control: bool = False) -> str:
+    """``TransFusion 9-Layer (table 1)``: a tables row's name; with its seed, a trial's: ``TransFusion 9-Layer (table 1)
+    · seed 0``, ``raw pixels (control) · seed 0``."""
+    label = f"{name} (control)" if control else f"{name} (table {table})"
+    return label if seed is None else SEP.join([label, f"seed {seed}"])
 
 
 def evaluate_label(probes: Sequence[str], fractions: Sequence[float]) -> str:

@@ -30,14 +30,15 @@ class TrialShape:
     """The bundles one run asks for: ``num_workers`` workers of ``cpus_per_worker`` CPUs (and one GPU each when
     ``gpu``), plus, for a sweep trial, the trial function's own ``{"CPU": trial_cpu}``.
 
-    A shape with ``trial_cpu > 0`` is a sweep trial: its messages name ``sweep.cpus_per_worker``, otherwise
-    ``ray.cpus_per_worker``.
+    ``cpu_key``: the params key the workers' CPUs come from, which messages name (``sweep.cpus_per_worker`` for a
+    sweep trial).
     """
 
     num_workers: int
     cpus_per_worker: float
     gpu: bool = False
     trial_cpu: float = 0.0
+    cpu_key: str = "ray.cpus_per_worker"
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.cpus_per_worker <= 0 or self.trial_cpu < 0:
@@ -55,10 +56,6 @@ class TrialShape:
 
     def total(self, kind: str) -> float:
         return sum(b.get(kind, 0.0) for b in self.bundles())
-
-    @property
-    def cpu_key(self) -> str:
-        return "sweep.cpus_per_worker" if self.trial_cpu > 0 else "ray.cpus_per_worker"
 
 
 def _fits(bundle: Mapping[str, float], free: Mapping[str, float]) -> bool:
@@ -91,7 +88,7 @@ def infeasible(nodes: Sequence[Mapping[str, float]], shape: TrialShape, what: st
     """
     if places(nodes, shape):
         return None
-    what = what or ("a sweep trial" if shape.trial_cpu > 0 else "pretraining")
+    what = what or ("a Tune trial" if shape.trial_cpu > 0 else "pretraining")
     gpus_each = "1 GPU each (ray.use_gpu)" if shape.gpu else "no GPU (ray.use_gpu: false)"
     asked = (f"{what} asks for {_plural(shape.num_workers, 'worker')} (ray.num_workers) of "
              f"{_plural(shape.cpus_per_worker, 'CPU')} each ({shape.cpu_key}) and {gpus_each}")

@@ -3,17 +3,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from pipeline.config.augment import AugmentConfig
-from pipeline.config.base import Section
+from pipeline.config.base import MAX_SEED, Section
 from pipeline.config.loss import LossConfig
 from pipeline.config.model import ModelConfig
 from pipeline.config.train import TrainConfig
 
 ROW_SECTIONS = ("model", "loss", "augment", "train")  # what a row of the tables job may override
+#: the controls a table can carry beside its trained rows, probed like them and never trained: the flattened input
+#: pixels, and the backbone (and head) at its random initialisation with each seed
+CONTROLS = {"raw_pixels": "raw pixels", "random_init": "random init"}
 
 
 class TableRow(Section):
@@ -49,12 +52,20 @@ class TablesConfig(Section):
     """
 
     rows: list[TableRow] = Field(default_factory=_paper_rows, min_length=1)
+    # train.seed of each row's runs: every row runs once per seed (None: once, with the file's train.seed)
+    seeds: list[Annotated[int, Field(ge=0, le=MAX_SEED)]] | None = Field(None, min_length=1)
+    # probed beside the rows, with each seed (raw_pixels: once, it has no randomness of its own)
+    controls: list[Literal["raw_pixels", "random_init"]] = Field(default_factory=lambda: list(CONTROLS))
     max_concurrent_trials: int | None = Field(None, ge=1)  # None: as many as the cluster holds
 
     @model_validator(mode="after")
     def _rows(self) -> TablesConfig:
         sections = {"model": ModelConfig, "loss": LossConfig, "augment": AugmentConfig, "train": TrainConfig}
         problems, seen = [], set()
+        if self.seeds is not None and len(set(self.seeds)) != len(self.seeds):
+            problems.append(f"tables.seeds: {self.seeds} repeats a seed; list each seed once")
+        if len(set(self.controls)) != len(self.controls):
+            problems.append(f"tables.controls: {self.controls} repeats a control; allowed: {', '.join(CONTROLS)}")
         for i, row in enumerate(self.rows):
             where = f"tables.rows[{i}] ({row.name!r})"
             if (row.table, row.name) in seen:
@@ -82,4 +93,4 @@ class TablesConfig(Section):
         return self
 
 
-__all__ = ['ROW_SECTIONS', 'TableRow', 'TablesConfig']
+__all__ = ['CONTROLS', 'ROW_SECTIONS', 'TableRow', 'TablesConfig']

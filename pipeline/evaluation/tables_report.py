@@ -1,42 +1,161 @@
-"""The paper's Tables 1-2 as our tables job (``pipeline.runs.tables``) fills them: ``reports/TABLES.md``
-(:func:`render`) and the rows of ``tables/results.csv`` (:func:`csv_records`, :data:`COLUMNS`)."""
+"""The tables job's outputs (``pipeline.runs.tables``) as people read them: ``reports/TABLES.md`` (:func:`render`),
+the rows of ``tables/results.csv`` (:func:`csv_records`, :data:`COLUMNS`; :func:`read_records` reads them back), the
+per-epoch ``tables/curves.csv`` (:func:`curve_rows`) and its figure (:func:`curves_figure`). Everything here renders
+from those files, so a table or figure regenerates without retraining (``transfusion tables --render``).
+
+A row ran once per seed (``tables.seeds``); :func:`aggregate` turns its seeds into one line: the mean and the sample
+standard deviation of each number over the seeds that finished. The controls (``tables.controls``: the raw pixels,
+the backbone at its random initialisation) stand in every table, above the trained rows."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pipeline.config.params import Params
+from pipeline.config.probe import PROBES as ALL_PROBES
 from pipeline.evaluation.report import HEADER, NA, PAPER_TABLES, RULE, fmt_cell, table_row
+from pipeline.plots import new_figure, save_figure
 
 PROBES = ("ffn", "svm", "knn50", "knn200")  # the paper's columns, in the order of report.COLUMNS
-COLUMNS = ("table", "name", "paper", "trial_id", "train.mode", "loss.name", "model.depth", "model.backbone",
-           "train.batch_size", "epochs", *PROBES, "train_minutes", "fit_seconds", "eval_seconds", "workers", "gpus",
-           "hours", "hours_unit", "probe_cpus", "probe_gpus", "status", "error")
+PROBE_NAMES = {"ffn": "3-FFN", "svm": "SVM", "knn50": "K-NN (k=50)", "knn200": "K-NN (k=200)",
+               "logreg": "logistic regression"}
+COLUMNS = ("table", "name", "paper", "seed", "control", "trial_id", "train.mode", "loss.name", "model.depth",
+           "model.backbone", "train.batch_size", "epochs", *ALL_PROBES, "knn_acc", "train_minutes", "fit_seconds",
+           "eval_seconds", "workers", "gpus", "hours", "hours_unit", "probe_cpus", "probe_gpus", "status", "error")
+CURVE_COLUMNS = ("table", "name", "seed", "epoch", "seconds", "loss", "knn_acc")  # then the blocks' health
+AVERAGED = (*ALL_PROBES, "knn_acc", "train_minutes", "hours")  # what aggregate() averages over seeds
+TEXT = ("name", "paper", "control", "trial_id", "train.mode", "loss.name", "model.backbone", "hours_unit", "status",
+        "error")
 
 
-def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: str) -> str:
+# ------------------------------------------------------------------------------------------- records
+def csv_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``tables/results.csv`` rows: a number we could not compute is "n/a"."""
+    return [{k: NA if r.get(k) is None or (isinstance(r.get(k), float) and not math.isfinite(r[k])) else r[k]
+             for k in COLUMNS} for r in records]
+
+
+def _number(v: str) -> int | float | None:
+    if v in (NA, "", "None"):
+        return None
+    f = float(v)
+    return int(f) if f.is_integer() and "." not in v and "e" not in v.lower() else f
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """``tables/results.csv`` back as records (numbers as numbers, "n/a" as None); each gets its ``index``: the order
+    of its row in the file (controls first, as written)."""
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    out, order = [], {}
+    for r in rows:
+        rec = {k: (v if k in TEXT else _number(v)) for k, v in r.items()}
+        rec["error"] = rec.get("error") or ""
+        rec["control"] = rec.get("control") or ""
+        rec["index"] = order.setdefault((rec["table"], rec["name"]), len(order))
+        out.append(rec)
+    return out
+
+
+def curve_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``tables/curves.csv``: one line per trained (row, seed) and epoch: the wall-clock seconds of training so far
+    (the online kNN and health included), the loss, the online kNN, and the blocks' health."""
+    out = []
+    for r in records:
+        seconds = 0.0
+        for h in r.get("history") or []:
+            seconds += float(h.get("seconds") or 0.0)
+            extra = {k: v for k, v in h.items() if k not in ("epoch", "seconds", "loss", "knn_acc", "lr",
+                                                             "samples_per_s", "view_noise", "ended_at")}
+            out.append({"table": r["table"], "name": r["name"], "seed": r["seed"], "epoch": int(h["epoch"]),
+                        "seconds": round(seconds, 2), "loss": h.get("loss"), "knn_acc": h.get("knn_acc"), **extra})
+    return out
+
+
+def curve_columns(curves: list[dict[str, Any]]) -> list[str]:
+    """:data:`CURVE_COLUMNS`, then every health key the curves carry (sorted)."""
+    return [*CURVE_COLUMNS, *sorted({k for c in curves for k in c} - set(CURVE_COLUMNS))]
+
+
+def read_curves(path: Path) -> list[dict[str, Any]]:
+    """``tables/curves.csv`` back ([] when it is not there)."""
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        return [{k: (v if k == "name" else _number(v)) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def _mean_sd(values: Sequence[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per row (in record order): its first record's identity, ``seeds`` (every seed), ``finished`` (the
+    seeds that finished), and for each of :data:`AVERAGED` the mean over the finished seeds (None: none) and
+    ``<key>_sd``, their sample standard deviation (0 for one seed); ``status`` TERMINATED if any seed finished;
+    ``failures``: ``(seed, error)`` of the others."""
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault(r["index"], []).append(r)
+    out = []
+    for group in groups.values():
+        ok = [r for r in group if r["status"] == "TERMINATED"]
+        line = {**group[0], "seeds": [r["seed"] for r in group], "finished": [r["seed"] for r in ok],
+                "status": "TERMINATED" if ok else "ERROR",
+                "failures": [(r["seed"], r["error"]) for r in group if r["status"] != "TERMINATED"],
+                "epochs": max((r["epochs"] for r in ok), default=max(r["epochs"] or 0 for r in group))}
+        for k in AVERAGED:
+            line[k], line[f"{k}_sd"] = _mean_sd([float(r[k]) for r in ok if r.get(k) is not None])
+        out.append(line)
+    return out
+
+
+def cell(line: dict[str, Any], key: str, digits: int = 4) -> str:
+    """An aggregated number: ``0.6840`` (one seed), ``0.6840 ± 0.0130`` (several), "n/a" (none finished)."""
+    if line.get(key) is None:
+        return NA
+    value = fmt_cell(float(line[key]), digits)
+    return value if len(line["finished"]) < 2 else f"{value} ± {fmt_cell(float(line[f'{key}_sd']), digits)}"
+
+
+def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: str,
+           figure: str | None = None) -> str:
     """``reports/TABLES.md``: Tables 1-2 in the paper's layout, each of our rows under the paper's row it reproduces
-    (ours in bold; "n/a": not computed), with the cost of each row in ``unit``."""
+    (ours in bold, mean ± sd over its seeds; "n/a": not computed) with the controls above them and the cost of each
+    row in ``unit``; then every probe of every row; then ``figure`` (a path from the report's folder), if any."""
     m, t = params.model, params.train
+    lines_ = aggregate(records)
+    seeds = sorted({s for line in lines_ for s in line["seeds"]})
+    probes = [k for k in ALL_PROBES if any(line.get(k) is not None for line in lines_)]
     lines = [
         "# The paper's Tables 1-2, reproduced",
         "",
         f"Ours: dataset **{dataset}**, backbone `{m.backbone}`, {t.epochs} epochs (unless a row says otherwise), "
-        f"augmentation `{params.augment.preset}`, {params.ray.num_workers} worker(s) per row. Probes on the frozen "
-        "backbone embeddings of the test split (3-layer FFN 256/128/64, SVM, K-NN k=50 and k=200), fitted on 100 % "
-        "of the train labels" + (f" (at most {params.probe.max_train} samples)" if params.probe.max_train else "")
-        + ". Time: our training minutes. The paper's rows are CIFAR-10 with ResNet-18 for 200 epochs: compare "
-        "values only if ours is that recipe.",
+        f"augmentation `{params.augment.preset}`, {params.ray.num_workers} worker(s) per row, seeds "
+        f"{', '.join(map(str, seeds))} (a cell: the mean ± the sample standard deviation over the seeds). Probes on "
+        "the frozen backbone embeddings of the test split (" + ", ".join(PROBE_NAMES[k] for k in probes) + "), "
+        "fitted on 100 % of the train labels"
+        + (f" (at most {params.probe.max_train} samples)" if params.probe.max_train else "")
+        + ". Time: our training minutes per seed. The paper's rows are CIFAR-10 with ResNet-18 for 200 epochs: "
+        "compare values only if ours is that recipe.",
         "",
     ]
-    failed = []
+    controls = [line for line in lines_ if line["control"]]
     for table, (caption, paper_rows) in PAPER_TABLES.items():
-        ours = [r for r in records if r["table"] == table]
+        ours = [r for r in lines_ if r["table"] == table]
         if not ours:
             continue
         lines += [f"## {caption}", "", HEADER + f" {unit} |", RULE + "---|"]
+        lines += [table_row(f"control: {c['name']}", "-", tuple(cell(c, k) for k in PROBES), "-", "-")
+                  for c in controls]
         placed = set()
         for name, batch, accs, minutes in paper_rows:
             lines.append(table_row(f"paper: {name}", batch, accs, minutes, "-"))
@@ -47,26 +166,62 @@ def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: st
                     lines.append(_our_row(r))
                     placed.add(r["index"])
         lines += [_our_row(r) for r in ours if r["index"] not in placed]
-        failed += [r for r in ours if r["status"] != "TERMINATED"]
         lines.append("")
+    failed = [(r, seed, error) for r in lines_ for seed, error in r["failures"]]
     if failed:
-        lines += ["Rows that failed (their numbers are n/a):", ""]
-        lines += [f"- table {r['table']} **{r['name']}**: {r['error']}" for r in failed]
+        lines += ["Runs that failed (their numbers are n/a, and left out of the means):", ""]
+        lines += [f"- {'control' if r['control'] else 'table ' + str(r['table'])} **{r['name']}**, seed {seed}: "
+                  f"{error}" for r, seed, error in failed]
         lines.append("")
+    lines += ["## Every probe, mean ± sd over seeds", "",
+              "| row | table | seeds | epochs | " + " | ".join(PROBE_NAMES[k] for k in probes)
+              + " | online kNN, last epoch | train min / seed |",
+              "|---|---|---|---|" + "---|" * len(probes) + "---|---|"]
+    for r in lines_:
+        where = "control" if r["control"] else str(r["table"])
+        lines.append(f"| {r['name']} | {where} | {len(r['finished'])}/{len(r['seeds'])} | {r['epochs']} | "
+                     + " | ".join(cell(r, k, 3) for k in probes)
+                     + f" | {cell(r, 'knn_acc', 3) if not r['control'] else '-'} | "
+                     + (f"{r['train_minutes']:.1f} |" if r["train_minutes"] is not None and not r["control"]
+                        else "- |"))
+    lines.append("")
+    if figure:
+        lines += [f"![online kNN per epoch, mean over seeds]({figure})", ""]
     lines += ["Rows and their params:", "", "| table | row | params |", "|---|---|---|"]
     lines += [f"| {r.table} | {r.name} | `{json.dumps(r.params, sort_keys=True)}` |" for r in params.tables.rows]
     lines.append("")
     return "\n".join(lines)
 
 
+def curves_figure(curves: list[dict[str, Any]], png: Path) -> None:
+    """The online kNN of every row (mean over its seeds) against epochs and against wall-clock seconds of training,
+    one line per row, written atomically to ``png``."""
+    fig = new_figure(11, 4)
+    axes = fig.subplots(1, 2, sharey=True)
+    keyed: dict[tuple[Any, str], list[dict[str, Any]]] = {}
+    for c in curves:
+        if c.get("knn_acc") is not None:
+            keyed.setdefault((c["table"], c["name"]), []).append(c)
+    tables = {t for t, _ in keyed}
+    for (table, name), mine in keyed.items():
+        epochs = sorted({int(c["epoch"]) for c in mine})
+        knn = [statistics.mean(float(c["knn_acc"]) for c in mine if c["epoch"] == e) for e in epochs]
+        secs = [statistics.mean(float(c["seconds"]) for c in mine if c["epoch"] == e) for e in epochs]
+        label = name if len(tables) == 1 else f"{name} (table {table})"
+        axes[0].plot(epochs, knn, marker=".", label=label)
+        axes[1].plot(secs, knn, marker=".", label=label)
+    axes[0].set(xlabel="epoch", ylabel="online kNN accuracy (mean over seeds)")
+    axes[1].set(xlabel="wall-clock seconds of training (kNN and health included)")
+    if keyed:
+        axes[0].legend(fontsize=8)
+    fig.suptitle("tables job: online kNN per epoch")
+    save_figure(fig, png, None, None)
+
+
 def _our_row(r: dict[str, Any]) -> str:
-    accs = tuple(NA if r[k] is None else r[k] for k in PROBES)
+    """An aggregated row in the paper's layout."""
+    accs = tuple(cell(r, k) for k in PROBES)
     minutes = NA if r["train_minutes"] is None else float(r["train_minutes"])
     hours = NA if r["hours"] is None else fmt_cell(float(r["hours"]))
     return table_row(f"**ours: {r['name']}**", r["train.batch_size"], accs, minutes, hours)
 
-
-def csv_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``tables/results.csv`` rows: a number we could not compute is "n/a"."""
-    return [{k: NA if r.get(k) is None or (isinstance(r.get(k), float) and not math.isfinite(r[k])) else r[k]
-             for k in COLUMNS} for r in records]

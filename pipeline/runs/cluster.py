@@ -73,16 +73,17 @@ def address_of(params: Params) -> str | None:
     return params.ray.address or os.environ.get("RAY_ADDRESS") or None
 
 
-def with_worker_cpus(params: Params) -> Params:
-    """``ray.cpus_per_worker: null`` made a number, what each worker asks Ray for and the whole part of which its torch
-    threads are: on a Ray this command starts on this machine (no ``ray.address`` / ``RAY_ADDRESS``, or ``local``),
-    this machine's usable CPUs over ``ray.num_workers``, in quarters, at least 0.25, so that a lone pretraining uses
-    every core and several workers share them; on a cluster, 1 (Ray Train's default). A number is kept."""
+def with_worker_cpus(params: Params, trial_cpu: float = 0.0) -> Params:
+    """``ray.cpus_per_worker: null`` made a number, what each worker asks Ray for (its torch threads:
+    ``pipeline.config.ray.torch_threads``): on a Ray this command starts on this machine (no ``ray.address`` /
+    ``RAY_ADDRESS``, or ``local``), this machine's usable CPUs less a Tune trial's own ``trial_cpu`` (a job whose runs
+    are trials: tables), over ``ray.num_workers``, in quarters, at least 0.25, so that a lone run uses every core and
+    several workers share them; on a cluster, 1 (Ray Train's default). A number is kept."""
     r = params.ray
     if r.cpus_per_worker is not None:
         return params
     local = address_of(params) in (None, "local")
-    cpus = max(0.25, math.floor(4 * usable_cpus() / r.num_workers) / 4) if local else 1.0
+    cpus = max(0.25, math.floor(4 * (usable_cpus() - trial_cpu) / r.num_workers) / 4) if local else 1.0
     return params.model_copy(update={"ray": r.model_copy(update={"cpus_per_worker": cpus})})
 
 
@@ -264,9 +265,11 @@ def use_gpu(params: Params, gpus: float) -> bool:
 
 
 def trial_shape(params: Params, gpu: bool, cpus_per_worker: float | None = None, trial_cpu: float = 0.0) -> TrialShape:
-    """What one run of ``params`` asks for: ``ray.num_workers`` workers of ``cpus_per_worker`` (default
-    ``ray.cpus_per_worker``) CPUs, a GPU each when ``gpu``, plus a trial's own ``trial_cpu``."""
-    return TrialShape(params.ray.num_workers, cpus_per_worker or params.ray.cpus_per_worker, gpu, trial_cpu)
+    """What one run of ``params`` asks for: ``ray.num_workers`` workers of ``cpus_per_worker`` (a sweep's
+    ``sweep.cpus_per_worker``; default ``ray.cpus_per_worker``) CPUs, a GPU each when ``gpu``, plus a trial's own
+    ``trial_cpu``."""
+    key = "ray.cpus_per_worker" if cpus_per_worker is None else "sweep.cpus_per_worker"
+    return TrialShape(params.ray.num_workers, cpus_per_worker or params.ray.cpus_per_worker, gpu, trial_cpu, key)
 
 
 def check_request(params: Params, nodes: list[dict[str, float]], *, gpu: bool, cpus_per_worker: float | None = None,

@@ -35,6 +35,7 @@ import torch
 from pipeline.config.base import ParamsError, flatten
 from pipeline.config.names import pretrain_label, stable_name
 from pipeline.config.params import Params
+from pipeline.config.ray import torch_threads
 from pipeline.core.plan import HeadPlan
 from pipeline.data.prepared import load_prepared, prepared_nbytes
 from pipeline.evaluation.health import is_health_key
@@ -232,7 +233,7 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
     import ray.train
 
     params = Params.model_validate(spec.params, strict=False)
-    torch.set_num_threads(max(1, int(params.ray.cpus_per_worker)))
+    torch.set_num_threads(torch_threads(params.ray.cpus_per_worker))
     device = device or torch.device("cpu")
     # the copy the driver staged, or a clear error; mapped, not read, when the loop will stream it (beyond the data
     # budget) or put it on a GPU (no host copy of what the device holds)

@@ -47,8 +47,12 @@ def test_bad_shapes_are_refused():
     ({"num_workers": 1, "cpus_per_worker": 1.0, "gpu": True},
      ["1 GPU each (ray.use_gpu)", "No node has a GPU"]),
     # a sweep trial names the sweep's key
-    ({"num_workers": 2, "cpus_per_worker": 1.0, "trial_cpu": 0.25},
-     ["a sweep trial", "(sweep.cpus_per_worker)", "plus 0.25 CPUs for the trial itself", "2.25 CPUs"]),
+    ({"num_workers": 2, "cpus_per_worker": 1.0, "trial_cpu": 0.25, "cpu_key": "sweep.cpus_per_worker"},
+     ["a Tune trial", "(sweep.cpus_per_worker)", "plus 0.25 CPUs for the trial itself", "2.25 CPUs"]),
+    # a tables row's workers are ray.cpus_per_worker's
+    ({"num_workers": 1, "cpus_per_worker": 2.0, "trial_cpu": 0.25},
+     ["a Tune trial", "2 CPUs each (ray.cpus_per_worker)", "plus 0.25 CPUs for the trial itself", "2.25 CPUs",
+      "lower ray.num_workers or ray.cpus_per_worker"]),
 ])
 def test_infeasible_on_a_2_cpu_machine(kwargs, says):
     message = infeasible(CPU2, TrialShape(**kwargs))

@@ -6,7 +6,18 @@ import pytest
 
 from pipeline.config.params import load_params
 from pipeline.evaluation.report import HEADER, NA, PAPER_TABLE_1, PAPER_TABLE_2
-from pipeline.evaluation.tables_report import PROBES, csv_records, render
+from pipeline.evaluation.tables_report import (
+    COLUMNS,
+    PROBES,
+    aggregate,
+    csv_records,
+    curve_columns,
+    curve_rows,
+    read_curves,
+    read_records,
+    render,
+)
+from pipeline.io import write_csv
 from tests.conftest import ROOT
 
 
@@ -14,15 +25,17 @@ def params(*overrides: str, path=ROOT / "params.yaml"):
     return load_params(path, overrides)
 
 
-def record(index, table, name, accs, *, paper=None, batch=128, status="TERMINATED", error=""):
+def record(index, table, name, accs, *, paper=None, batch=128, status="TERMINATED", error="", seed=0, control="",
+           logreg=None, history=()):
     ok = status == "TERMINATED"
     return {"index": index, "table": table, "name": name, "paper": paper if paper is not None else name,
-            "trial_id": f"t{index}", "train.mode": "self_supervised", "loss.name": "jsd", "model.depth": 1,
-            "model.backbone": "cnn_small", "train.batch_size": batch, "epochs": 2 if ok else 1,
-            **dict(zip(PROBES, accs if ok else (None,) * 4, strict=True)),
+            "seed": seed, "control": control, "trial_id": f"t{index}s{seed}", "train.mode": "self_supervised",
+            "loss.name": "jsd", "model.depth": 1, "model.backbone": "cnn_small", "train.batch_size": batch,
+            "epochs": 2 if ok else 1, **dict(zip(PROBES, accs if ok else (None,) * 4, strict=True)),
+            "logreg": logreg if ok else None, "knn_acc": 0.5 if ok else None,
             "train_minutes": 1.5 if ok else None, "fit_seconds": 120.0, "eval_seconds": 3.0, "workers": 2,
             "gpus": 2 if ok else None, "hours": 2 * 120 / 3600 if ok else None, "hours_unit": "GPU-hours",
-            "status": status, "error": error}
+            "status": status, "error": error, "history": list(history)}
 
 
 def test_tables_md_puts_each_row_under_the_papers_and_says_n_a_for_what_failed():
@@ -44,7 +57,7 @@ def test_tables_md_puts_each_row_under_the_papers_and_says_n_a_for_what_failed()
     at = lines2.index(f"| **ours: SupCon** | 128 | {NA} | {NA} | {NA} | {NA} | {NA} | {NA} |")
     assert lines2[at - 1].startswith("| paper: SupCon | 128 |")  # the batch-128 row, not the 1024 one
     assert sum(line.startswith("| paper: ") for line in lines2) == len(PAPER_TABLE_2)
-    assert "- table 2 **SupCon**: non_finite: nan (last good epoch 1)" in text
+    assert "- table 2 **SupCon**, seed 0: non_finite: nan (last good epoch 1)" in text
 
 
 def test_csv_cells_we_could_not_compute_are_n_a():
@@ -54,3 +67,57 @@ def test_csv_cells_we_could_not_compute_are_n_a():
     assert out[1]["fit_seconds"] == 120.0 and out[1]["status"] == "ERROR"
 
 
+
+
+def seeded_study():
+    """Two rows over seeds 0-2 (one seed of the second failed), the two controls: a study's records."""
+    raw = [record(-2, 0, "raw pixels", (0.7,) * 4, paper="", control="raw_pixels", logreg=0.8)]
+    init = [record(-1, 0, "random init", (0.6 + s / 100,) * 4, paper="", control="random_init", seed=s, logreg=0.7)
+            for s in range(3)]
+    a = [record(0, 1, "InfoNCE", (0.6, 0.6, 0.6, 0.70 + s / 100), seed=s, logreg=0.8,
+                history=[{"epoch": e, "seconds": 10.0, "loss": 1.0 / e, "knn_acc": 0.5 + e / 10,
+                          "block_1.entropy": 0.5} for e in (1, 2)]) for s in range(3)]
+    b = [record(1, 1, "TransFusion 1-Layer", (0.5, 0.5, 0.5, 0.6), seed=s, logreg=0.75) for s in range(2)]
+    b.append(record(1, 1, "TransFusion 1-Layer", (), seed=2, status="ERROR", error="killed"))
+    for r in raw + init:
+        r["paper"] = None
+    return raw + init + a + b
+
+
+def test_seeds_become_mean_and_sd_and_the_controls_stand_in_every_table():
+    p = params("tables.rows=[{name: InfoNCE, table: 1}, {name: TransFusion 1-Layer, table: 1}]",
+               "tables.seeds=[0, 1, 2]")
+    records = seeded_study()
+    lines = aggregate(records)
+    assert [(x["name"], x["seeds"], x["finished"]) for x in lines] == [
+        ("raw pixels", [0], [0]), ("random init", [0, 1, 2], [0, 1, 2]), ("InfoNCE", [0, 1, 2], [0, 1, 2]),
+        ("TransFusion 1-Layer", [0, 1, 2], [0, 1])]
+    infonce = lines[2]
+    assert infonce["knn200"] == pytest.approx(0.71) and infonce["knn200_sd"] == pytest.approx(0.01)  # sample sd
+    assert lines[3]["failures"] == [(2, "killed")] and lines[3]["status"] == "TERMINATED"
+    text = render(records, p, "GPU-hours", "fashion_mnist")
+    t1 = text.split("## Table 1 (self-supervised)")[1].split("\n## ")[0].splitlines()
+    assert t1[4] == "| control: raw pixels | - | 0.7000 | 0.7000 | 0.7000 | 0.7000 | - | - |"
+    assert t1[5].startswith("| control: random init | - | 0.6100 ± 0.0100 |")
+    assert "| **ours: InfoNCE** | 128 | 0.6000 ± 0.0000 | 0.6000 ± 0.0000 | 0.6000 ± 0.0000 | 0.7100 ± 0.0100 |" in text
+    assert "- table 1 **TransFusion 1-Layer**, seed 2: killed" in text
+    every = text.split("## Every probe, mean ± sd over seeds")[1].splitlines()
+    assert every[2] == ("| row | table | seeds | epochs | 3-FFN | SVM | K-NN (k=50) | K-NN (k=200) | "
+                        "logistic regression | online kNN, last epoch | train min / seed |")
+    assert "| TransFusion 1-Layer | 1 | 2/3 | 2 | 0.500 ± 0.000 | 0.500 ± 0.000 | 0.500 ± 0.000 | 0.600 ± 0.000 | " \
+           "0.750 ± 0.000 | 0.500 ± 0.000 | 1.5 |" in every
+    assert "| raw pixels | control | 1/1 | 2 | 0.700 | 0.700 | 0.700 | 0.700 | 0.800 | - | - |" in every
+
+
+def test_the_tables_render_again_from_their_csvs(tmp_path):
+    p = params("tables.rows=[{name: InfoNCE, table: 1}, {name: TransFusion 1-Layer, table: 1}]")
+    records = seeded_study()
+    curves = curve_rows(records)
+    assert [(c["seed"], c["epoch"], c["seconds"]) for c in curves] == [(s, e, 10.0 * e) for s in range(3)
+                                                                          for e in (1, 2)]
+    assert curve_columns(curves)[-1] == "block_1.entropy"
+    write_csv(tmp_path / "results.csv", csv_records(records), COLUMNS)
+    write_csv(tmp_path / "curves.csv", curves, curve_columns(curves))
+    again = read_records(tmp_path / "results.csv")
+    assert render(again, p, "GPU-hours", "digits") == render(records, p, "GPU-hours", "digits")
+    assert read_curves(tmp_path / "curves.csv") == curves

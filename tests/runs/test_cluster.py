@@ -123,3 +123,24 @@ def test_worker_cpus_when_null(monkeypatch, overrides, env, cpus, expected):
     params = load_params(ROOT / "params.yaml", list(overrides))
     assert params.ray.cpus_per_worker == (0.5 if "ray.cpus_per_worker=0.5" in overrides else None)
     assert cluster.with_worker_cpus(params).ray.cpus_per_worker == expected
+
+
+@pytest.mark.parametrize(("workers", "cpus", "expected", "threads"), [
+    (1, 2, 1.75, 2),     # a tables row on this machine: 1.75 + the trial's 0.25 = every core, 2 torch threads
+    (2, 2, 0.75, 1),     # two workers: (2 - 0.25) / 2 in quarters
+    (1, 16, 15.75, 16),  # a GPU machine's 16 cores
+])
+def test_worker_cpus_of_a_tune_trial_leave_the_trials_own(monkeypatch, workers, cpus, expected, threads):
+    from pipeline.config.ray import TRIAL_CPU, torch_threads
+    from pipeline.config.resources import TrialShape, infeasible
+    from pipeline.runs import cluster
+
+    monkeypatch.setattr(cluster, "usable_cpus", lambda: cpus)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    params = load_params(ROOT / "params.yaml", [f"ray.num_workers={workers}"])
+    each = cluster.with_worker_cpus(params, TRIAL_CPU).ray.cpus_per_worker
+    assert each == expected and torch_threads(each) == threads
+    assert infeasible([{"CPU": float(cpus)}], TrialShape(workers, each, trial_cpu=TRIAL_CPU)) is None  # it fits
+    # without the trial's share it would not: what `transfusion tables` did with ray.cpus_per_worker: null
+    assert infeasible([{"CPU": float(cpus)}], TrialShape(workers, cluster.with_worker_cpus(params).ray.cpus_per_worker,
+                                                         trial_cpu=TRIAL_CPU)) is not None

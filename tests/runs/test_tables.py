@@ -101,3 +101,32 @@ def test_error_reason_is_one_line_also_through_rays_wrapper():
     assert error_reason(None) == ""
     other = RayTaskError("_trial", "Traceback ...", RuntimeError("worker died\nmore detail"))
     assert error_reason(other) == "RuntimeError: worker died"
+
+
+def test_every_row_runs_once_per_seed_beside_the_controls():
+    from pipeline.runs.tables import trial_configs
+
+    p = params("tables.rows=[{name: InfoNCE, table: 1}, {name: SupCon, table: 2, params: {train.mode: supervised, "
+               "loss.name: supcon}}]", "tables.seeds=[3, 5]")
+    configs = trial_configs(p, resolve_rows(p))
+    assert [(c["name"], c["table"], c["seed"], c["control"]) for c in configs] == [
+        ("raw pixels", 0, 3, "raw_pixels"),  # once: the pixels have no seed
+        ("random init", 0, 3, "random_init"), ("random init", 0, 5, "random_init"),
+        ("InfoNCE", 1, 3, None), ("InfoNCE", 1, 5, None), ("SupCon", 2, 3, None), ("SupCon", 2, 5, None)]
+    assert configs[-1]["params"] == {"train.mode": "supervised", "loss.name": "supcon"}
+    # no seeds: the file's train.seed; no controls
+    alone = params("tables.rows=[{name: InfoNCE, table: 1}]", "tables.controls=[]", "train.seed=7")
+    assert [(c["name"], c["seed"]) for c in trial_configs(alone, resolve_rows(alone))] == [("InfoNCE", 7)]
+
+
+@pytest.mark.parametrize(("override", "needle"), [
+    ("tables.seeds=[0, 0]", "tables.seeds: [0, 0] repeats a seed"),
+    ("tables.seeds=[]", "tables.seeds"),
+    ("tables.seeds=[-1]", "tables.seeds.0"),
+    ("tables.controls=[pixels]", "'raw_pixels' or 'random_init'"),
+    ("tables.controls=[raw_pixels, raw_pixels]", "repeats a control; allowed: raw_pixels, random_init"),
+])
+def test_bad_seeds_and_controls_name_the_key(override, needle):
+    with pytest.raises(ParamsError) as info:
+        params(override)
+    assert needle in str(info.value)

@@ -37,8 +37,8 @@ def test_paper_tables_job_on_digits(project, ray_session):
     assert invoke("prepare", "--params", PRESET, *SHRINK).exit_code == 0
     result = invoke("tables", "--params", PRESET, *SHRINK, "-S", f"tables.rows={json.dumps(ROWS)}")
     assert result.exit_code == 0, result.output
-    assert "tables: 4 rows (0 failed)" in result.output
-    assert result.output.count("[tables] table ") == 4  # a progress line per evaluated row
+    assert "tables: 6 runs (0 failed)" in result.output  # 4 rows x 1 seed and the 2 controls
+    assert result.output.count("· seed 0: ffn ") == 6  # a progress line per evaluated row
 
     text = (project / "reports/TABLES.md").read_text()
     for caption, paper, n_ours in (("## Table 1 (self-supervised)", PAPER_TABLE_1, 2),
@@ -59,6 +59,9 @@ def test_paper_tables_job_on_digits(project, ray_session):
 
     with open(project / "tables/results.csv") as f:
         rows = list(csv.DictReader(f))
+    controls, rows = rows[:2], rows[2:]  # the controls first, probed in trials of their own
+    assert [(c["name"], c["control"], c["epochs"], c["status"]) for c in controls] == [
+        ("raw pixels", "raw_pixels", "0", "TERMINATED"), ("random init", "random_init", "0", "TERMINATED")]
     assert [(int(r["table"]), r["name"]) for r in rows] == PICK
     for r in rows:
         assert r["status"] == "TERMINATED" and r["error"] == "" and r["epochs"] == "2"
@@ -68,7 +71,7 @@ def test_paper_tables_job_on_digits(project, ray_session):
         ("barlow_twins", "0", "self_supervised"), ("jsd", "9", "self_supervised"), ("supcon", "0", "supervised"),
         ("jsd", "1", "supervised")]
     saved = json.loads((project / "tables/results.json").read_text())
-    assert saved["hours_unit"] == "worker-hours" and len(saved["rows"]) == 4
+    assert saved["hours_unit"] == "worker-hours" and len(saved["rows"]) == 6
 
     client = mlflow.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("transfusion").experiment_id])
@@ -76,7 +79,7 @@ def test_paper_tables_job_on_digits(project, ray_session):
     children = [r for r in runs if r.data.tags.get("stage") == "tables-row"]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     assert {a.path for a in client.list_artifacts(parents[0].info.run_id)} >= {"TABLES.md", "results.csv"}
-    assert len(children) == 4 and {c.info.status for c in children} == {"FINISHED"}
+    assert len(children) == 6 and {c.info.status for c in children} == {"FINISHED"}
     assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
     by_trial = {c.data.tags["trial_id"]: c for c in children}
     for r in rows:
@@ -96,3 +99,52 @@ def test_invalid_rows_exit_2_before_any_work(project):
     assert result.exit_code == 2
     assert "tables.rows[0] ('A', table 2)" in result.output and "loss.name: infonce" in result.output
     assert not (project / "ray_results").exists() and not (project / "mlflow.db").exists()
+
+
+@pytest.mark.timeout(600)
+def test_the_default_job_as_shipped_over_two_seeds(prepare_digits, ray_session):
+    """params.yaml's tables job (the paper's 8 rows, the controls, ray.cpus_per_worker: null: all of this machine's
+    CPUs less the trial's own) shrunk only in data, epochs and seeds: it fits this machine, a child run per (row,
+    seed), tables and curves that render again from the job's outputs."""
+    project = prepare_digits(256)
+    result = invoke("tables", "-S", "train.epochs=2", "-S", "tables.seeds=[0, 1]")
+    assert result.exit_code == 0, result.output
+    assert "tables: 19 runs (0 failed)" in result.output  # 8 rows x 2 seeds, random init x 2, raw pixels once
+    assert "stopped early" not in result.output
+    with open(project / "tables/results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["probe_cpus"] for r in rows} == {"1.75"}  # a worker of 2 - 0.25 CPUs, its probes in its bundle
+    assert [(r["name"], r["seed"]) for r in rows[:3]] == [("raw pixels", "0"), ("random init", "0"),
+                                                          ("random init", "1")]
+    trained = rows[3:]
+    assert len(trained) == 16 and {r["epochs"] for r in trained} == {"2"}
+    assert all(float(r["knn200"]) > 0.3 and 0 < float(r["knn_acc"]) <= 1 for r in trained)
+    with open(project / "tables/curves.csv") as f:
+        curves = list(csv.DictReader(f))
+    assert len(curves) == 16 * 2 and all(float(c["knn_acc"]) > 0 for c in curves)
+    deep = [c for c in curves if c["name"] == "TransFusion 9-Layer"]
+    assert deep and all(c["block_9.entropy"] for c in deep)  # every block's health, per epoch
+
+    text = (project / "reports/TABLES.md").read_text()
+    assert re.search(r"^\| \*\*ours: TransFusion 1-Layer\*\* \| 128 \| 0\.\d{4} ± 0\.\d{4} \|", text, re.M)
+    assert text.count("| control: random init | - | ") == 2  # in both tables
+    assert "| TransFusion 9-Layer | 2 | 2/2 | 2 |" in text
+    figure = project / "plots/tables/curves.png"
+    assert figure.stat().st_size > 10_000
+    (project / "reports/TABLES.md").unlink()
+    figure.unlink()
+    again = invoke("tables", "--render")  # from the job's files, no training: the same report
+    assert again.exit_code == 0, again.output
+    assert (project / "reports/TABLES.md").read_text() == text and figure.is_file()
+
+    client = mlflow.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("transfusion").experiment_id])
+    parent = [r for r in runs if r.data.tags.get("stage") == "tables"]
+    children = [r for r in runs if r.data.tags.get("stage") == "tables-row"]
+    assert len(parent) == 1 and len(children) == 19
+    assert parent[0].data.params["tables.seeds"] == "[0, 1]"
+    names = {c.info.run_name for c in children}
+    assert {"TransFusion 1-Layer (table 1) · seed 1", "raw pixels (control) · seed 0"} <= names
+    child = next(c for c in children if c.info.run_name == "InfoNCE (table 1) · seed 1")
+    assert child.data.params["seed"] == "1" and "probe.logreg" in child.data.metrics
+    assert [m.step for m in client.get_metric_history(child.info.run_id, "knn_acc")] == [1, 2]
