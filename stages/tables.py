@@ -31,24 +31,28 @@ OUT = Path("tables")
 FIGURE = Path("plots/tables/curves.png")
 
 
-def write_outputs(records: list[dict], curves: list[dict], params: Params, unit: str, dataset: str) -> list[Path]:
-    """The job's rendered outputs from its records and curves: ``reports/TABLES.md`` and the curves figure."""
+def write_outputs(base: Path, records: list[dict], curves: list[dict], params: Params, unit: str,
+                  dataset: str) -> list[Path]:
+    """What renders from the job's records and curves, under ``base``: ``reports/TABLES.md`` and the curves figure."""
     from pipeline.evaluation.tables_report import curves_figure, render
 
-    curves_figure(curves, FIGURE)
-    write_text(REPORT, render(records, params, unit, dataset, figure=f"../{FIGURE}"))
-    return [REPORT, FIGURE]
+    curves_figure(curves, base / FIGURE)
+    write_text(base / REPORT, render(records, params, unit, dataset, figure=f"../{FIGURE}"))
+    return [base / REPORT, base / FIGURE]
 
 
 @click.command("tables")
 @params_options(load_params)
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
               show_default=True)
+@click.option("--out", "base", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
+              help=f"Where {OUT}/, {REPORT} and {FIGURE} go (a recorded study's folder).")
 @click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
 @click.option("--render", "render_only", is_flag=True,
-              help=f"Only render {REPORT} and {FIGURE} again from {OUT}/results.csv and curves.csv (no training).")
+              help=f"Only render {REPORT} and {FIGURE} again from {OUT}/ (the job's params, results.csv, curves.csv): "
+                   "no training, no params read.")
 @runtime_errors(DatasetError, TrackingError, ClusterError, StorageError)
-def tables_cmd(params: Params, data_dir: Path, no_tracking: bool, render_only: bool) -> None:
+def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, render_only: bool) -> None:
     """Run tables.rows x tables.seeds (and the controls) as one Ray Tune job; write reports/TABLES.md."""
     from pipeline.data.prepared import load_prepared
     from pipeline.evaluation.tables_report import (
@@ -63,14 +67,16 @@ def tables_cmd(params: Params, data_dir: Path, no_tracking: bool, render_only: b
     from pipeline.runs.train import cleanup
     from pipeline.runs.tune import SweepError, finish_tracking
 
+    out = base / OUT
     if render_only:
-        if not (OUT / "results.json").is_file():
-            raise click.ClickException(f"no {OUT}/results.json to render: run `transfusion tables` first")
-        saved = json.loads((OUT / "results.json").read_text())
+        if not (out / "results.json").is_file():
+            raise click.ClickException(f"no {out}/results.json to render: run `transfusion tables` first")
+        saved = json.loads((out / "results.json").read_text())
         job = Params.model_validate({**saved["params"], "tables": saved["tables"]}, strict=False)  # the job's own
-        records = read_records(OUT / "results.csv")
-        write_outputs(records, read_curves(OUT / "curves.csv"), job, saved["hours_unit"], saved["dataset"])
-        click.echo(f"tables: {REPORT} and {FIGURE} rendered from {OUT}/ ({len(records)} runs)")
+        records = read_records(out / "results.csv")
+        files = write_outputs(base, records, read_curves(out / "curves.csv"), job, saved["hours_unit"],
+                              saved["dataset"])
+        click.echo(f"tables: {' and '.join(map(str, files))} rendered from {out}/ ({len(records)} runs)")
         return
     try:  # every row resolves to valid params of its table before any work
         resolve_rows(params)
@@ -87,14 +93,14 @@ def tables_cmd(params: Params, data_dir: Path, no_tracking: bool, render_only: b
         raise click.ClickException(str(exc)) from exc
     dataset = json.loads((data_dir / "manifest.json").read_text()).get("dataset", "")
     curves = curve_rows(result.rows)
-    write_csv(OUT / "results.csv", csv_records(result.rows), COLUMNS)
-    write_csv(OUT / "curves.csv", curves, curve_columns(curves))
-    write_json(OUT / "results.json", {"dataset": dataset, "hours_unit": unit, "rows": csv_records(result.rows),
+    write_csv(out / "results.csv", csv_records(result.rows), COLUMNS)
+    write_csv(out / "curves.csv", curves, curve_columns(curves))
+    write_json(out / "results.json", {"dataset": dataset, "hours_unit": unit, "rows": csv_records(result.rows),
                                       "params": params.model_dump(mode="json"),
                                       "tables": params.tables.model_dump(mode="json")})
-    files = write_outputs(result.rows, curves, params, unit, dataset)
-    finish_tracking(root, result, None, [*files, OUT / "results.csv", OUT / "results.json", OUT / "curves.csv"])
+    files = write_outputs(base, result.rows, curves, params, unit, dataset)
+    finish_tracking(root, result, None, [*files, out / "results.csv", out / "results.json", out / "curves.csv"])
     cleanup(params, root, result.name, result.trial_runs())
     failed = sum(r["status"] != "TERMINATED" for r in result.rows)
-    click.echo(f"tables: {len(result.rows)} runs ({failed} failed) in {result.seconds:.0f} s -> {REPORT}, "
-               f"{OUT}/results.csv, {FIGURE}")
+    click.echo(f"tables: {len(result.rows)} runs ({failed} failed) in {result.seconds:.0f} s -> {files[0]}, "
+               f"{out}/results.csv, {files[1]}")

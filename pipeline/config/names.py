@@ -73,10 +73,12 @@ def evaluate_label(probes: Sequence[str], fractions: Sequence[float]) -> str:
     return SEP.join(["evaluate", f"{len(probes)} probe{'s' if len(probes) != 1 else ''}", f"labels {labels}"])
 
 
-def tables_label(tables: Sequence[int]) -> str:
-    """``tables · 8 rows · table 1: 5, table 2: 3``: a tables job's name from its rows' tables."""
+def tables_label(tables: Sequence[int], seeds: int = 1) -> str:
+    """``tables · 8 rows · table 1: 5, table 2: 3`` (``· 3 seeds`` when more than one): a tables job's name from its
+    rows' tables and its number of seeds."""
     counts = ", ".join(f"table {t}: {tables.count(t)}" for t in sorted(set(tables)))
-    return SEP.join(["tables", f"{len(tables)} row{'s' if len(tables) != 1 else ''}", counts])
+    parts = ["tables", f"{len(tables)} row{'s' if len(tables) != 1 else ''}", counts]
+    return SEP.join(parts + ([f"{seeds} seeds"] if seeds > 1 else []))
 
 
 def _digest(value: Any) -> str:

@@ -8,8 +8,8 @@ control key as the file ships it and changes only the keys of :data:`SIZE_KEYS`,
 - data, backbone and width: anything (digits and ``cnn_small`` by default);
 - epochs: at least 2 (an epoch inside the run, and the last); with ASHA, ``sweep.epochs`` beyond
   ``sweep.grace_period`` (else ASHA would never stop a trial, and the rehearsal would not rehearse it);
-- grid lengths (``sweep.depth``/``batch_size``/``strength``/``lr``, ``tables.rows``): a non-empty subset of the
-  shipped values, in their order (never a value the file does not have);
+- grid lengths (``sweep.depth``/``batch_size``/``strength``/``lr``, ``tables.rows``, ``tables.seeds``): a non-empty
+  subset of the shipped values, in their order (never a value the file does not have);
 - ``ray.num_workers``: at most the shipped count and at least ``min(shipped, 2)`` (several workers stay several);
 - CPUs per worker: anything (fractional, so that the workers fit this machine);
 - the storage path; GPUs: ``ray.use_gpu: false`` when the rehearsal declares none, ``ray.backend: gloo`` when it
@@ -38,8 +38,8 @@ from pipeline.config.params import validate_params
 from pipeline.config.ray import TRIAL_CPU
 from pipeline.config.tables import TablesConfig
 
-GRID_KEYS = ("sweep.depth", "sweep.batch_size", "sweep.strength", "sweep.lr", "tables.rows", "sets.seeds",
-             "sets.datasets")
+GRID_KEYS = ("sweep.depth", "sweep.batch_size", "sweep.strength", "sweep.lr", "tables.rows", "tables.seeds",
+             "sets.seeds", "sets.datasets")
 
 #: The keys a rehearsal may change, and the rule each follows (see the module docstring). Everything else is control.
 SIZE_KEYS: dict[str, str] = {
@@ -101,8 +101,8 @@ def default_sizes(shipped: dict[str, Any], cpus: int, gpus: int = 0) -> dict[str
     ``gpus`` it declares): digits (512 train images), ``cnn_small`` of width 16, the fewest epochs that still pass
     through every control (a periodic checkpoint, an epoch without kNN, ASHA's first rung), the first two values of
     each grid axis (one strength: the file's strongest, one lr), every row of the file's own tables (of the paper's
-    default rows, the 1-layer TransFusion of each table), workers cut to at most 2 (never below the shipped count's
-    min with 2) of CPUs that let two trials run at once."""
+    default rows, the 1-layer TransFusion of each table) over its first two ``tables.seeds``, workers cut to at most
+    2 (never below the shipped count's min with 2) of CPUs that let two trials run at once."""
     sizes: dict[str, Any] = {
         "data.dataset": "digits", "data.root": "data/raw", "data.limit_train": 512, "data.limit_test": 200,
         "data.image_size": None, "model.backbone": "cnn_small", "model.weights": None, "model.embed_dim": 16,
@@ -125,6 +125,8 @@ def default_sizes(shipped: dict[str, Any], cpus: int, gpus: int = 0) -> dict[str
             sizes[key] = values[:take]
     if get(shipped, "sweep.strength"):
         sizes["sweep.strength"] = [max(get(shipped, "sweep.strength"))]
+    if get(shipped, "tables.seeds"):  # two seeds still make a mean and a spread
+        sizes["tables.seeds"] = list(get(shipped, "tables.seeds"))[:2]
     if not get(shipped, "tables.rows"):
         sizes["tables.rows"] = [r for r in with_default_rows(shipped)["tables"]["rows"]
                                 if r["name"] == "TransFusion 1-Layer"]

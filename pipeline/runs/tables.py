@@ -47,8 +47,8 @@ from pipeline.runs.tune import (
     at_once,
     checkpoint_history,
     fit_trial,
-    last_checkpoint_path,
     inline,
+    last_checkpoint_path,
     max_concurrent,
     trainable,
     trial_placement,
@@ -345,8 +345,9 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
                                                                                         "train", "probe")},
                   **{f"tables.{r.table}.{r.name}": json.dumps(r.overrides, sort_keys=True) for r in rows},
                   "tables.seeds": json.dumps(seeds_of(params)), "tables.controls": json.dumps(params.tables.controls)}
-        uri, exp, parent = mlflow_run(root, name, stage=STAGE, title=tables_label([r.table for r in rows]),
-                                      logged=logged, manifest=manifest, data_dir=data_dir, tags={STAGE: name})
+        title = tables_label([r.table for r in rows], len(seeds_of(params)))
+        uri, exp, parent = mlflow_run(root, name, stage=STAGE, title=title, logged=logged, manifest=manifest,
+                                      data_dir=data_dir, tags={STAGE: name})
     unit = "GPU-hours" if gpu else "worker-hours"
     base = params.model_dump()  # what every row starts from
     job = WorkerSpec(params=base, data_dir=stage_prepared(data_dir, storage), manifest=manifest, storage=storage,

@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import subprocess
 import urllib.error
 import urllib.request
@@ -419,5 +420,9 @@ class SystemMetrics:
 
 
 def flat_params(flat: Mapping[str, Any]) -> dict[str, str]:
-    """MLflow params are strings of at most 6000 characters."""
-    return {k: str(v)[:6000] for k, v in flat.items()}
+    """MLflow params are strings of at most 6000 characters, and their keys may hold only alphanumerics and
+    ``_-. :/``: any other character of a key (a tables row named ``JSD (no head)``) becomes ``_``."""
+    return {_PARAM_KEY.sub("_", k): str(v)[:6000] for k, v in flat.items()}
+
+
+_PARAM_KEY = re.compile(r"[^\w\-. :/]")

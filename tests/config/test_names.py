@@ -41,6 +41,7 @@ def test_run_names_follow_the_params():
     one = load_params(ROOT / "params.yaml", ["sweep.depth=[1]", "sweep.strength=[1.0]", "sweep.batch_size=[50,100]"])
     assert sweep_label(len(grid_points(one)), axes(one)) == "sweep · 2 trials · batch"
     assert tables_label([r.table for r in default.tables.rows]) == "tables · 8 rows · table 1: 5, table 2: 3"
+    assert tables_label([1, 1], seeds=3) == "tables · 2 rows · table 1: 2 · 3 seeds"
     assert evaluate_label(["svm", "knn50"], [0.1, 1.0]) == "evaluate · 2 probes · labels 10%, 100%"
 
 

@@ -150,8 +150,12 @@ def test_trials_and_rows_are_named_by_their_point_or_row():
     assert names[1] == "depth 0 · b16 · strength 1.0" and len(set(names)) == len(names) == 8
     seeds = load_params(ROOT / "params.yaml", ["sweep.num_samples=2"])
     assert SweepTracker(1).child_name(grid_points(seeds)[1]) == "depth 0 · b16 · strength 0.0 · s1"
-    row = {"name": "TransFusion 9-Layer", "table": 1, "params": {"model.depth": 9}}
-    assert TablesTracker(1, unit="GPU-hours").child_name({"row": row}) == "TransFusion 9-Layer (table 1)"
+    row = {"name": "TransFusion 9-Layer", "table": 1, "params": {"model.depth": 9}, "seed": 2, "control": None}
+    tracker = TablesTracker(1, unit="GPU-hours")
+    assert tracker.child_name({"row": row}) == "TransFusion 9-Layer (table 1) · seed 2"
+    control = {"name": "random init", "table": 0, "params": {}, "seed": 0, "control": "random_init"}
+    assert tracker.child_name({"row": control}) == "random init (control) · seed 0"
+    assert tracker.labels({"row": control}) == {"table": 0, "row": "random init", "seed": 0, "control": "random_init"}
 
 
 def test_dvc_experiment_tags_come_from_the_variables_dvc_sets():
@@ -215,3 +219,17 @@ def test_runs_children_metrics_and_endings(tmp_path, monkeypatch):
     assert run.data.tags["error"] == "boom"
     end_run(None, parent, "FAILED")  # no store: nothing happens
     assert client.get_run(parent).info.status == "RUNNING"
+
+
+def test_param_keys_mlflow_refuses_are_made_valid(tmp_path):
+    """A tables row's name is free text; the parent run's param key made of it must still be one MLflow takes."""
+    import mlflow
+
+    from pipeline.runs import tracking
+
+    flat = tracking.flat_params({"tables.1.JSD (no head)": 1, "tables.1.InfoNCE tau 0.1": "x" * 7000})
+    assert list(flat) == ["tables.1.JSD _no head_", "tables.1.InfoNCE tau 0.1"]
+    assert len(flat["tables.1.InfoNCE tau 0.1"]) == 6000
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run = tracking.create_run(uri, tmp_path, "job", {}, {"tables.1.JSD (no head)": '{"model.depth": 0}'})
+    assert mlflow.MlflowClient(uri).get_run(run).data.params == {"tables.1.JSD _no head_": '{"model.depth": 0}'}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import shutil
 
 import mlflow
 import pytest
@@ -136,6 +137,10 @@ def test_the_default_job_as_shipped_over_two_seeds(prepare_digits, ray_session):
     again = invoke("tables", "--render")  # from the job's files, no training: the same report
     assert again.exit_code == 0, again.output
     assert (project / "reports/TABLES.md").read_text() == text and figure.is_file()
+    shutil.copytree(project / "tables", project / "studies/mine/tables")  # a recorded study's folder
+    assert invoke("tables", "--render", "--out", "studies/mine").exit_code == 0
+    assert (project / "studies/mine/reports/TABLES.md").read_text() == text
+    assert (project / "studies/mine/plots/tables/curves.png").is_file()
 
     client = mlflow.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("transfusion").experiment_id])
