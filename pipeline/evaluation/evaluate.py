@@ -25,6 +25,7 @@ import torch
 
 from pipeline.config.model import ModelConfig
 from pipeline.config.params import Params
+from pipeline.config.probe import ProbeConfig
 from pipeline.core.clustering import cosine_affinity, spectral_scores, symmetric_affinity
 from pipeline.core.model import ABCModel, Rows, TransFusion, build_model
 from pipeline.core.plan import budget_bytes, plan_head
@@ -167,15 +168,41 @@ class Evaluation:
     tsne: tuple[list[np.ndarray], np.ndarray, list[str]] | None = None
 
 
+def probe_train_index(p: ProbeConfig, y: torch.Tensor) -> np.ndarray:
+    """The training samples the probes fit on: all of them, or a stratified ``probe.max_train`` of them (seeded by
+    ``probe.seed``)."""
+    if p.max_train is not None and len(y) > p.max_train:
+        return np.asarray(stratified_subset(y, p.max_train, seed=p.seed))
+    return np.arange(len(y))
+
+
+def probe_frozen(params: Params, data: Dataset, model: TransFusion | ABCModel | None = None
+                 ) -> tuple[dict[str, float], int]:
+    """``probe.probes`` on the frozen backbone's embeddings (``model`` None: on the flattened input pixels), fitted on
+    100 % of the :func:`probe_train_index` labels, scored on the test split: a tables row's, or a control's, numbers.
+    Returns ({probe: test accuracy}, number of probe training samples)."""
+    p = params.probe
+    idx = probe_train_index(p, data.train.y)
+    if model is None:
+        z_tr, z_te = (to_float(x).flatten(1).numpy() for x in (data.train.x[idx], data.test.x))
+    else:
+        device = resolve_device(p.device)
+        model = model.to(device).eval()
+        batch = params.train.batch_size
+        z_tr = layer_embeddings(model, data.train.x[idx], batch, device, p.seed)[0]  # [0]: the backbone
+        z_te = layer_embeddings(model, data.test.x, batch, device, p.seed)[0]
+    results = run_probes(z_tr, data.train.y[idx].numpy(), z_te, data.test.y.numpy(), probes=tuple(p.probes),
+                         fractions=(1.0,), seed=p.seed)
+    return {r.probe: r.accuracy for r in results}, len(idx)
+
+
 def evaluate(params: Params, data: Dataset, model: TransFusion | ABCModel, train_batch: int,
              progress: Callable[[str], None] = print) -> Evaluation:
     """Probe every representation at every label fraction; cluster and sharpness on the test affinity."""
     p = params.probe
     device = resolve_device(p.device)
     model = model.to(device)
-    train_idx = np.arange(len(data.train.y))
-    if p.max_train is not None and len(train_idx) > p.max_train:
-        train_idx = stratified_subset(data.train.y, p.max_train, seed=p.seed)
+    train_idx = probe_train_index(p, data.train.y)
     x_tr, y_tr = data.train.x[train_idx], data.train.y[train_idx].numpy()
     x_te, y_te = data.test.x, data.test.y.numpy()
 

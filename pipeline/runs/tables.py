@@ -1,19 +1,22 @@
-"""The paper's Tables 1-2 as one Ray Tune job: an explicit list of rows, each a Ray Train pretraining run whose
-frozen backbone is then probed as the paper does.
+"""The tables job: an explicit list of rows, each run once per seed beside the controls, as one Ray Tune job; the
+paper's Tables 1-2 (``presets/paper-tables.yaml``) and the studies (``presets/fashion-mnist-*.yaml``) are such jobs.
 
 - Rows (``tables.rows``, :class:`pipeline.config.tables.TableRow`): a name, a table (1: self-supervised, 2:
   supervised) and params overrides on the file's ``model``/``loss``/``augment``/``train``. :func:`resolve_rows` turns
   each into full, validated params before any work (a row's mode must be its table's; a loss must suit the mode; ...).
-- One Tune job (``grid_search`` over the rows), each trial :func:`pipeline.runs.tune.fit_trial` (the Train trial the
-  sweep runs too), then, in the trial, the paper's probes on the frozen backbone (3-layer FFN 256/128/64, SVM, kNN
-  k=50 and k=200, 100 % of the labels: :func:`probe_backbone`), reported to Tune as the trial's last result.
+- Seeds and controls: every row runs once per ``tables.seeds`` (its ``train.seed``); the controls
+  (``tables.controls``: the raw pixels once, the backbone at its random initialisation per seed) are probed in trials
+  of their own and never trained (:func:`trial_configs`).
+- One Tune job (``grid_search`` over the (row, seed) configs), each trial :func:`pipeline.runs.tune.fit_trial` (the
+  Train trial the sweep runs too), then, in the trial, ``probe.probes`` on the frozen backbone at 100 % of the labels
+  (``pipeline.evaluation.evaluate.probe_frozen``), reported to Tune as the trial's last result.
 - Cost per row: the Train run's wall time × its GPUs (GPU-hours), or × its workers on a CPU-only cluster
   (worker-hours); the table labels the column accordingly.
 - MLflow, from the driver (:class:`TablesTracker`, a ``pipeline.runs.tune.TrialTracker``): one parent run, one
-  child per row with its per-epoch metrics, its probe accuracies and its hours; FAILED with the reason for a row that
-  failed.
-- ``pipeline.evaluation.tables_report`` lays the two tables out as the paper does, our row under the paper's row it
-  reproduces.
+  child per (row, seed) with its per-epoch metrics (online kNN, health), its probe accuracies and its hours; FAILED
+  with the reason for a trial that failed.
+- :func:`collect` gives a record per (row, seed) with its per-epoch history; ``pipeline.evaluation.tables_report``
+  renders them (mean ± sd over seeds, the paper's layout, the curves).
 
 Probes run after training where the row's resources are (:func:`probe_where_trained`: in the trial of a one-worker
 row, as a Ray task of one worker's CPUs and GPU for a row of several workers); ``probe.max_train`` caps their
@@ -130,43 +133,18 @@ def job_name(params: Params, manifest: dict[str, Any]) -> str:
 
 
 # -------------------------------------------------------------------------------------------------- probes
-def probe_backbone(params: Params, data, model=None) -> tuple[dict[str, float], int]:
-    """``probe.probes`` on the frozen backbone's embeddings (``model`` None: on the flattened input pixels), fitted on
-    100 % of the (``probe.max_train``-capped, stratified) train labels, scored on the test split; returns ({probe: test
-    accuracy}, number of probe training samples)."""
-    import numpy as np
-
-    from pipeline.data.split import stratified_subset, to_float
-    from pipeline.evaluation.evaluate import layer_embeddings, resolve_device
-    from pipeline.evaluation.probes import run_probes
-
-    p = params.probe
-    idx = np.arange(len(data.train.y))
-    if p.max_train is not None and len(idx) > p.max_train:
-        idx = stratified_subset(data.train.y, p.max_train, seed=p.seed)
-    if model is None:
-        z_tr, z_te = (to_float(x).flatten(1).numpy() for x in (data.train.x[idx], data.test.x))
-    else:
-        device = resolve_device(p.device)
-        model = model.to(device).eval()
-        batch = params.train.batch_size
-        z_tr = layer_embeddings(model, data.train.x[idx], batch, device, p.seed)[0]  # [0]: the backbone
-        z_te = layer_embeddings(model, data.test.x, batch, device, p.seed)[0]
-    results = run_probes(z_tr, data.train.y[idx].numpy(), z_te, data.test.y.numpy(), probes=tuple(p.probes),
-                         fractions=(1.0,), seed=p.seed)
-    return {r.probe: r.accuracy for r in results}, len(idx)
-
-
 # --------------------------------------------------------------------------------------------------- trial
 def probe_row(params: dict[str, Any], data_dir: str, manifest: dict[str, Any], model_state: dict[str, Any] | None,
               control: str | None = None) -> tuple[dict[str, float], int, dict[str, float]]:
     """A row's probes on its trained model (``model_state``), or a control's (``raw_pixels``: the pixels;
     ``random_init``: the model as ``train.seed`` initialises it, as the training loop does), wherever this runs
-    (:func:`probe_backbone`); also returns the Ray resources it ran with (``{"CPU": 3.0, "GPU": 1.0}``)."""
+    (``pipeline.evaluation.evaluate.probe_frozen``); also returns the Ray resources it ran with (``{"CPU": 3.0,
+    "GPU": 1.0}``)."""
     import ray
     import torch
 
     from pipeline.core.model import build_model
+    from pipeline.evaluation.evaluate import probe_frozen
     from pipeline.runs.storage import fetch_prepared
 
     p = Params.model_validate(params, strict=False)
@@ -177,7 +155,7 @@ def probe_row(params: dict[str, Any], data_dir: str, manifest: dict[str, Any], m
         model = build_model(p.model, data.input_shape)
         if model_state is not None:
             model.load_state_dict(model_state)
-    accuracies, n_probe = probe_backbone(p, data, model)
+    accuracies, n_probe = probe_frozen(p, data, model)
     held = ray.get_runtime_context().get_assigned_resources() if ray.is_initialized() else {}
     return accuracies, n_probe, {k: float(v) for k, v in held.items() if k in ("CPU", "GPU")}
 

@@ -133,3 +133,32 @@ def test_layer_clusters_match_a_loop_reference_and_rank_condensed_classes_first(
         assert got[name]["nmi"] == pytest.approx(spectral_scores(cosine_affinity(z), y, seed=0)["nmi"])
     assert got["block_1"]["silhouette"] > got["input"]["silhouette"] + 0.3
     assert got["block_1"]["nmi"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("max_train", [None, 120])
+def test_probe_frozen_is_run_probes_on_the_capped_split(max_train):
+    """A tables row's probes (and a control's): the stratified ``probe.max_train`` cap, then every probe at 100 % of
+    those labels, on the pixels (no model) or on the backbone's embeddings; checked against the steps written out."""
+    from pipeline.config.params import load_params
+    from pipeline.core.model import build_model
+    from pipeline.data.sources import load_dataset
+    from pipeline.data.split import stratified_subset, to_float
+    from pipeline.evaluation.evaluate import probe_frozen
+    from pipeline.evaluation.probes import run_probes
+    from tests.conftest import ROOT
+
+    params = load_params(ROOT / "params.yaml", ["data.limit_train=300", "probe.probes=[knn50, logreg]",
+                                                f"probe.max_train={'null' if max_train is None else max_train}"])
+    data = load_dataset(params.data)
+    idx = np.arange(300) if max_train is None else np.asarray(stratified_subset(data.train.y, max_train, seed=0))
+    y_tr, y_te = data.train.y[idx].numpy(), data.test.y.numpy()
+    pixels = run_probes(to_float(data.train.x[idx]).reshape(len(idx), -1).numpy(), y_tr,
+                        to_float(data.test.x).reshape(len(y_te), -1).numpy(), y_te, probes=("knn50", "logreg"),
+                        fractions=(1.0,), seed=0)
+    assert probe_frozen(params, data) == ({r.probe: r.accuracy for r in pixels}, len(idx))
+    torch.manual_seed(0)
+    net = build_model(params.model, data.input_shape).eval()
+    z_tr = layer_embeddings(net, data.train.x[idx], 128, torch.device("cpu"))[0]
+    z_te = layer_embeddings(net, data.test.x, 128, torch.device("cpu"))[0]
+    backbone = run_probes(z_tr, y_tr, z_te, y_te, probes=("knn50", "logreg"), fractions=(1.0,), seed=0)
+    assert probe_frozen(params, data, net) == ({r.probe: r.accuracy for r in backbone}, len(idx))
