@@ -132,7 +132,6 @@ def job_name(params: Params, manifest: dict[str, Any]) -> str:
     return stable_name(STAGE, keyed, manifest)
 
 
-# -------------------------------------------------------------------------------------------------- probes
 # --------------------------------------------------------------------------------------------------- trial
 def probe_row(params: dict[str, Any], data_dir: str, manifest: dict[str, Any], model_state: dict[str, Any] | None,
               control: str | None = None) -> tuple[dict[str, float], int, dict[str, float]]:
