@@ -28,6 +28,17 @@ def device_memory(device) -> int:
     return int(psutil.virtual_memory().available)
 
 
+def use_threads(n: int) -> None:
+    """This process's torch and BLAS / OpenMP pools on ``n`` threads from now on: a Ray worker's, where Ray has set
+    ``OMP_NUM_THREADS`` to the whole part of its CPUs (1 for a 1.75-CPU tables trial, whose probes then ran NumPy's
+    and scikit-learn's BLAS on one thread). torch and threadpoolctl are imported on first use."""
+    import torch
+    from threadpoolctl import threadpool_limits  # a dependency of scikit-learn
+
+    torch.set_num_threads(n)
+    threadpool_limits(limits=n)
+
+
 @contextlib.contextmanager
 def one_thread() -> Iterator[None]:
     """torch and the BLAS / OpenMP pools on one thread for the block (small matrices: threads cost more than they

@@ -39,6 +39,7 @@ from pipeline.config.ray import torch_threads
 from pipeline.core.plan import HeadPlan
 from pipeline.data.prepared import load_prepared, prepared_nbytes
 from pipeline.evaluation.health import is_health_key
+from pipeline.host import use_threads
 from pipeline.io import load_torch
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import TRAIN_CONSOLE_LEVEL, connect, train_logging, wait_for_workers, with_worker_cpus
@@ -233,7 +234,7 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
     import ray.train
 
     params = Params.model_validate(spec.params, strict=False)
-    torch.set_num_threads(torch_threads(params.ray.cpus_per_worker))
+    use_threads(torch_threads(params.ray.cpus_per_worker))  # torch's and BLAS's (Ray set OMP_NUM_THREADS)
     device = device or torch.device("cpu")
     # the copy the driver staged, or a clear error; mapped, not read, when the loop will stream it (beyond the data
     # budget) or put it on a GPU (no host copy of what the device holds)
