@@ -46,7 +46,8 @@ def make_repo(dst: Path) -> Path:
         shutil.copytree(ROOT / name, dst / name, ignore=shutil.ignore_patterns("__pycache__", "tmp", "cache"))
     # the recorded studies: the circles' CSV (the sets stage's data dependency), the studies' figures (dvc.yaml's plots)
     plots = [p for p in yaml.safe_load((ROOT / "dvc.yaml").read_text())["plots"] if isinstance(p, str)]
-    for study in ["benchmarks/results/circles.csv", *(p for p in plots if p.startswith("benchmarks/results/"))]:
+    recorded = [p for p in plots if p.startswith(("benchmarks/results/", "studies/"))]
+    for study in ["benchmarks/results/circles.csv", *recorded]:
         (dst / study).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / study, dst / study)
     run(["git", "init", "-q"], dst)

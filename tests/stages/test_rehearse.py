@@ -197,8 +197,9 @@ def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
     assert computed == 2 and peaks["sweep"] == (computed, computed), out  # two unfinished trials at least
     assert peaks["tables"] == (2, 2), out
     rows = read_csv(work / "tables/results.csv")
-    assert {(r["hours_unit"], r["gpus"], r["probe_cpus"], r["probe_gpus"]) for r in rows} == {
-        ("GPU-hours", "2", "0.25", "1.0")}  # each row's probes on one worker's bundle, not the trial's 0.25 CPU
+    assert {(r["control"], r["hours_unit"], r["gpus"], r["probe_cpus"], r["probe_gpus"]) for r in rows} == {
+        ("", "GPU-hours", "2", "0.25", "1.0"),  # each row's probes on one worker's bundle, not the trial's 0.25 CPU
+        ("raw_pixels", "GPU-hours", "0", "0.25", "1.0"), ("random_init", "GPU-hours", "0", "0.25", "1.0")}  # untrained
     lines = resumed.stdout.splitlines()
     noise = [i for i, line in enumerate(lines) if any(n in line for n in NOISE)]
     assert not noise, "\n".join(lines[max(noise[0] - 5, 0):noise[0] + 40])  # the first noise, in context
