@@ -61,18 +61,19 @@ SIZES = [(1, 1, 2, 1), (5, 3, 3, 2), (30, 17, 4, 3), (60, 25, 8, 5)]  # (n_train
 @pytest.mark.parametrize("k", [1, 2, 5, 20])
 @pytest.mark.parametrize("temperature", [None, 0.1, 0.5])
 def test_knn_matches_reference(n_train: int, n_test: int, d: int, n_classes: int, k: int, temperature) -> None:
-    train_z, train_y, test_z, _ = _data(n_train, n_test, d, n_classes, seed=n_train + k)
+    """Predictions, in float64 and float32, and the accuracy they give."""
+    train_z, train_y, test_z, test_y = _data(n_train, n_test, d, n_classes, seed=n_train + k)
     got = knn_predict(train_z, train_y, test_z, k=k, n_classes=n_classes, temperature=temperature, chunk=4)
     expected = _knn_reference(train_z, train_y, test_z, k, n_classes, temperature)
     assert got.dtype == torch.int64 and got.shape == (n_test,)
     assert got.tolist() == expected
-
-
-@pytest.mark.parametrize("temperature", [None, 0.07])
-def test_knn_float32_matches_reference(temperature) -> None:
-    train_z, train_y, test_z, _ = _data(40, 20, 6, 4, seed=7, dtype=torch.float32)
-    got = knn_predict(train_z, train_y, test_z, k=7, temperature=temperature)
-    assert got.tolist() == _knn_reference(train_z, train_y, test_z, 7, 4, temperature)
+    acc = knn_accuracy(train_z, train_y, test_z, test_y, k=k, temperature=temperature)
+    assert isinstance(acc, float)
+    assert acc == pytest.approx(sum(int(p == y) for p, y in zip(expected, test_y.tolist(), strict=True)) / n_test)
+    if n_train == 30:
+        z32 = [t.float() for t in (train_z, test_z)]
+        assert knn_predict(z32[0], train_y, z32[1], k=k, temperature=temperature).tolist() == _knn_reference(
+            z32[0], train_y, z32[1], k, n_classes, temperature)
 
 
 def test_knn_is_scale_invariant() -> None:
@@ -150,28 +151,17 @@ def test_knn_n_classes_and_labels() -> None:
         knn_predict(train_z, train_y - 5, test_z, k=3)
 
 
-@pytest.mark.parametrize("kwargs", [{"k": 0}, {"chunk": 0}, {"temperature": 0.0}, {"temperature": -1.0}])
-def test_knn_rejects_bad_arguments(kwargs: dict) -> None:
-    train_z, train_y, test_z, _ = _data(10, 4, 3, 2, seed=0)
-    with pytest.raises(ValueError):
-        knn_predict(train_z, train_y, test_z, **kwargs)
-
-
-def test_knn_rejects_bad_shapes() -> None:
+def test_knn_rejects_bad_arguments_and_shapes() -> None:
     train_z, train_y, test_z, test_y = _data(10, 4, 3, 2, seed=0)
-    with pytest.raises(ValueError):
-        knn_predict(train_z, train_y, test_z[:, :2])
-    with pytest.raises(ValueError):
-        knn_predict(train_z, train_y[:5], test_z)
-    with pytest.raises(ValueError):
-        knn_predict(train_z[:0], train_y[:0], test_z)
+    for kwargs in ({"k": 0}, {"chunk": 0}, {"temperature": 0.0}, {"temperature": -1.0}):
+        with pytest.raises(ValueError):
+            knn_predict(train_z, train_y, test_z, **kwargs)
+    for args in ((train_z, train_y, test_z[:, :2]), (train_z, train_y[:5], test_z), (train_z[:0], train_y[:0], test_z)):
+        with pytest.raises(ValueError):
+            knn_predict(*args)
     with pytest.raises(ValueError):
         knn_accuracy(train_z, train_y, test_z, test_y[:2])
-
-
-def test_knn_empty_test_set() -> None:
-    train_z, train_y, test_z, _ = _data(10, 4, 3, 2, seed=0)
-    out = knn_predict(train_z, train_y, test_z[:0])
+    out = knn_predict(train_z, train_y, test_z[:0])  # an empty test set is fine
     assert out.shape == (0,) and out.dtype == torch.int64
 
 
@@ -194,15 +184,6 @@ def test_knn_accuracy_perfect_on_separated_clusters(temperature, k: int) -> None
     # and shuffling the test labels makes it fail
     wrong = (test_y + 1) % n_classes
     assert knn_accuracy(train_z, train_y, test_z, wrong, k=k, temperature=temperature) == 0.0
-
-
-def test_knn_accuracy_matches_predictions() -> None:
-    train_z, train_y, test_z, test_y = _data(40, 30, 5, 3, seed=9)
-    pred = _knn_reference(train_z, train_y, test_z, 5, 3, None)
-    expected = sum(int(p == y) for p, y in zip(pred, test_y.tolist(), strict=True)) / 30
-    acc = knn_accuracy(train_z, train_y, test_z, test_y, k=5)
-    assert isinstance(acc, float)
-    assert acc == pytest.approx(expected, abs=1e-12)
 
 
 @pytest.mark.parametrize(

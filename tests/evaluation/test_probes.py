@@ -68,14 +68,17 @@ def test_label_fraction_rule_examples() -> None:
     assert np.bincount(y[idx]).tolist() == [10, 2, 3, 1]
 
 
-def test_label_fraction_seeded() -> None:
+def test_label_fraction_seeded_accepts_torch_and_rejects_bad_fractions() -> None:
     y = _labels([60, 50, 40], seed=0)
     a = label_fraction_indices(y, 0.2, seed=5)
-    b = label_fraction_indices(y, 0.2, seed=5)
+    b = label_fraction_indices(torch.from_numpy(y), 0.2, seed=5)
     c = label_fraction_indices(y, 0.2, seed=6)
     np.testing.assert_array_equal(a, b)
     assert len(a) == len(c)
     assert set(a.tolist()) != set(c.tolist())
+    for bad in (0.0, -0.1, 1.5, 2, float("nan")):
+        with pytest.raises(ValueError, match=str(bad)):
+            label_fraction_indices(np.arange(10) % 2, bad)
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 100])
@@ -84,31 +87,16 @@ def test_label_fraction_one_returns_all(n: int) -> None:
     np.testing.assert_array_equal(label_fraction_indices(y, 1.0, seed=9), np.arange(n))
 
 
-def test_label_fraction_accepts_torch() -> None:
-    y = _labels([30, 20], seed=1)
-    np.testing.assert_array_equal(
-        label_fraction_indices(torch.from_numpy(y), 0.3, seed=2), label_fraction_indices(y, 0.3, seed=2)
-    )
-
-
-@pytest.mark.parametrize("bad", [0.0, -0.1, 1.5, 2, float("nan")])
-def test_label_fraction_rejects_bad_fraction(bad: float) -> None:
-    with pytest.raises(ValueError, match=str(bad)):
-        label_fraction_indices(np.arange(10) % 2, bad)
-
-
 # ------------------------------------------------------------------------------------------------------- make_probe
 
 
-@pytest.mark.parametrize("n_train", [10, 20_000])
-def test_make_probe_svm_rbf_up_to_threshold(n_train: int) -> None:
+@pytest.mark.parametrize("n_train", [10, 20_000, 20_001, 50_000])
+def test_make_probe_svm_rbf_up_to_threshold_then_linear(n_train: int) -> None:
     clf = make_probe("svm", n_train=n_train)[-1]
-    assert type(clf) is SVC and clf.kernel == "rbf" and clf.C == 1.0
-
-
-@pytest.mark.parametrize("n_train", [20_001, 50_000])
-def test_make_probe_svm_linear_above_threshold(n_train: int) -> None:
-    assert type(make_probe("svm", n_train=n_train)[-1]) is LinearSVC
+    if n_train <= 20_000:
+        assert type(clf) is SVC and clf.kernel == "rbf" and clf.C == 1.0
+    else:
+        assert type(clf) is LinearSVC
 
 
 @pytest.mark.parametrize("name", PROBES)
@@ -129,9 +117,11 @@ def test_make_probe_structure(name: str) -> None:
         assert isinstance(pipe[-1], LogisticRegression) and pipe[-1].max_iter == 2000
 
 
-def test_make_probe_knn_clips_k() -> None:
+def test_make_probe_knn_clips_k_and_unknown_name() -> None:
     assert make_probe("knn200", n_train=100)[-1].n_neighbors == 100
     assert make_probe("knn50", n_train=7)[-1].n_neighbors == 7
+    with pytest.raises(ValueError, match="knn200"):
+        make_probe("resnet", n_train=10)
 
 
 @pytest.mark.parametrize(
@@ -139,11 +129,6 @@ def test_make_probe_knn_clips_k() -> None:
 )
 def test_make_probe_ffn_early_stopping_rule(n_train: int, n_classes, early: bool) -> None:
     assert make_probe("ffn", n_train=n_train, n_classes=n_classes)[-1].early_stopping is early
-
-
-def test_make_probe_unknown_name() -> None:
-    with pytest.raises(ValueError, match="knn200"):
-        make_probe("resnet", n_train=10)
 
 
 # ------------------------------------------------------------------------------------------------- kNN vs reference
