@@ -210,6 +210,7 @@ def test_stratified_subset_minimum_per_class_and_arguments():
     assert np.bincount(y[stratified_subset(y, fraction=0.1, min_per_class=2)].numpy()).tolist() == [5, 2, 1]
     with pytest.raises(ValueError, match="cannot hold"):
         stratified_subset(y, 2, min_per_class=1)
+    assert np.array_equal(stratified_subset(y, 100, min_per_class=1), np.arange(len(y)))  # more than there are
     with pytest.raises(ValueError, match="exactly one"):
         stratified_subset(y, 5, fraction=0.5)
 
