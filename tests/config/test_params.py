@@ -21,6 +21,11 @@ def test_project_params_are_valid():
     p = load_params(ROOT / "params.yaml")
     assert isinstance(p, Params)
     assert p.data.dataset == "digits"
+    flat = flatten(p)
+    assert flat["model.depth"] == 1 and flat["data.synthetic.rank"] == 3 and "ray.num_workers" in flat
+    assert p.train.data_budget_mb is None  # auto: a share of the device's memory; else MiB, fractions too
+    assert load_params(ROOT / "params.yaml", ["train.data_budget_mb=0.25"]).train.data_budget_mb == 0.25
+    assert load_params(ROOT / "params.yaml", ["train.data_budget_mb=4096"]).train.data_budget_mb == 4096.0
 
 
 def test_overrides_parse_yaml_values():
@@ -30,17 +35,6 @@ def test_overrides_parse_yaml_values():
     raw = apply_overrides(default_raw(), ["model.depth=5", "data.synthetic.noise=0.3"])
     p = validate_params(raw)
     assert p.model.depth == 5 and p.data.synthetic.noise == 0.3
-
-
-def test_data_budget_is_null_by_default_and_takes_fractions_of_a_mib():
-    assert load_params(ROOT / "params.yaml").train.data_budget_mb is None  # auto: a share of the device's memory
-    assert load_params(ROOT / "params.yaml", ["train.data_budget_mb=0.25"]).train.data_budget_mb == 0.25
-    assert load_params(ROOT / "params.yaml", ["train.data_budget_mb=4096"]).train.data_budget_mb == 4096.0
-
-
-def test_flatten_gives_dotted_keys():
-    flat = flatten(load_params(ROOT / "params.yaml"))
-    assert flat["model.depth"] == 1 and flat["data.synthetic.rank"] == 3 and "ray.num_workers" in flat
 
 
 ABC_OK = ["model.method=abc", "model.qk_init=default", "loss.name=bce"]  # what method abc needs on params.yaml
@@ -164,17 +158,13 @@ def test_abc_set_norm_is_on_by_default_and_can_be_turned_off():
         validate_params(apply_overrides(default_raw(), ["model.abc.set_norm=false"]))
 
 
-def test_grad_cache_is_fine_without_batchnorm():
-    raw = apply_overrides(default_raw(), ["train.grad_cache_chunk=8"])  # cnn_small: GroupNorm, caching is exact
-    assert validate_params(raw).train.grad_cache_chunk == 8
-    raw = apply_overrides(default_raw(), ["model.backbone=resnet18_cifar", "model.embed_dim=null"])
-    assert validate_params(raw).train.grad_cache_chunk is None
-
-
-def test_torchvision_backbones_take_their_width_and_grad_cache_without_batchnorm():
+def test_backbones_take_their_width_and_grad_cache_without_batchnorm():
     """torchvision:<name>: embed_dim null or the model's width; gradient caching where it has no BatchNorm."""
     from pipeline.config.model import AbcConfig, ModelConfig
 
+    assert validate_params(apply_overrides(default_raw(), ["train.grad_cache_chunk=8"])).train.grad_cache_chunk == 8
+    raw = apply_overrides(default_raw(), ["model.backbone=resnet18_cifar", "model.embed_dim=null"])
+    assert validate_params(raw).train.grad_cache_chunk is None  # cnn_small above: GroupNorm, caching is exact
     ok = validate_params(apply_overrides(default_raw(), ["model.backbone=torchvision:convnext_tiny",
                                                          "model.embed_dim=null", "train.grad_cache_chunk=8"]))
     assert ok.model.backbone == "torchvision:convnext_tiny" and ok.model.width() == 768
@@ -201,10 +191,9 @@ def test_bad_files(tmp_path, text, needle):
         load_params(path)
 
 
-def test_missing_file_and_bad_override_syntax(tmp_path):
-    with pytest.raises(ParamsError, match="not found"):
-        load_params(tmp_path / "nope.yaml")
-    with pytest.raises(ParamsError, match="key=value"):
-        load_params(ROOT / "params.yaml", ["model.depth"])
-    with pytest.raises(ParamsError, match="is a value, not a section"):
-        load_params(ROOT / "params.yaml", ["model.depth.x=1"])
+@pytest.mark.parametrize("name,overrides,needle", [("nope.yaml", [], "not found"),
+                                                   ("params.yaml", ["model.depth"], "key=value"),
+                                                   ("params.yaml", ["model.depth.x=1"], "is a value, not a section")])
+def test_missing_file_and_bad_override_syntax(name, overrides, needle):
+    with pytest.raises(ParamsError, match=needle):
+        load_params(ROOT / name, overrides)

@@ -22,8 +22,14 @@ from pipeline.evaluation import probes
 from pipeline.host import usable_cpus
 
 
-def test_dataset_names_are_the_readers():
+def test_dataset_preset_and_probe_names_are_the_readers_presets_and_probes():
     assert tuple(sources.DATASET_NAMES) == C_data.DATASET_NAMES
+    assert tuple(augment.PRESETS) == C_augment.PRESET_NAMES
+    assert tuple(probes.PROBES) == C_probe.PROBES
+    for name in C_probe.PROBES:
+        assert hasattr(probes.make_probe(name, n_train=400, n_classes=4), "fit")
+    with pytest.raises(ValueError):
+        probes.make_probe("nope", n_train=400)
 
 
 def test_backbone_names_and_fixed_widths_are_the_backbones():
@@ -93,18 +99,6 @@ def test_abc_names_are_what_abc_implements():
         abc.ABCHead(6, compatibility="cosine")
     with pytest.raises(ValueError, match="allowed"):
         abc.ABCHead(6, kernel="softmax")
-
-
-def test_preset_names_are_the_augmentation_presets():
-    assert tuple(augment.PRESETS) == C_augment.PRESET_NAMES
-
-
-def test_probe_names_are_the_probes():
-    assert tuple(probes.PROBES) == C_probe.PROBES
-    for name in C_probe.PROBES:
-        assert hasattr(probes.make_probe(name, n_train=400, n_classes=4), "fit")
-    with pytest.raises(ValueError):
-        probes.make_probe("nope", n_train=400)
 
 
 def test_usable_cpus_is_this_process_affinity():

@@ -52,11 +52,8 @@ def test_symmetric_affinity_matches_loop(n: int) -> None:
     assert got.dtype == np.float64 and got.shape == (n, n)
     np.testing.assert_allclose(got, _symmetric_reference(a), rtol=0, atol=1e-15)
     np.testing.assert_allclose(symmetric_affinity(torch.from_numpy(a).float()), got, atol=1e-6)
-
-
-def test_symmetric_affinity_rejects_non_square() -> None:
     with pytest.raises(ValueError, match="square"):
-        symmetric_affinity(np.zeros((3, 4)))
+        symmetric_affinity(np.zeros((n, n + 1)))
 
 
 @pytest.mark.parametrize(("n", "d"), [(1, 3), (4, 2), (12, 5), (30, 8)])
@@ -108,7 +105,7 @@ def test_random_affinity_is_chance(seed: int) -> None:
     assert 0.0 <= scores["nmi"] < 0.1, scores
 
 
-def test_isolated_sample_does_not_crash() -> None:
+def test_isolated_sample_and_all_zero_affinity_do_not_crash() -> None:
     labels = np.arange(30) % 3
     a = _block_affinity(labels, seed=2)
     a[5, :] = 0.0
@@ -119,11 +116,7 @@ def test_isolated_sample_does_not_crash() -> None:
     assert set(scores) == {"nmi", "ari"}
     assert all(math.isfinite(v) for v in scores.values())
     assert scores["ari"] > 0.8  # the other 29 samples are still clustered by their blocks
-
-
-def test_all_zero_affinity_does_not_crash() -> None:
-    scores = spectral_scores(np.zeros((20, 20)), np.arange(20) % 4)
-    assert all(math.isfinite(v) for v in scores.values())
+    assert all(math.isfinite(v) for v in spectral_scores(np.zeros((20, 20)), np.arange(20) % 4).values())
 
 
 def test_n_clusters_default_and_override() -> None:
@@ -134,9 +127,6 @@ def test_n_clusters_default_and_override() -> None:
     assert merged["ari"] < 0.9 and merged["nmi"] < 0.9
     single = spectral_scores(a, labels, n_clusters=1)
     assert single["ari"] == pytest.approx(0.0) and single["nmi"] == pytest.approx(0.0)
-
-
-def test_spectral_scores_validates() -> None:
     with pytest.raises(ValueError, match="labels"):
         spectral_scores(np.ones((4, 4)), np.arange(3))
     with pytest.raises(ValueError, match="n_clusters"):
@@ -210,14 +200,10 @@ def test_the_papers_literal_formula_returns_n_minus_k(k: int) -> None:
     assert eigengap_k(a) == k
 
 
-def test_eigengap_edge_cases() -> None:
+def test_eigengap_edge_cases_and_bad_kernels() -> None:
     assert eigengap_k(np.ones((1, 1))) == 1
     assert eigengap_k(np.eye(6)) == 1  # all singletons: no gap, the documented limit
-    a, _ = _planted_kernel(4, seed=3)
-    assert eigengap_k(a, k_max=10_000) == 4  # clipped to n - 1
-
-
-def test_eigengap_refuses_bad_kernels() -> None:
+    assert eigengap_k(_planted_kernel(4, seed=3)[0], k_max=10_000) == 4  # clipped to n - 1
     a, _ = _planted_kernel(3, seed=5)
     asym = a.copy()
     asym[0, 1] += 0.1
@@ -249,12 +235,9 @@ def test_cluster_kernel_recovers_clean_blocks(k: int) -> None:
         assert k_hat == k and pred.shape == labels.shape and pred.dtype == np.int64
         assert adjusted_rand_score(labels, pred) == 1.0
         assert set(pred.tolist()) == set(range(k))
-
-
-def test_cluster_kernel_symmetrises_an_affinity() -> None:
+    # an asymmetric affinity with negative entries is symmetrised first
     a, labels = _planted_kernel(5, seed=11)
-    rng = np.random.default_rng(0)
-    a = a * rng.uniform(0.8, 1.2, size=a.shape) - 0.3 * (labels[:, None] != labels[None, :])  # asymmetric, < 0
+    a = a * np.random.default_rng(0).uniform(0.8, 1.2, size=a.shape) - 0.3 * (labels[:, None] != labels[None, :])
     pred, k_hat = cluster_kernel(torch.from_numpy(a), seed=0)
     assert k_hat == 5 and adjusted_rand_score(labels, pred) == 1.0
 
