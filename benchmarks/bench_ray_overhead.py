@@ -19,7 +19,8 @@ import torch
 from pipeline.config.params import load_params
 from pipeline.data.prepared import load_prepared, save_prepared
 from pipeline.data.sources import load_dataset
-from pipeline.runs.train import cleanup, pretrain
+from pipeline.runs.job import cleanup
+from pipeline.runs.train import pretrain
 from pipeline.training.loop import PretrainLoop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,11 +54,11 @@ def main() -> None:
 
         params_ray = params.model_copy(update={"ray": params.ray.model_copy(update={"storage_path": str(tmp / "ray")})})
         res = pretrain(params_ray, tmp / "prepared", tmp, tracking=False)
-        ray_sps = steady_throughput(res.state["history"], params.train.batch_size, loop.steps_per_epoch)
-        cleanup(params_ray, tmp, res.run_name)
+        ray_sps = steady_throughput(res.state.history, params.train.batch_size, loop.steps_per_epoch)
+        cleanup(params_ray, tmp, res.job.name)
 
     step_bare = statistics.median(h["samples_per_s"] for h in bare[1:])
-    step_ray = statistics.median(h["samples_per_s"] for h in res.state["history"][1:])
+    step_ray = statistics.median(h["samples_per_s"] for h in res.state.history[1:])
     print(f"ray overhead ({params.model.backbone}, depth {params.model.depth}, batch {params.train.batch_size}, "
           f"{args.threads} thread(s), {args.epochs} epochs, checkpoint every epoch):")
     print(f"  steady wall-clock: bare PyTorch {bare_sps:,.0f} samples/s, Ray Train 1 worker {ray_sps:,.0f} "

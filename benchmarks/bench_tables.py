@@ -38,7 +38,7 @@ def one_process(params: Params, data, device: torch.device) -> float:
     """Every (row, seed) trial of the job (and its controls) trained and probed in this process; wall seconds."""
     from pipeline.core.model import build_model
     from pipeline.evaluation.evaluate import probe_frozen
-    from pipeline.runs.tables import resolve_rows, trial_configs
+    from pipeline.evaluation.tables_rows import resolve_rows, trial_configs
     from pipeline.training.loop import PretrainLoop
 
     start = time.perf_counter()
@@ -69,8 +69,8 @@ def main() -> int:
     from pipeline.data.prepared import load_prepared, save_prepared
     from pipeline.data.sources import load_dataset
     from pipeline.runs.cluster import with_worker_cpus
+    from pipeline.runs.job import cleanup
     from pipeline.runs.tables import run_tables
-    from pipeline.runs.train import cleanup
 
     params = load_params(ROOT / "presets/fashion-mnist-ssl.yaml", [
         f"data.root={args.root}", f"data.limit_train={args.limit_train or 'null'}", f"train.epochs={args.epochs}",
@@ -87,7 +87,7 @@ def main() -> int:
         start = time.perf_counter()
         result, _ = run_tables(params, tmp / "data/prepared", tmp, tracking=True)
         job = time.perf_counter() - start
-        cleanup(params, tmp, result.name, result.trial_runs())
+        cleanup(params, tmp, result.job.name, result.trial_runs())
         os.chdir(ROOT)
     n = len(data.train.y)
     print(f"CPU, {threads} thread(s): Fashion-MNIST {n:,} images, {len(result.rows)} trials "

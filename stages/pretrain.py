@@ -12,16 +12,18 @@ import time
 from pathlib import Path
 
 import click
+import torch
 
 from pipeline.config.base import ParamsError
 from pipeline.config.params import Params, load_params
+from pipeline.data.storage import StorageError
 from pipeline.data.types import DatasetError
 from pipeline.evaluation.health import is_health_key, unflat, warnings_for
 from pipeline.io import atomic_dir, save_torch, write_csv, write_json
 from pipeline.runs.cluster import ClusterError
-from pipeline.runs.storage import StorageError
-from pipeline.runs.tracking import TrackingError, log_pytorch_model, project_root, set_tags, tracking_uri
-from pipeline.runs.train import PretrainError, PretrainResult, cleanup, pretrain
+from pipeline.runs.job import close_job
+from pipeline.runs.tracking import TrackingError, project_root
+from pipeline.runs.train import PretrainError, PretrainResult, pretrain
 from stages._common import (
     ParamsUsageError,
     around,
@@ -36,23 +38,22 @@ CURVE_COLUMNS = ("epoch", "loss", "lr", "knn_acc", "view_noise", "samples_per_s"
 
 
 def write_outputs(params: Params, res: PretrainResult, models: Path, metrics: Path, plots: Path) -> dict:
-    history = res.state["history"]
+    history, run_id = res.state.history, res.job.run.run_id if res.job.run else None
     with atomic_dir(models) as d:
-        save_torch(d / "model.pt", res.state["model"])
+        save_torch(d / "model.pt", res.state.model)
         write_json(d / "config.json", {"params": params.model_dump(), "input_shape": list(res.input_shape),
-                                       "n_classes": res.n_classes, "run_name": res.run_name,
-                                       "mlflow_run_id": res.mlflow_run_id})
+                                       "n_classes": res.n_classes, "run_name": res.job.name, "mlflow_run_id": run_id})
     last = history[-1]
     knn = [h["knn_acc"] for h in history if h.get("knn_acc") is not None]
     summary = {
-        "epochs": res.state["epoch"],
+        "epochs": res.state.epoch,
         "loss": last["loss"],
         "knn_acc": knn[-1] if knn else None,
         "view_noise": sum(h["view_noise"] for h in history) / len(history),
         "samples_per_s": sorted(h["samples_per_s"] for h in history)[len(history) // 2],  # median epoch
         "train_seconds": sum(h["seconds"] for h in history),
         "health": unflat(last),  # the last epoch's, on a training batch of two views (pipeline.evaluation.health)
-        "mlflow_run_id": res.mlflow_run_id,
+        "mlflow_run_id": run_id,
     }
     write_json(metrics, summary)
     health_columns = tuple(k for k in last if is_health_key(k))
@@ -71,18 +72,18 @@ def time_parts(started: float, res: PretrainResult, now: float) -> list[tuple[st
     epochs are not counted; the rest of the run is Ray Train's start and stop and each epoch's kNN, health, report and
     checkpoint); after it, the outputs and the MLflow model."""
     before, after = around(started, res.fit_started, res.fit_seconds, now)
-    steps = sum(h["seconds"] for h in res.state["history"] if h["ended_at"] >= res.fit_started)
+    steps = sum(h["seconds"] for h in res.state.history if h["ended_at"] >= res.fit_started)
     return [("start (imports, Ray, checks, MLflow run)", before), ("Ray Train's run", res.fit_seconds),
             ("of which training steps", steps), ("outputs and MLflow model", after)]
 
 
-def log_model(params: Params, res: PretrainResult, files: list[Path]) -> None:
-    """The pretraining run gets the stage's files and the model (MLflow's pytorch flavour), and ends FINISHED."""
+def trained_model(params: Params, res: PretrainResult) -> torch.nn.Module:
+    """The model as trained, for MLflow's pytorch flavour."""
     from pipeline.core.model import build_model
 
     model = build_model(params.model, res.input_shape)
-    model.load_state_dict(res.state["model"])
-    log_pytorch_model(tracking_uri(project_root()), res.mlflow_run_id, model.eval(), files)
+    model.load_state_dict(res.state.model)
+    return model.eval()
 
 
 @click.command("pretrain")
@@ -102,11 +103,9 @@ def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
         raise ParamsUsageError(str(exc)) from None
     paths = (Path("models/pretrain"), Path("metrics/pretrain.json"), Path("plots/pretrain.csv"))
     summary = write_outputs(params, res, *paths)
-    if res.mlflow_run_id:
-        log_model(params, res, [paths[0] / "config.json", paths[1], paths[2]])
-        set_tags(res.mlflow_run_id, {"workers": json.dumps(res.state.get("workers", []))})
-    cleanup(params, root, res.run_name)
-    workers = res.state.get("workers", [])
+    workers = res.state.workers
+    close_job(res.job, [paths[0] / "config.json", paths[1], paths[2]], tags={"workers": json.dumps(workers)},
+              model=trained_model(params, res) if res.job.run else None)
     nodes = sorted({w["node_id"] for w in workers})
     click.echo(f"[pretrain] {len(workers)} worker(s) on {len(nodes)} node(s): " + ", ".join(
         f"rank {w['rank']} on node {w['node_id'][:12]} ({w['host']}, {w['device']}"

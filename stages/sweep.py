@@ -19,10 +19,10 @@ import click
 
 from pipeline.config.base import ParamsError
 from pipeline.config.params import Params, load_params
+from pipeline.data.storage import StorageError
 from pipeline.data.types import DatasetError
 from pipeline.io import atomic_dir, write_csv, write_json
 from pipeline.runs.cluster import ClusterError
-from pipeline.runs.storage import StorageError
 from pipeline.runs.tracking import TrackingError, project_root
 from stages._common import (
     ParamsUsageError,
@@ -83,8 +83,7 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     from pipeline.config.space import SPACE_KEYS, check_points
     from pipeline.data.prepared import load_prepared
     from pipeline.runs.sweep import run_sweep
-    from pipeline.runs.train import cleanup
-    from pipeline.runs.tune import SweepError, finish_tracking
+    from pipeline.runs.tune import SweepError, close_tune_job
 
     started = process_started()
     try:  # every point of the grid is valid params (e.g. batch vs workers) before any work
@@ -104,9 +103,8 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     sweeps, plots = Path("sweeps"), Path("plots/sweep")
     dataset = json.loads((data_dir / "manifest.json").read_text()).get("dataset", "")
     best = write_outputs(params, result.rows, sweeps, plots, dataset)
-    finish_tracking(root, result, best, [sweeps / "results.csv", sweeps / "best.json", plots / "phase.png",
-                                         plots / "phase.csv", plots / "curves.csv"])
-    cleanup(params, root, result.name, result.trial_runs())
+    close_tune_job(result, [sweeps / "results.csv", sweeps / "best.json", plots / "phase.png", plots / "phase.csv",
+                            plots / "curves.csv"], best)
     failed = sum(r["status"] == "ERROR" for r in result.rows)
     if best:
         click.echo(f"swept {len(result.rows)} trials ({failed} failed) in {result.seconds:.0f} s; best knn_acc "
@@ -118,7 +116,7 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
 
 def time_parts(started: float, result: Any, now: float) -> list[tuple[str, float]]:
     """Where the stage's time went: before Ray Tune's run (imports, Ray's start, the checks, the MLflow parent run),
-    the trials (``result``: a ``pipeline.runs.tune.SweepResult``), after them (outputs, figures, MLflow)."""
+    the trials (``result``: a ``pipeline.runs.tune.JobResult``), after them (outputs, figures, MLflow)."""
     before, after = around(started, result.started, result.seconds, now)
     return [("start (imports, Ray, checks, MLflow run)", before), ("trials", result.seconds),
             ("outputs, figures and MLflow", after)]

@@ -19,10 +19,10 @@ import click
 
 from pipeline.config.base import ParamsError
 from pipeline.config.params import Params, load_params
+from pipeline.data.storage import StorageError
 from pipeline.data.types import DatasetError
 from pipeline.io import write_csv, write_json, write_text
 from pipeline.runs.cluster import ClusterError
-from pipeline.runs.storage import StorageError
 from pipeline.runs.tracking import TrackingError, project_root
 from stages._common import ParamsUsageError, check_weights, params_options, runtime_errors
 
@@ -63,9 +63,9 @@ def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, re
         read_curves,
         read_records,
     )
-    from pipeline.runs.tables import resolve_rows, run_tables
-    from pipeline.runs.train import cleanup
-    from pipeline.runs.tune import SweepError, finish_tracking
+    from pipeline.evaluation.tables_rows import resolve_rows
+    from pipeline.runs.tables import run_tables
+    from pipeline.runs.tune import SweepError, close_tune_job
 
     out = base / OUT
     if render_only:
@@ -99,8 +99,7 @@ def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, re
                                       "params": params.model_dump(mode="json"),
                                       "tables": params.tables.model_dump(mode="json")})
     files = write_outputs(base, result.rows, curves, params, unit, dataset)
-    finish_tracking(root, result, None, [*files, out / "results.csv", out / "results.json", out / "curves.csv"])
-    cleanup(params, root, result.name, result.trial_runs())
+    close_tune_job(result, [*files, out / "results.csv", out / "results.json", out / "curves.csv"])
     failed = sum(r["status"] != "TERMINATED" for r in result.rows)
     click.echo(f"tables: {len(result.rows)} runs ({failed} failed) in {result.seconds:.0f} s -> {files[0]}, "
                f"{out}/results.csv, {files[1]}")

@@ -3,7 +3,7 @@ installed through the pipeline's public callback setting, ``$TRANSFUSION_CALLBAC
 
 A test installs a plan with :func:`environment` (a subprocess's environment) or ``tests/conftest.py``'s
 ``install_faults`` fixture (this process's): the plan as JSON in :data:`ENV`, and :data:`REF` as the callback. The
-stage's driver makes the callback (``pipeline.runs.train.load_callbacks``), which reads its plan there, and ships it to
+stage's driver makes the callback (``pipeline.runs.job.load_callbacks``), which reads its plan there, and ships it to
 every Ray Train worker and Tune trial with the run's spec; nothing of it is in ``pipeline/``.
 
 What a plan does (every field optional; epochs and steps count from 1):
@@ -42,7 +42,8 @@ import torch
 
 from pipeline.config.base import flatten
 from pipeline.io import atomic_path
-from pipeline.runs.train import CALLBACKS_ENV, HISTORY_FILE
+from pipeline.runs.job import CALLBACKS_ENV
+from pipeline.runs.train import HISTORY_FILE
 from pipeline.training.loop import Callback, EpochMetrics, PretrainLoop
 
 ENV = "TRANSFUSION_TEST_FAULTS"  # the plan, as JSON (FaultPlan's fields)

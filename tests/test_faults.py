@@ -1,6 +1,6 @@
 """The tests' fault plans (``tests.faults``) on their own: each fault's effect, a plan confined to the runs of some
 params, a plan with an unknown key refused, and the plan reaching the processes a launch starts through the pipeline's
-public callback setting (``$TRANSFUSION_CALLBACKS``, ``pipeline.runs.train.load_callbacks``)."""
+public callback setting (``$TRANSFUSION_CALLBACKS``, ``pipeline.runs.job.load_callbacks``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pipeline.config.params import load_params
-from pipeline.runs.train import CALLBACKS_ENV, load_callbacks
+from pipeline.runs.job import CALLBACKS_ENV, load_callbacks
 from pipeline.training.loop import EpochMetrics
 from tests import faults
 from tests.conftest import ROOT

@@ -6,8 +6,7 @@
 - **Stable names** (``pretrain-<16 hex digits>``: Ray's run name, the MLflow tag ``identity``, the driver's state
   folder): :func:`stable_name` of everything that determines the result (the params it reads, the prepared data's
   files), so that a rerun resumes exactly when it would compute the same thing, and a changed one starts afresh.
-  Each job keys its own (``pipeline.runs.train.run_name``, ``pipeline.config.space.sweep_name``,
-  ``pipeline.runs.tables.job_name``).
+  ``pipeline.runs.job.job_name`` keys each job's (pretrain, sweep, tables).
 - **The prepared data's digest** (:func:`data_digest`): the name of its staged copy on the run storage, and (its first
   8 hex digits) MLflow's dataset digest.
 
@@ -92,7 +91,7 @@ def _files(manifest: Mapping[str, Any]) -> dict[str, str]:
 
 def data_digest(manifest: Mapping[str, Any]) -> str:
     """One version of the prepared data: 16 hex digits of a sha256 over its files' sha256 (the manifest's ``files``).
-    The name of its staged copy (``pipeline.runs.storage``); MLflow's dataset digest is its first 8
+    The name of its staged copy (``pipeline.data.storage``); MLflow's dataset digest is its first 8
     (``pipeline.runs.tracking.dataset_input``)."""
     return _digest(_files(manifest))
 

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Mapping
 from typing import Any
 
 from pipeline.config.base import ParamsError, set_dotted
-from pipeline.config.names import stable_name
 from pipeline.config.params import Params, validate_params
 
 SPACE_KEYS = {"depth": "model.depth", "batch_size": "train.batch_size", "strength": "augment.strength",
@@ -91,9 +89,9 @@ def describe(point: dict[str, Any]) -> str:
     return ", ".join(f"{k.split('.')[-1]} {v}" for k, v in point.items())
 
 
-def sweep_name(params: Params, manifest: Mapping[str, Any]) -> str:
-    """The sweep's stable name: its trials' base without the swept keys (their base value never reaches a trial), the
-    sweep's section, the workers, the data."""
+def sweep_keyed(params: Params) -> dict[str, dict[str, Any]]:
+    """What a sweep's result depends on, the input of its stable name (``pipeline.runs.job.job_name``): its trials'
+    base without the swept keys (their base value never reaches a trial), and the sweep's section."""
     base = base_params(params)
     keyed = {s: base[s] for s in ("model", "loss", "augment", "train", "sweep")}
     for dotted in axes(params):
@@ -101,5 +99,4 @@ def sweep_name(params: Params, manifest: Mapping[str, Any]) -> str:
         keyed[section].pop(key, None)
         if dotted == SPACE_KEYS["depth"] and params.model.method == "abc":
             keyed["model"]["abc"].pop("blocks", None)
-    keyed["ray"] = {"num_workers": params.ray.num_workers}
-    return stable_name("sweep", keyed, manifest)
+    return keyed

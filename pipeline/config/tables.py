@@ -48,7 +48,7 @@ class TablesConfig(Section):
 
     Each row's params are applied to the file's ``model``/``loss``/``augment``/``train``; the rows share the data,
     the cluster (``ray``) and the probes (``probe``). Whether a row's resolved params are valid (e.g. a loss that
-    needs self-supervised mode) is checked by ``pipeline.runs.tables.resolve_rows`` before any work.
+    needs self-supervised mode) is checked by ``pipeline.evaluation.tables_rows.resolve_rows`` before any work.
     """
 
     rows: list[TableRow] = Field(default_factory=_paper_rows, min_length=1)

@@ -20,21 +20,20 @@ reaches, Tune's output engine, ``RAY_AUTH_MODE`` as Ray would set it).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from pipeline.config.base import ParamsError
 from pipeline.config.params import Params
 from pipeline.config.resources import KINDS, TrialShape, infeasible
 from pipeline.host import usable_cpus
-from pipeline.runs.ray_undocumented import pending_nodes
+from pipeline.runs.undocumented import local_gcs_port, pending_nodes, ray_record_file, stale_local_record
 
 if TYPE_CHECKING:
     import ray
@@ -156,31 +155,6 @@ def _auth_error(address: str | None) -> ClusterError:
         "on the head node prints it) in ~/.ray/auth_token or RAY_AUTH_TOKEN")
 
 
-def ray_record_file() -> str:
-    """Where ``ray start`` records the last local cluster it started (``<Ray temp dir>/ray_current_cluster``; the
-    temp dir is ``$RAY_TMPDIR/ray``, ``/tmp/ray`` by default). ``ray.init()`` without an address joins that cluster."""
-    return os.path.join(os.environ.get("RAY_TMPDIR") or "/tmp", "ray", "ray_current_cluster")
-
-
-def stale_local_record(timeout: float = 2.0) -> str | None:
-    """The address of the local cluster Ray recorded (:func:`ray_record_file`) when nothing answers there within
-    ``timeout`` seconds: a Ray killed without ``ray stop`` (a crash, the OOM killer) leaves it behind, and
-    ``ray.init()`` then retries it for minutes. None when there is no record, or it answers."""
-    try:
-        with open(ray_record_file()) as f:
-            recorded = f.read().strip()
-    except OSError:
-        return None
-    target = host_port(recorded) if recorded else None
-    if target is None:
-        return None
-    try:
-        with socket.create_connection(target, timeout=timeout):
-            return None
-    except OSError:
-        return recorded
-
-
 def init_ray(params: Params) -> None:
     """Connect to the configured cluster, or start a local Ray; bounded by ``ray.connect_timeout_s``.
 
@@ -204,7 +178,7 @@ def init_ray(params: Params) -> None:
                              "(a Ray stopped without `ray stop`); starting a fresh local Ray for this run\n")
             address = "local"
     try:
-        with _local_gcs_port(address) as extra:
+        with local_gcs_port(address) as extra:
             ray.init(address=address, log_to_driver=True, configure_logging=False, logging_config=ray_logging(),
                      **extra)
     except AuthenticationError:  # token mode without a token (Ray's own check, before connecting)
@@ -214,30 +188,6 @@ def init_ray(params: Params) -> None:
             raise _auth_error(address) from None
         raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {str(exc).splitlines()[0]}; start "
                            "it, or unset ray.address / RAY_ADDRESS to run on a local Ray") from None
-
-
-@contextlib.contextmanager
-def _local_gcs_port(address: str | None) -> Iterator[dict[str, Any]]:
-    """For a local Ray this process starts: its GCS port, chosen here, and that address in the job's processes.
-
-    Ray's own processes look their cluster up when they call Ray's state API without an address (Ray Train's
-    placement-group cleaner does, every second): with ``RAY_ADDRESS`` unset they search the machine, and with a
-    second local Ray running (another stage, a test session, a ``ray start``) that search fails, the cleaner's
-    thread dies with "Found multiple active Ray instances" and its traceback reaches the console. Ray starts its GCS
-    on ``RAY_GCS_SERVER_PORT`` when that is set (read while ``ray.init`` starts it, unset again after); the job's
-    ``runtime_env`` hands every process of this run the address. Nothing changes for a cluster (an address) or
-    when the user set the port. Yields the extra ``ray.init`` arguments."""
-    if address not in (None, "local") or "RAY_GCS_SERVER_PORT" in os.environ:
-        yield {}
-        return
-    with socket.socket() as s:  # a free port now; Ray binds it a moment later
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    os.environ["RAY_GCS_SERVER_PORT"] = str(port)
-    try:
-        yield {"runtime_env": {"env_vars": {"RAY_ADDRESS": f"127.0.0.1:{port}"}}}
-    finally:
-        os.environ.pop("RAY_GCS_SERVER_PORT", None)
 
 
 def local_nodes() -> list[dict[str, float]]:
@@ -285,7 +235,7 @@ def wait_for_workers(params: Params, *, gpu: bool, cpus_per_worker: float | None
                      pending=pending_nodes, poll_s: float = 10.0, say=sys.stdout.write) -> None:
     """Reserve one run's bundles (``ray.num_workers`` workers, plus a trial's own ``trial_cpu``), then release them
     for Ray Train and Tune; give up ``ray.resources_timeout_s`` after the autoscaler last had a node on its way
-    (:func:`pipeline.runs.ray_undocumented.pending_nodes`).
+    (:func:`pipeline.runs.undocumented.pending_nodes`).
 
     Ray Train V2 waits for a worker group's resources and retries the wait forever (so does a Tune trial's Train
     run); this puts a bound on it that knows about autoscaling: while nodes are launching or booting (a cold cluster:
@@ -297,7 +247,7 @@ def wait_for_workers(params: Params, *, gpu: bool, cpus_per_worker: float | None
     from ray.util.placement_group import placement_group, remove_placement_group
 
     shape = trial_shape(params, gpu, cpus_per_worker, trial_cpu)
-    bundle: dict[str, Any] = {"CPU": shape.cpus_per_worker, **({"GPU": 1} if gpu else {})}
+    bundle: dict[str, float] = {"CPU": shape.cpus_per_worker, **({"GPU": 1} if gpu else {})}
     what = f"{params.ray.num_workers} worker(s) of {bundle}" + (f" and a trial's {{'CPU': {trial_cpu:g}}}"
                                                                   if trial_cpu else "")
     group = placement_group(shape.bundles(), strategy="PACK")
@@ -335,7 +285,7 @@ def ray_up() -> bool:
     return ray.is_initialized()
 
 
-def connect(params: Params, root: Any = None, *, tracking: bool = True, cpus_per_worker: float | None = None,
+def connect(params: Params, root: Path | None = None, *, tracking: bool = True, cpus_per_worker: float | None = None,
             trial_cpu: float = 0.0, what: str = "pretraining") -> tuple[bool, dict[str, float]]:
     """What every Ray stage does first, cheapest check first; returns whether the workers train on GPUs, and the
     cluster's resources now (``ray.cluster_resources()``: callers size their concurrency from them).
@@ -366,7 +316,7 @@ def connect(params: Params, root: Any = None, *, tracking: bool = True, cpus_per
     return gpu, totals
 
 
-def start_local_ray(num_gpus: int = 0, **init: Any) -> None:
+def start_local_ray(num_gpus: int = 0, **init: object) -> None:
     """Start this process's local Ray on this machine's CPUs, declaring ``num_gpus`` GPUs it may not have (as
     ``ray start --num-gpus N`` does): Ray schedules workers on them exactly as on real GPUs (``CUDA_VISIBLE_DEVICES``,
     ``ray.get_gpu_ids()``), and ``ray.backend: gloo`` trains them on the CPU. The stages then use this Ray.
@@ -379,6 +329,6 @@ def start_local_ray(num_gpus: int = 0, **init: Any) -> None:
 
     if ray.is_initialized():
         return
-    with _local_gcs_port(None) as extra:
+    with local_gcs_port(None) as extra:
         ray.init(**{"num_cpus": usable_cpus(), "num_gpus": num_gpus, "log_to_driver": True,
                     "configure_logging": False, "logging_config": ray_logging(), **init, **extra})

@@ -25,11 +25,15 @@ import re
 import subprocess
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pipeline.config.names import data_digest
+
+if TYPE_CHECKING:
+    import torch
+    from mlflow import MlflowClient
 
 EXPERIMENT = "transfusion"
 IDENTITY_TAG = "identity"  # the stable name a job resumes by (Ray's run name, ``pretrain-<digest>``)
@@ -113,7 +117,7 @@ def _check_sqlite(path: Path, uri: str) -> None:
                             f"{result[0] if result else 'no answer'}); {fix}")
 
 
-def _client(uri: str):
+def _client(uri: str) -> MlflowClient:
     """An ``MlflowClient`` of ``uri``. Opening a new sqlite store creates its tables, which MLflow and alembic announce
     line by line at INFO: here that is one line of ours instead."""
     from mlflow import MlflowClient
@@ -146,8 +150,8 @@ def experiment_id(uri: str, root: Path | None = None, name: str = EXPERIMENT) ->
                             "fix or move the store, or point MLFLOW_TRACKING_URI at a working one") from None
 
 
-def create_run(uri: str, root: Path, name: str, tags: Mapping[str, str], params: Mapping[str, Any],
-               inputs: Sequence[Any] = ()) -> str:
+def create_run(uri: str, root: Path, name: str, tags: Mapping[str, str], params: Mapping[str, object],
+               inputs: Sequence[object] = ()) -> str:
     """A new run in the project's experiment named ``name``, tagged ``tags`` (and :func:`dvc_experiment_tags`), with
     its params and dataset ``inputs`` (:func:`dataset_input`); returns its id."""
     from mlflow.entities import Param
@@ -166,7 +170,7 @@ def resume_run(uri: str, run_id: str) -> None:
 
 
 def child_run(uri: str, experiment_id: str, parent_id: str, name: str, match: Mapping[str, str],
-              tags: Mapping[str, str], params: Mapping[str, Any]) -> str:
+              tags: Mapping[str, str], params: Mapping[str, object]) -> str:
     """The child of ``parent_id`` tagged ``match`` (e.g. a trial id), found again and set RUNNING, or else created:
     named ``name``, tagged ``mlflow.parentRunId``, ``match``, ``tags`` (and :func:`dvc_experiment_tags`), with
     ``params`` and the parent's dataset inputs. Returns its id."""
@@ -174,11 +178,10 @@ def child_run(uri: str, experiment_id: str, parent_id: str, name: str, match: Ma
 
     client = _client(uri)
     wanted = {"mlflow.parentRunId": parent_id, **match}
-    found = client.search_runs([experiment_id], filter_string=" and ".join(f"tags.{k} = '{v}'"
-                                                                           for k, v in wanted.items()))
+    found = find_child(uri, experiment_id, parent_id, match)
     if found:
-        client.update_run(found[0].info.run_id, status="RUNNING")
-        return found[0].info.run_id
+        client.update_run(found, status="RUNNING")
+        return found
     run = client.create_run(experiment_id, run_name=name, tags={**dvc_experiment_tags(), **wanted, **tags})
     client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in flat_params(params).items()])
     inherited = client.get_run(parent_id).inputs
@@ -187,7 +190,15 @@ def child_run(uri: str, experiment_id: str, parent_id: str, name: str, match: Ma
     return run.info.run_id
 
 
-def end_run(uri: str | None, run_id: str | None, status: str, tags: Mapping[str, Any] | None = None) -> None:
+def find_child(uri: str, experiment_id: str, parent_id: str, match: Mapping[str, str]) -> str | None:
+    """The id of the child of ``parent_id`` tagged ``match`` (e.g. a trial id), None if there is none."""
+    wanted = {"mlflow.parentRunId": parent_id, **match}
+    found = _client(uri).search_runs([experiment_id], filter_string=" and ".join(f"tags.{k} = '{v}'"
+                                                                                 for k, v in wanted.items()))
+    return found[0].info.run_id if found else None
+
+
+def end_run(uri: str | None, run_id: str | None, status: str, tags: Mapping[str, object] | None = None) -> None:
     """Set ``tags`` on the run, then end it with ``status`` (FINISHED, FAILED, KILLED); nothing without a run."""
     if not (uri and run_id):
         return
@@ -202,16 +213,14 @@ VIEW_PARAMS = ("model.depth", "loss.name", "train.batch_size", "augment.strength
 
 
 def save_view(uri: str, exp_id: str) -> str:
-    """Save the runs table's view :data:`VIEW_KEY` on the experiment; returns its URL query (``viewStateShareKey=…``).
+    """Save the runs table's view :data:`VIEW_KEY` on the experiment (``pipeline.runs.undocumented.save_shared_view``);
+    returns its URL query (``viewStateShareKey=…``). It shows the Dataset column, the metrics :data:`VIEW_METRICS` and
+    the params :data:`VIEW_PARAMS` beside each run's name, so runs compare without opening them."""
+    from pipeline.runs.undocumented import save_shared_view
 
-    The MLflow UI opens a view shared as the experiment tag ``mlflow.sharedViewState.<key>`` (JSON of the table's
-    state); this one shows the Dataset column, the metrics :data:`VIEW_METRICS` and the params :data:`VIEW_PARAMS`
-    beside each run's name, so runs compare without opening them. Saved again on every call (it is ours)."""
     columns = ["attributes.`Dataset`", *(f"metrics.`{k}`" for k in VIEW_METRICS),
                *(f"params.`{k}`" for k in VIEW_PARAMS)]
-    _client(uri).set_experiment_tag(exp_id, f"mlflow.sharedViewState.{VIEW_KEY}",
-                                    json.dumps({"selectedColumns": columns}))
-    return f"viewStateShareKey={VIEW_KEY}"
+    return save_shared_view(_client(uri), exp_id, VIEW_KEY, columns)
 
 
 def epoch_logger(uri: str, run_id: str):
@@ -286,7 +295,7 @@ def dvc_experiment_tags(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return {tag: env[var] for var, tag in DVC_EXP_TAGS.items() if env.get(var)}
 
 
-def dataset_input(manifest: Mapping[str, Any], source: str | os.PathLike, context: str = "training"):
+def dataset_input(manifest: Mapping[str, object], source: str | os.PathLike, context: str = "training"):
     """The prepared data as an MLflow dataset input: named by the manifest's ``dataset``, its digest the first 8 hex
     digits of ``pipeline.config.names.data_digest``, its source the prepared directory (a local source), its profile
     the sizes, classes, input shape and the ``data`` params it was prepared with; tagged with ``context`` (training,
@@ -301,7 +310,7 @@ def dataset_input(manifest: Mapping[str, Any], source: str | os.PathLike, contex
     return DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])
 
 
-def log_missing_epochs(uri: str, run_id: str, history: list[Mapping[str, Any]], keys: tuple[str, ...]) -> int:
+def log_missing_epochs(uri: str, run_id: str, history: list[Mapping[str, object]], keys: tuple[str, ...]) -> int:
     """Log the epochs of ``history`` (per-epoch metric dicts with ``epoch``) that ``run_id`` lacks, e.g. those an
     interrupted run checkpointed but never got to log; finite numbers of ``keys`` only. Returns how many epochs."""
     client = _client(uri)
@@ -311,8 +320,8 @@ def log_missing_epochs(uri: str, run_id: str, history: list[Mapping[str, Any]], 
     return len(missing)
 
 
-def log_metrics_batch(uri: str, run_id: str, rows: list[Mapping[str, Any]], keys: tuple[str, ...],
-                      client: Any = None) -> None:
+def log_metrics_batch(uri: str, run_id: str, rows: list[Mapping[str, object]], keys: tuple[str, ...],
+                      client: MlflowClient | None = None) -> None:
     """Log the finite numbers of ``keys`` of every row (a per-epoch metric dict) with step = the row's ``epoch``, in
     one batch (through ``client`` when given)."""
     import math
@@ -335,7 +344,7 @@ def log_artifacts(uri: str, run_id: str, files: list[Path]) -> None:
             client.log_artifact(run_id, str(f))
 
 
-def set_tags(run_id: str, tags: Mapping[str, Any], root: Path | None = None, *, uri: str | None = None) -> None:
+def set_tags(run_id: str, tags: Mapping[str, object], root: Path | None = None, *, uri: str | None = None) -> None:
     """Set ``tags`` (values as strings of at most 5000 characters) on ``run_id`` in ``uri`` (default: the store of
     ``root``)."""
     client = _client(uri or tracking_uri(root))
@@ -343,9 +352,9 @@ def set_tags(run_id: str, tags: Mapping[str, Any], root: Path | None = None, *, 
         client.set_tag(run_id, k, str(v)[:5000])
 
 
-def log_stage_run(stage: str, root: Path, *, params: Mapping[str, Any], metrics: Mapping[str, float],
+def log_stage_run(stage: str, root: Path, *, params: Mapping[str, object], metrics: Mapping[str, float],
                   files: list[Path], parent: str | None = None, artifact_path: str | None = None,
-                  name: str | None = None, inputs: Sequence[Any] = ()) -> str:
+                  name: str | None = None, inputs: Sequence[object] = ()) -> str:
     """One finished run named ``name`` (default ``stage``; tags :func:`stage_tags` and :func:`dvc_experiment_tags`,
     a child of ``parent`` when given) with ``params``, ``metrics``, dataset ``inputs`` and the existing ``files``
     under ``artifact_path``; returns its id."""
@@ -367,7 +376,7 @@ def log_stage_run(stage: str, root: Path, *, params: Mapping[str, Any], metrics:
         return run.info.run_id
 
 
-def log_pytorch_model(uri: str, run_id: str, model: Any, files: list[Path]) -> None:
+def log_pytorch_model(uri: str, run_id: str, model: torch.nn.Module, files: list[Path]) -> None:
     """Continue ``run_id`` to upload ``files`` and the model (``model``, pickled, pinned to this torch), then end it
     FINISHED."""
     os.environ.setdefault("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
@@ -395,31 +404,36 @@ def _quiet(logger: str, level: int = logging.ERROR):
         log.setLevel(before)
 
 
-class SystemMetrics:
-    """MLflow system metrics (CPU, memory, GPU) of this node logged to ``run_id`` until :meth:`stop`."""
+@contextlib.contextmanager
+def system_metrics(uri: str | None, run_id: str | None, interval_s: float = 5.0) -> Iterator[None]:
+    """MLflow's system metrics (CPU, memory, GPU) of this node logged to ``run_id`` during the block
+    (``mlflow.start_run(log_system_metrics=True)``); nothing without a run. The run stays RUNNING after the block,
+    for its stage to end it, and ends KILLED when the block is interrupted (a failure ends it FAILED)."""
+    if not (uri and run_id):
+        yield
+        return
+    import mlflow
 
-    def __init__(self, uri: str, run_id: str) -> None:
-        self.monitor = None
-        # its start/stop/"skip GPU metrics" INFO lines would sit between the epochs' progress lines
-        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
-        try:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            self.monitor = SystemMetricsMonitor(run_id, sampling_interval=5, samples_before_logging=1,
-                                                tracking_uri=uri)
-            self.monitor.start()
-        except Exception:  # system metrics are a nicety; never fail training over them
-            self.monitor = None
-
-    def stop(self) -> None:
-        if self.monitor is not None:
-            try:
-                self.monitor.finish()
-            except Exception:
-                pass
+    # its start/stop/"skip GPU metrics" INFO lines would sit between the epochs' progress lines
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_system_metrics_sampling_interval(interval_s)
+    mlflow.set_system_metrics_samples_before_logging(1)
+    mlflow.start_run(run_id=run_id, log_system_metrics=True)
+    status = "RUNNING"
+    try:
+        yield
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    except BaseException:
+        status = "FAILED"
+        raise
+    finally:
+        mlflow.end_run(status)
 
 
-def flat_params(flat: Mapping[str, Any]) -> dict[str, str]:
+def flat_params(flat: Mapping[str, object]) -> dict[str, str]:
     """MLflow params are strings of at most 6000 characters, and their keys may hold only alphanumerics and
     ``_-. :/``: any other character of a key (a tables row named ``JSD (no head)``) becomes ``_``."""
     return {_PARAM_KEY.sub("_", k): str(v)[:6000] for k, v in flat.items()}

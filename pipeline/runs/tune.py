@@ -2,20 +2,21 @@
 tables (``pipeline.runs.tables``): a library both use, knowing neither.
 
 - **A trial** (:func:`fit_trial`) runs the pretraining worker loop (``pipeline.runs.train.run_worker``) on the job's
-  :class:`pipeline.runs.train.WorkerSpec` (shipped once to every trial by :func:`trainable`) with its own params. One
+  :class:`pipeline.runs.job.WorkerSpec` (shipped once to every trial by :func:`trainable`) with its own params. One
   worker (:func:`inline`) trains in the trial itself, reporting epochs and checkpoints to Tune (:class:`TuneSession`):
-  a Ray Train run's start-up (about 25 s on 2 cores) would cost more than a small trial's training. Several workers
-  are a ``TorchTrainer`` run named after the trial id, so that a restored job resumes each trial's own run;
-  ``TuneReportCallback`` passes rank 0's metrics to Tune. A diverged trial raises ``TrialFailed``, and
-  ``pipeline.runs.train.error_reason`` is the one line a failed trial's row and MLflow run show.
+  a Ray Train run's start and stop (docs/results.md measures them) would cost more than a small trial's training.
+  Several workers are a ``TorchTrainer`` run named after the trial id, so that a restored job resumes each trial's own
+  run; ``TuneReportCallback`` passes rank 0's metrics to Tune. A diverged trial raises ``TrialFailed``.
 - **Resources**: a trial holds ``TRIAL_CPU`` and its workers' bundles (:func:`trial_placement`); :func:`max_concurrent`
   starts as many at once as the cluster's limiting resource holds; Tune and Ray Train hold the rest pending.
 - **Tracking and progress**: :class:`TrialTracker`, the driver-side Tune callback each job subclasses: a line per
-  trial event, MLflow from the driver only (the job's ``pipeline.runs.train.mlflow_run``, a child per trial), so
-  trials never contend for the sqlite store.
+  trial event, MLflow from the driver only (a child of the job's run per trial, found again by its tags), so
+  trials never contend for the sqlite store. It keeps no state of its own: what the driver needs after the job (each
+  trial's last status, when it trained) it writes to the job's directory (:data:`TRACKER_FILE`), so the copy of it
+  that a restored job unpickles works as the first did.
 - **The job**: :func:`tune_job` runs it, or restores an interrupted one (finished trials kept, unfinished ones
-  resumed from their checkpoints, the same MLflow runs continued); :func:`checkpoint_history` reads a trial's epochs
-  back from its last checkpoint; :func:`finish_tracking` and ``pipeline.runs.train.cleanup`` end it.
+  resumed from their checkpoints, the same MLflow runs continued); :func:`outcomes` turns its results into a typed
+  :class:`Outcome` per trial, its epochs read back from its checkpoints.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import shutil
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from ray import tune
 
@@ -37,23 +37,38 @@ from pipeline.config.params import Params
 from pipeline.config.ray import TRIAL_CPU
 from pipeline.config.resources import TrialShape, trials_at_once
 from pipeline.config.space import describe, point_of
+from pipeline.data.storage import (
+    PLACEMENT_FILE,
+    STATUS_FILE,
+    clear_status,
+    join,
+    read_json,
+    write_json,
+)
+from pipeline.evaluation.health import is_health_key
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import TRIAL_CONSOLE_LEVEL
-from pipeline.runs.storage import STATUS_FILE, clear_status, is_uri, join, read_json
+from pipeline.runs.job import Job, Tracked, TrialFailed, WorkerSpec, close_job, error_reason, fail_job, say
 from pipeline.runs.train import (
+    EPOCH_METRICS,
     HISTORY_FILE,
+    WORKERS_FILE,
+    Epoch,
     Session,
-    TrialFailed,
-    WorkerSpec,
+    TrainedState,
+    Worker,
     epoch_metric_names,
-    error_reason,
     fit_run,
-    recover_run_snapshot,
+    recover,
     run_worker,
-    say,
     status_reason,
     worker_device,
 )
+from pipeline.runs.undocumented import checkpoint_dirs, trial_error
+
+Config = dict[str, object]  # a trial's config: its point, or its row
+Result = dict[str, object]  # one result a trial reported to Tune
+TRACKER_FILE = "transfusion_trials.json"  # the tracker's record of the trials, in the job's directory
 
 
 class SweepError(RuntimeError):
@@ -61,7 +76,6 @@ class SweepError(RuntimeError):
     resumes it."""
 
 
-# ------------------------------------------------------------------------------------------------- params
 def max_concurrent(fixed: int | None, shape: TrialShape, totals: dict[str, float], n_trials: int) -> int:
     """``fixed`` (``sweep.max_concurrent_trials``, ``tables.max_concurrent_trials``) if set, else as many trials of
     ``shape`` as the cluster's resources now (``totals``) hold by their limiting resource
@@ -70,15 +84,10 @@ def max_concurrent(fixed: int | None, shape: TrialShape, totals: dict[str, float
     return fixed if fixed is not None else trials_at_once(totals, shape, cap=max(1, n_trials))
 
 
-def at_once(tracker: TrialTracker, concurrent: int) -> str:
-    """``"up to 2 training at once (2 allowed)"``: what ran at once against what the job allowed."""
-    return f"up to {tracker.peak_at_once()} training at once ({concurrent} allowed)"
-
-
 # ------------------------------------------------------------------------------------------------- trial
 @dataclass
 class TrialRun:
-    state: dict[str, Any]  # the final checkpoint's state (model, history, epoch, ...)
+    state: TrainedState  # the final checkpoint's
     checkpoint_path: str | None  # where that checkpoint is stored (None: a trial trained inside Tune)
     seconds: float  # wall time of the training: what its workers (and their GPUs) were held for
 
@@ -90,24 +99,24 @@ def trial_name(trial_id: str) -> str:
 
 def inline(params: Params) -> bool:
     """A trial of one worker trains inside the Tune trial itself (:class:`TuneSession`): the same loop, checkpoints
-    and resume, without a Ray Train run's start-up (about 25 s per trial on 2 cores). Several workers need Ray
-    Train (one process per worker, torch.distributed between them)."""
+    and resume, without a Ray Train run's start and stop. Several workers need Ray Train (one process per worker,
+    torch.distributed between them)."""
     return params.ray.num_workers == 1
 
 
 class TuneSession(Session):
     """A one-worker trial's: checkpoints are Tune's (``tune.get_checkpoint`` / ``tune.report``), kept under the
-    trial's directory on the storage; a restored sweep resumes the trial from its last one."""
+    trial's directory on the storage; a restored job resumes the trial from its last one."""
 
     def __init__(self) -> None:
         # Tune's session logs every persisted checkpoint at INFO (from the ray.train package): the driver's progress
         # lines already say it all
         logging.getLogger("ray.train").setLevel(logging.WARNING)
 
-    def get_checkpoint(self) -> Any:
+    def get_checkpoint(self) -> tune.Checkpoint | None:
         return tune.get_checkpoint()
 
-    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+    def report(self, metrics: Epoch, checkpoint_dir: str | None) -> None:
         if checkpoint_dir is None:
             tune.report(metrics)
             return
@@ -135,19 +144,18 @@ def fit_trial(job: WorkerSpec, params: Params) -> TrialRun:
 
     ``job``: what every trial of the job shares (staged data, manifest, storage, use_gpu, callbacks).
     """
-    spec = replace(job, params=params.model_dump(), name=trial_name(tune.get_context().get_trial_id()), quiet=True)
+    spec = replace(job, params=params, name=trial_name(tune.get_context().get_trial_id()), quiet=True)
     run_dir = spec.run_dir
     start = time.time()
     if inline(params):
         clear_status(run_dir)
-        device = worker_device(spec.use_gpu, params.ray.backend, ray_train=False)
-        loop = run_worker(spec, TuneSession(), device=device)
-        state, path = (loop.state_dict() if loop else None), None
+        loop = run_worker(spec, TuneSession(), device=worker_device(spec.use_gpu, params.ray.backend, ray_train=False))
+        state, path = (TrainedState.of(loop.state_dict(), workers=[]) if loop else None), None
     else:
         from ray.tune.integration.ray_train import TuneReportCallback
 
-        spec.resume_dir = recover_run_snapshot(None if is_uri(run_dir) else run_dir)
-        state, path = fit_run(spec, params, [TuneReportCallback()], keep=1, console_level=TRIAL_CONSOLE_LEVEL)
+        spec.resume_dir = recover(run_dir)
+        state, path = fit_run(spec, [TuneReportCallback()], keep=1, console_level=TRIAL_CONSOLE_LEVEL)
     seconds = time.time() - start
     status = read_json(run_dir, STATUS_FILE)  # kept with the run: a restored trial whose run had diverged fails again
     if status:
@@ -157,139 +165,92 @@ def fit_trial(job: WorkerSpec, params: Params) -> TrialRun:
     return TrialRun(state=state, checkpoint_path=path, seconds=seconds)
 
 
-def trainable(trial: Any, job: WorkerSpec, placement: Any) -> Any:
+def trainable(trial: Callable[[Config, WorkerSpec], None], job: WorkerSpec,
+              placement: tune.PlacementGroupFactory | Callable[[Config], tune.PlacementGroupFactory]) -> type:
     """The Tune trainable of a job's trial function ``trial(config, job)``: ``job`` (what every trial shares) shipped
-    once; each trial holds ``placement`` (a ``PlacementGroupFactory``, or a function of the trial's config returning
-    one)."""
+    once; each trial holds ``placement`` (or what a function of the trial's config returns)."""
     return tune.with_resources(tune.with_parameters(trial, job=job), placement)
 
 
-def _trial_error(trial) -> BaseException | None:
-    """The error Tune recorded for a trial: its pickle in the trial's local directory (written before the callbacks
-    run; the copy on the storage comes later), else the storage's."""
-    import cloudpickle
-
-    path = trial.pickled_error_file
-    try:
-        if path and os.path.exists(path):
-            with open(path, "rb") as f:
-                return cloudpickle.load(f)
-        return trial.get_pickled_error()
-    except Exception:  # an error that cannot be unpickled here: Tune's text, whose last line is the exception
-        lines = Path(trial.error_file).read_text().strip().splitlines() if trial.error_file else []
-        return RuntimeError(lines[-1] if lines else "unknown error")
-
-
 # ------------------------------------------------------------------------------------ progress, tracking
-_LIVE: dict[str, TrialTracker] = {}  # the driver's tracker of each job, by the job's path (TrialTracker.attach)
-
-
-def _live_tracker(job: str, cls: type, state: dict[str, Any]) -> TrialTracker:
-    """The driver's tracker of ``job`` if this process runs that job (a restored job's), else a copy (``state``)."""
-    tracker = _LIVE.get(job)
-    if tracker is None:  # e.g. unpickled in another process
-        tracker = cls.__new__(cls)
-        tracker.__dict__.update(state)
-    return tracker
-
-
 class TrialTracker(tune.Callback):
-    """Driver-side: one progress line per trial event, live MLflow runs, and the trials' final statuses.
+    """Driver-side: one progress line per trial event, live MLflow runs, and the trials' statuses for the driver.
 
-    MLflow (when ``uri``): ``parent_id`` is the job's run; each trial gets a child run (tags
-    ``mlflow.parentRunId``, ``trial_id``; params = its labels) found again by those tags when a restored job
-    restarts the trial; per-epoch metrics are logged with step = epoch; the child ends FINISHED (tag
-    ``stopped_early`` when ASHA cut it) or FAILED (tag ``error``: the one-line reason).
+    MLflow (when ``run``): each trial gets a child of the job's run (tags ``mlflow.parentRunId``, ``trial_id``;
+    params = its labels), found again by those tags (a restored job's trial continues its child); per-epoch metrics
+    with step = epoch; the child ends FINISHED (tag ``stopped_early`` when ASHA cut it) or FAILED (tag ``error``).
 
-    Each job subclasses it (``pipeline.runs.sweep.SweepTracker``, ``pipeline.runs.tables.TablesTracker``): ``PREFIX``
-    of the progress lines, ``STAGE`` tag of the children, :meth:`labels` (what identifies a trial: its params in
-    MLflow; by default its point).
+    Its fields are settings; what the driver needs after the job goes to :data:`TRACKER_FILE` in ``record_dir``
+    (:meth:`record`). Each job subclasses it: ``PREFIX`` of the progress lines, ``STAGE`` tag of the children,
+    :meth:`labels` (what identifies a trial: its params in MLflow; by default its point).
     """
 
     PREFIX: str  # "[sweep]": the job's progress lines
     STAGE: str  # "sweep-trial": the children's stage tag
-    job = ""  # the job's path (:meth:`attach`)
 
-    def attach(self, job: str) -> None:
-        """Make this the driver's tracker of the job at ``job`` (its path): what a pickled tracker of it becomes."""
-        self.job = job
-        _LIVE[job] = self
+    def __init__(self, epochs: int, record_dir: str, run: Tracked | None = None) -> None:
+        self.epochs, self.record_dir, self.run = epochs, record_dir, run
+        self.total = 0
+        self.children: dict[str, str] = {}  # a cache of child_run's answers
+        self.statuses: dict[str, str] = {}  # the last statuses recorded
 
-    def __reduce__(self):
-        """Pickled as a reference to the driver's tracker of the job: Tune pickles the run config, this callback with
-        it, into the job's directory, and a restored job (``Tuner.restore``) unpickles it, so that this run's tracker,
-        not a copy of the first run's, gets the restored job's events. Elsewhere it unpickles to a copy."""
-        return _live_tracker, (self.job, type(self), self.__dict__)
-
-    def labels(self, config: dict[str, Any]) -> dict[str, Any]:
+    def labels(self, config: Config) -> dict[str, object]:
         """What identifies a trial (its MLflow params, its progress line): its point."""
         return point_of(config)
 
-    def epochs_of(self, trial) -> int:
+    def child_name(self, config: Config) -> str:
+        """A trial's MLflow run name: its point (``depth 1 · b16 · strength 1.0``); its id is the tag ``trial_id``."""
+        return point_label(point_of(config))
+
+    def epochs_of(self, trial: tune.experiment.Trial) -> int:
         return self.epochs
 
-    def __init__(self, epochs: int, uri: str | None = None, experiment_id: str | None = None,
-                 parent_id: str | None = None) -> None:
-        self.epochs, self.uri, self.experiment_id, self.parent_id = epochs, uri, experiment_id, parent_id
-        self.status: dict[str, str] = {}
-        self.total = 0
-        self.children: dict[str, str] = {}
-        self.last_epoch: dict[str, int] = {}
-        self.training: dict[str, list[float]] = {}  # trial id -> [first result, end] (time.monotonic())
-
-    def setup(self, **info) -> None:
+    def setup(self, **info: object) -> None:
         self.total = int(info.get("total_num_samples") or 0)
 
-    def _child(self, trial) -> str | None:
-        if not self.uri:
+    def record(self, update: Callable[[dict[str, dict[str, object]]], None]) -> None:
+        """Apply ``update`` to the record of the trials in :data:`TRACKER_FILE` (``{trial id: {"status", "start",
+        "end", "epoch"}}`` and ``total``)."""
+        saved = read_json(self.record_dir, TRACKER_FILE) or {}
+        trials = saved.get("trials", {})
+        update(trials)
+        write_json(self.record_dir, TRACKER_FILE, {"total": self.total, "trials": trials})
+
+    def _child(self, trial: tune.experiment.Trial) -> str | None:
+        if not self.run:
             return None
         tid = trial.trial_id
         if tid not in self.children:
-            self.children[tid] = trk.child_run(self.uri, self.experiment_id, self.parent_id,
+            self.children[tid] = trk.child_run(self.run.uri, self.run.experiment_id, self.run.run_id,
                                                self.child_name(trial.config), match={"trial_id": tid},
                                                tags={"stage": self.STAGE}, params=self.labels(trial.config))
         return self.children[tid]
 
-    def child_name(self, config: dict[str, Any]) -> str:
-        """A trial's MLflow run name: its point (``depth 1 · b16 · strength 1.0``); its id is the tag ``trial_id``."""
-        return point_label(point_of(config))
-
-    def _done(self, trials, ending=None) -> str:
+    def _done(self, trials: list[tune.experiment.Trial], ending: tune.experiment.Trial | None = None) -> str:
         """``"3/8"``: the trials that have ended, ``ending`` included (Tune calls ``on_trial_complete`` and
         ``on_trial_error`` before it marks the trial so)."""
         finished = sum(t.status in ("TERMINATED", "ERROR") or t is ending for t in trials)
         return f"{finished}/{max(self.total, len(trials))}"
 
-    def peak_at_once(self) -> int:
-        """The most trials that were training at the same moment (from each one's first result to its end): what
-        the cluster really ran at once, to compare with the computed ``max_concurrent_trials``."""
-        # +1 at a start, -1 at an end; sorted by time, an end before a start at the same instant
-        events = sorted((t, -1 if i else 1) for span in self.training.values() for i, t in enumerate(span))
-        return max(itertools.accumulate(step for _, step in events), default=0)
-
-    def on_step_end(self, iteration, trials, **info) -> None:
+    def on_step_end(self, iteration: int, trials: list[tune.experiment.Trial], **info: object) -> None:
         # statuses as the control loop left them: after an interruption Tune's cleanup marks the stopped trials
-        # TERMINATED (on_experiment_end sees that), but the saved experiment state, and a restore, see them unfinished
-        self.status = {t.trial_id: t.status for t in trials}
+        # TERMINATED, but the saved experiment state, and a restore, see them unfinished
+        statuses = {t.trial_id: t.status for t in trials}
+        if statuses != self.statuses:
+            self.statuses = statuses
+            self.record(lambda r: [r.setdefault(tid, {}).update(status=st) for tid, st in statuses.items()])
 
-    def on_experiment_end(self, trials, **info) -> None:
-        if not self.status:  # the loop never stepped (a restored sweep that had already ended, or an early Ctrl-C)
-            self.status = {t.trial_id: t.status for t in trials}
-
-    def unfinished(self) -> list[str]:
-        """Trial ids that did not end, plus placeholders for trials never created (``total`` from Tune)."""
-        ids = [tid for tid, st in self.status.items() if st not in ("TERMINATED", "ERROR")]
-        return ids + ["(not started)"] * max(0, self.total - len(self.status))
-
-    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+    def on_trial_start(self, iteration: int, trials: list[tune.experiment.Trial], trial: tune.experiment.Trial,
+                       **info: object) -> None:
         say(f"{self.PREFIX} {self._done(trials)} done; trial {trial.trial_id} started: "
             f"{describe(self.labels(trial.config))}")
         self._child(trial)
 
-    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+    def on_trial_result(self, iteration: int, trials: list[tune.experiment.Trial], trial: tune.experiment.Trial,
+                        result: Result, **info: object) -> None:
         epoch = int(result.get("epoch", 0))
-        self.last_epoch[trial.trial_id] = epoch
-        self.training.setdefault(trial.trial_id, [time.monotonic()])
+        self.record(lambda r: r.setdefault(trial.trial_id, {}).update(
+            epoch=epoch, start=r.get(trial.trial_id, {}).get("start") or time.time()))
         knn = result.get("knn_acc")
         say(f"{self.PREFIX} trial {trial.trial_id} epoch {epoch}/{self.epochs_of(trial)}: "
             f"loss {result.get('loss', math.nan):.4f}"
@@ -297,76 +258,139 @@ class TrialTracker(tune.Callback):
             + f" eps {result.get('view_noise', math.nan):.4f}")
         child = self._child(trial)
         if child:
-            trk.log_metrics_batch(self.uri, child, [result], epoch_metric_names([result]))
+            trk.log_metrics_batch(self.run.uri, child, [result], epoch_metric_names([result]))
 
-    def _end(self, trials, trial, status: str) -> None:
-        epoch = self.last_epoch.get(trial.trial_id, 0)
+    def _end(self, trials: list[tune.experiment.Trial], trial: tune.experiment.Trial, status: str) -> None:
+        seen = (read_json(self.record_dir, TRACKER_FILE) or {}).get("trials", {}).get(trial.trial_id, {})
+        epoch = int(seen.get("epoch", 0))
         early = status == "FINISHED" and epoch < self.epochs_of(trial)
-        reason = error_reason(_trial_error(trial)) if status == "FAILED" else ""
+        reason = error_reason(trial_error(trial)) if status == "FAILED" else ""
         what = f"failed: {reason}" if status == "FAILED" else f"stopped early at epoch {epoch}" if early else "finished"
-        span = self.training.get(trial.trial_id)
-        if span is not None and len(span) == 1:
-            span.append(time.monotonic())
+        if seen.get("start"):
+            self.record(lambda r: r[trial.trial_id].setdefault("end", time.time()))
         say(f"{self.PREFIX} trial {trial.trial_id} {what} ({self._done(trials, trial)} done)")
         child = self._child(trial)
         if child:
             # epochs a resumed trial checkpointed before an interruption but never reported to Tune: from the
             # checkpoint's history, so that the run shows every epoch once
-            history = checkpoint_history(last_checkpoint_path(trial.last_result, trial)) or []
-            trk.log_missing_epochs(self.uri, child, history, epoch_metric_names(history))
-            trk.end_run(self.uri, child, status, tags={"stopped_early": early, **({"error": reason} if reason else {})})
+            history = read_json(last_checkpoint_path(trial.last_result, trial) or "", HISTORY_FILE) or []
+            trk.log_missing_epochs(self.run.uri, child, history, epoch_metric_names(history))
+            trk.end_run(self.run.uri, child, status,
+                        tags={"stopped_early": early, **({"error": reason} if reason else {})})
 
-    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+    def on_trial_complete(self, iteration: int, trials: list[tune.experiment.Trial], trial: tune.experiment.Trial,
+                          **info: object) -> None:
         self._end(trials, trial, "FINISHED")
 
-    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+    def on_trial_error(self, iteration: int, trials: list[tune.experiment.Trial], trial: tune.experiment.Trial,
+                       **info: object) -> None:
         self._end(trials, trial, "FAILED")
 
-    def kill_unfinished(self) -> None:
-        """After an interruption: the children of trials that did not finish are KILLED (a rerun revives them)."""
-        for tid in self.unfinished():
-            if tid in self.children:
-                trk.end_run(self.uri, self.children[tid], "KILLED")
+
+@dataclass
+class Record:
+    """The tracker's record of a job's trials, read by the driver after the job (:data:`TRACKER_FILE`)."""
+
+    total: int
+    trials: dict[str, dict[str, object]]
+
+    @classmethod
+    def read(cls, record_dir: str) -> Record:
+        saved = read_json(record_dir, TRACKER_FILE) or {}
+        return cls(int(saved.get("total", 0)), dict(saved.get("trials", {})))
+
+    def unfinished(self) -> list[str]:
+        """Trial ids that did not end, plus placeholders for trials never created (``total`` from Tune)."""
+        ids = [tid for tid, t in self.trials.items() if t.get("status") not in ("TERMINATED", "ERROR")]
+        return ids + ["(not started)"] * max(0, self.total - len(self.trials))
+
+    def peak_at_once(self) -> int:
+        """The most trials that were training at the same moment (from each one's first result to its end): what
+        the cluster really ran at once, to compare with the computed ``max_concurrent_trials``."""
+        # +1 at a start, -1 at an end; sorted by time, an end before a start at the same instant
+        events = sorted((t[k], -1 if k == "end" else 1) for t in self.trials.values() for k in ("start", "end")
+                        if isinstance(t.get(k), float))
+        return max(itertools.accumulate(step for _, step in events), default=0)
 
 
 # ------------------------------------------------------------------------------------------------ driver
 @dataclass
-class SweepResult:  # a Tune job's outcome: the sweep's, the tables'
-    rows: list[dict[str, Any]]  # one per trial: point, final metrics, epochs, status, per-epoch history
-    name: str
-    mlflow_run_id: str | None = None
+class JobResult:  # a Tune job's outcome: the sweep's, the tables'
+    job: Job
+    outcomes: list[Outcome]
     seconds: float = 0.0  # Ray Tune's run of the trials
     resumed: bool = False
     started: float = 0.0  # when that run started (time.time())
     concurrent: int = 0  # the trials at once it allowed (max_concurrent_trials, computed from the cluster)
-    peak: int = 0  # the most trials that trained at the same moment (TrialTracker.peak_at_once)
+    peak: int = 0  # the most trials that trained at the same moment (Record.peak_at_once)
+    rows: list[dict[str, object]] = field(default_factory=list)  # the job's rows (sweep: per trial; tables: records)
 
     def trial_runs(self) -> list[str]:
-        """The Ray Train runs its trials may have left on the storage (``pipeline.runs.train.cleanup`` removes them)."""
-        return [trial_name(r["trial_id"]) for r in self.rows]
+        """The Ray Train runs its trials may have left on the storage (``pipeline.runs.job.cleanup`` removes them)."""
+        return [trial_name(o.trial_id) for o in self.outcomes]
+
+    def summary(self) -> str:
+        """``"8 trials in 95 s, up to 2 training at once (2 allowed)"``."""
+        return (f"{len(self.outcomes)} trials in {self.seconds:.0f} s, up to {self.peak} training at once "
+                f"({self.concurrent} allowed)")
 
 
-def last_checkpoint_path(reported: Any, trial: Any) -> str | None:
+def last_checkpoint_path(reported: Mapping[str, object] | str | None, trial: object) -> str | None:
     """Where a trial's last checkpoint is: the path a Ray Train trial reported (``reported``: its metrics, or their
     ``checkpoint_path``), else that of the Tune checkpoint an inline trial reported (``trial``: Tune's ``Trial`` or
     ``Result``, both have ``.checkpoint``)."""
-    path = reported.get("checkpoint_path") if isinstance(reported, dict) else reported
+    path = reported.get("checkpoint_path") if isinstance(reported, Mapping) else reported
     if isinstance(path, str) and path:
         return path
     return getattr(getattr(trial, "checkpoint", None), "path", None)
 
 
-def checkpoint_history(checkpoint_path: Any, name: str = HISTORY_FILE) -> list[dict[str, Any]] | None:
-    """The per-epoch history saved beside the trial's last Train checkpoint (local or remote storage), if any; with
-    ``name`` :data:`pipeline.runs.train.WORKERS_FILE`, where each rank ran."""
-    if not isinstance(checkpoint_path, str) or not checkpoint_path:
-        return None
-    return read_json(checkpoint_path, name)
+@dataclass
+class Outcome:
+    """One trial of a Tune job, read once from its results and checkpoints."""
+
+    trial_id: str
+    config: Config
+    last: Result  # its last result (a tables row's: its evaluation)
+    history: list[Epoch]  # every epoch, from its newest complete checkpoint and Tune's results after it
+    workers: list[Worker]  # where each rank ran
+    error: str  # why it failed ("" if it did not)
 
 
-def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, tracker: TrialTracker, concurrent: int,
-             announce: str, what: str = "sweep", scheduler=None, num_samples: int = 1, reuse_actors: bool = True,
-             metric: str | None = "knn_acc"):
+def outcomes(grid: tune.ResultGrid, storage: str | None = None) -> list[Outcome]:
+    """An :class:`Outcome` per trial of ``grid``. Where each rank ran comes from the trial's Ray Train run directory
+    under ``storage`` (its ``PLACEMENT_FILE``), else from its checkpoints. The history comes from the trial's newest
+    complete checkpoint, which holds every epoch up to it also across a resume (Tune's own table of a restored trial
+    starts at the resumed epoch), and Tune's results after it."""
+    keep = ("epoch", *EPOCH_METRICS)
+    out = []
+    for result in grid:
+        df = result.metrics_dataframe
+        reported = [] if df is None else df.to_dict("records")
+        evaluated = [h for h in reported if h.get("evaluated") == 1]  # a tables row's: also when an epoch came later
+        last = evaluated[-1] if evaluated else (reported[-1] if reported else dict(result.metrics or {}))
+        paths = [h.get("checkpoint_path") for h in reported if isinstance(h.get("checkpoint_path"), str)]
+        trial_id = Path(result.path).name.removeprefix("trial-")
+        run_dir = join(storage, trial_name(trial_id)) if storage else None
+        # newest first: the last reported checkpoint, the ones reported before it, then those in the trial's run dir
+        newest = [p for p in dict.fromkeys([last_checkpoint_path(paths[-1] if paths else None, result),
+                                            *reversed(paths), *(checkpoint_dirs(run_dir) if run_dir else [])]) if p]
+        # where each rank ran, from the run dir, else the newest checkpoint that has it: a trial stopped (ASHA) while
+        # its last checkpoint was still uploading has it in the one before
+        placed = read_json(run_dir, PLACEMENT_FILE) if run_dir else None
+        found = (read_json(path, WORKERS_FILE) for path in newest)
+        workers = sorted(placed or next((w for w in found if w), []), key=lambda w: w["rank"])
+        history = next((h for h in (read_json(path, HISTORY_FILE) for path in newest) if h), [])
+        seen = int(history[-1]["epoch"]) if history else 0
+        history = [*history, *(h for h in reported if int(h.get("epoch", 0) or 0) > seen)]
+        history = [{k: v for k, v in h.items() if k in keep or is_health_key(k)} for h in history]
+        out.append(Outcome(trial_id, dict(result.config), last, history, workers, error_reason(result.error)))
+    return out
+
+
+def tune_job(job: Job, trainable: type, space: Config, *, tracker: TrialTracker, concurrent: int, announce: str,
+             scheduler: tune.schedulers.TrialScheduler | None = None, num_samples: int = 1,
+             reuse_actors: bool = True, metric: str | None = "knn_acc") -> JobResult:
     """Run, or resume, one Tune job of Train trials (the sweep, the paper's tables) under ``<storage>/<name>``.
 
     ``metric``: what the scheduler ranks trials by (ASHA's online kNN accuracy); every result must then carry it
@@ -376,11 +400,10 @@ def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, track
     Train run: when ASHA stops it, that wait cannot end in the 2 s Tune gives a reset, and a reused process would keep
     the stopped run's workers, and their resources, for Tune's 600 s clean-up timeout.
 
-    Returns ``(ResultGrid, resumed, seconds)``. Raises :class:`SweepError` (the parent run KILLED, unfinished
-    children KILLED) if the job was interrupted, and (the parent FAILED) if every trial failed.
+    Raises :class:`SweepError` (the job's MLflow run KILLED, unfinished children KILLED) if the job was interrupted,
+    and (the run FAILED) if every trial failed.
     """
-    path = join(storage, name)
-    tracker.attach(path)  # what the Tuner's pickled run config refers to (TrialTracker.__reduce__)
+    path = job.run_dir
     resumed = tune.Tuner.can_restore(path)
     if resumed:
         say(f"{tracker.PREFIX} resuming {path}")
@@ -394,7 +417,7 @@ def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, track
                                         num_samples=num_samples,
                                         max_concurrent_trials=concurrent, reuse_actors=reuse_actors,
                                         trial_dirname_creator=lambda t: trial_name(t.trial_id)),
-            run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0, callbacks=[tracker]),
+            run_config=tune.RunConfig(name=job.name, storage_path=job.spec.storage, verbose=0, callbacks=[tracker]),
         )
     start = time.time()
     # Tune's own lines: on Ctrl-C "Stop signal received ...", "Resume experiment with: Tuner.restore(...)" (the stage
@@ -402,33 +425,34 @@ def tune_job(trainable, space: dict[str, Any], *, name: str, storage: str, track
     # tracker prints the trial's one-line reason, the stage the job's). Ray's session logs keep them.
     logging.getLogger("ray.tune").setLevel(logging.CRITICAL)
     grid = tuner.fit()
-    unfinished = tracker.unfinished()
-    if unfinished or not tracker.status:
-        tracker.kill_unfinished()
-        trk.end_run(tracker.uri, tracker.parent_id, "KILLED")
-        total = max(tracker.total, len(tracker.status))
+    seconds = time.time() - start
+    record = Record.read(path)
+    unfinished = record.unfinished()
+    what = "tables job" if job.stage == "tables" else job.stage
+    if unfinished or not record.trials:
+        if job.run:  # the children of trials that did not finish are KILLED (a rerun revives them)
+            for tid in unfinished:
+                child = trk.find_child(job.run.uri, job.run.experiment_id, job.run.run_id, {"trial_id": tid})
+                if child:
+                    trk.end_run(job.run.uri, child, "KILLED")
+        fail_job(job, "KILLED")
+        total = max(record.total, len(record.trials))
         raise SweepError(f"the {what} was interrupted with {len(unfinished)} of {total} trials unfinished; rerun "
                          f"the stage to resume it from {path}")
     if all(r.error for r in grid):
-        trk.end_run(tracker.uri, tracker.parent_id, "FAILED")
+        fail_job(job)
         raise SweepError(f"every trial of the {what} failed: " + "; ".join(error_reason(r.error) for r in grid)[:2000])
-    return grid, resumed, time.time() - start
+    return JobResult(job=job, outcomes=outcomes(grid, job.spec.storage), seconds=seconds, resumed=resumed,
+                     started=start, concurrent=concurrent, peak=record.peak_at_once())
 
 
-def finish_tracking(root: Path, result: SweepResult, best: dict[str, Any] | None, files: list[Path]) -> None:
-    """The parent run gets the best trial's metrics and point (``best``: its row, or None), the trials' counts, the
-    output files, and ends FINISHED."""
-    if not result.mlflow_run_id:
-        return
-    uri = trk.tracking_uri(root)
-    pid = result.mlflow_run_id
-    metrics, tags = {}, {}
+def close_tune_job(result: JobResult, files: list[Path], best: Mapping[str, object] | None = None) -> None:
+    """Close the job (``pipeline.runs.job.close_job``): its MLflow run gets the trials' counts, the best trial's
+    metrics and point (``best``: its row, or None) and the output files; its trials' Ray Train runs are removed."""
+    metrics: dict[str, float] = {"trials": len(result.outcomes),
+                                 "trials_failed": sum(bool(o.error) for o in result.outcomes)}
+    tags: dict[str, object] = {}
     if best:
-        metrics = {f"best.{k}": best.get(k) for k in ("knn_acc", "best_knn_acc", "view_noise")}  # finite ones logged
+        metrics |= {f"best.{k}": best[k] for k in ("knn_acc", "best_knn_acc", "view_noise")}  # finite ones logged
         tags = {**{f"best.{k}": v for k, v in point_of(best).items()}, "best.trial_id": best["trial_id"]}
-    metrics["trials"] = len(result.rows)
-    metrics["trials_failed"] = sum(r["status"] == "ERROR" for r in result.rows)
-    trk.log_metrics_batch(uri, pid, [{"epoch": 0, **metrics}], tuple(metrics))  # step 0: the job's summary
-    trk.set_tags(pid, tags, uri=uri)
-    trk.log_artifacts(uri, pid, files)
-    trk.end_run(uri, pid, "FINISHED")
+    close_job(result.job, files, metrics=metrics, tags=tags, runs=result.trial_runs())

@@ -154,7 +154,8 @@ def kill(head: TransFusionHead) -> None:
 
 
 def test_a_deliberately_dead_block_is_reported_dead_in_training_and_warned_about(tmp_path, monkeypatch) -> None:
-    from pipeline.runs.train import PretrainResult
+    from pipeline.runs.job import Job, WorkerSpec
+    from pipeline.runs.train import PretrainResult, TrainedState
     from pipeline.training.loop import PretrainLoop
     from stages.pretrain import health_warnings, write_outputs
 
@@ -167,8 +168,8 @@ def test_a_deliberately_dead_block_is_reported_dead_in_training_and_warned_about
     assert lines[-1]["block_1.positive"] == 0.0 and lines[-1]["block_2.positive"] == 0.0
     assert lines[-1]["block_1.uniform_rows"] == 1.0
     assert lines[-1]["block_1.other_view"] == pytest.approx(1 / 64)  # uniform over 2B = 64 rows
-    res = PretrainResult(state=loop.state_dict(), run_name="x", mlflow_run_id=None, input_shape=data.input_shape,
-                         n_classes=10)
+    job = Job("pretrain", params, tmp_path, False, {}, WorkerSpec(params, "", {}, "", "x", False), None)
+    res = PretrainResult(state=TrainedState.of(loop.state_dict()), job=job, input_shape=data.input_shape, n_classes=10)
     summary = write_outputs(params, res, tmp_path / "models", tmp_path / "metrics.json", tmp_path / "curves.csv")
     assert list(summary["health"]) == ["block_1", "block_2"]
     header = (tmp_path / "curves.csv").read_text().splitlines()[0].split(",")
@@ -242,7 +243,7 @@ def test_health_at_a_large_batch_needs_no_more_memory_than_a_training_step(depth
     perm = torch.randperm(len(data.train.y), generator=torch.Generator().manual_seed(0))
 
     def step() -> None:
-        x, ids = loop._local_batch(perm, 0)
+        x, ids = loop._local_batch(perm, 0)  # noqa: SLF001 (white-box: one step's batch)
         with torch.no_grad():
             gen = torch.Generator().manual_seed(0)
             v1, v2 = loop.augment(x, gen), loop.augment(x, gen)

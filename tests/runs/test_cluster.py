@@ -7,7 +7,7 @@ import pytest
 from pipeline.config.params import load_params
 from pipeline.data.types import DatasetError
 from pipeline.runs.cluster import host_port, local_nodes, use_gpu
-from pipeline.runs.train import error_reason
+from pipeline.runs.job import error_reason
 from tests.conftest import ROOT
 
 
@@ -58,48 +58,6 @@ def test_worker_failures_become_one_line_per_rank():
     trial = RuntimeError("the trial's Ray Train run failed")  # a trial of several workers: its run's ranks
     trial.__cause__ = exc
     assert error_reason(trial) == one_line
-
-
-def test_a_stale_local_ray_record_is_found_and_a_live_one_is_not(tmp_path, monkeypatch):
-    import socket
-
-    from pipeline.runs.cluster import ray_record_file, stale_local_record
-
-    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
-    assert stale_local_record() is None  # no record
-    (tmp_path / "ray").mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]  # closed when the block ends: nothing listens there
-    with socket.socket() as live:
-        live.bind(("127.0.0.1", 0))
-        live.listen()
-        with open(ray_record_file(), "w") as f:
-            f.write(f"127.0.0.1:{live.getsockname()[1]}")
-        assert stale_local_record() is None  # it answers: ray.init() joins it, as always
-    with open(ray_record_file(), "w") as f:
-        f.write(f"127.0.0.1:{dead}")
-    assert stale_local_record(timeout=1.0) == f"127.0.0.1:{dead}"
-
-
-def test_a_run_torn_down_is_told_apart_from_a_failing_worker():
-    """Ray's own error (seen when Ctrl-C removed a multi-worker trial's placement group) ends a worker quietly; any
-    other actor death stays an error."""
-    from ray.core.generated.common_pb2 import ActorDiedErrorContext
-    from ray.exceptions import ActorDiedError
-
-    from pipeline.runs.train import run_torn_down
-
-    def died(class_name: str, why: str) -> ActorDiedError:
-        return ActorDiedError(ActorDiedErrorContext(class_name=class_name, actor_id=bytes(16), pid=23204,
-                                                    error_message=why))
-
-    removed = ("The actor is dead because its worker process has died. Worker exit type: INTENDED_SYSTEM_EXIT Worker "
-               "exit detail: Destroying worker since its placement group was removed.")
-    assert run_torn_down(died("SynchronizationActor", removed))
-    assert not run_torn_down(died("TrainController", removed))
-    assert not run_torn_down(died("SynchronizationActor", "The actor is dead because its worker process has died. "
-                                  "Worker exit type: SYSTEM_ERROR Worker exit detail: the node was killed (OOM)."))
 
 
 @pytest.mark.parametrize(("overrides", "env", "cpus", "expected"), [

@@ -19,9 +19,9 @@ from pipeline.config.space import (
     check_points,
     grid_points,
     point_params,
-    sweep_name,
     trial_params,
 )
+from pipeline.runs.job import job_name
 from pipeline.runs.tune import inline, max_concurrent, trial_placement
 from stages.sweep import COLUMNS, best_trial, write_outputs
 from tests.conftest import ROOT
@@ -74,8 +74,9 @@ def test_with_method_abc_the_depth_axis_sets_abcs_blocks():
     assert (t.model.method, t.model.abc.blocks, t.model.depth, t.train.batch_size) == ("abc", 3, 1, 64)
     assert point_params(base_params(params()), {"model.depth": 3}).model.depth == 3  # transfusion: as before
     # the base's blocks never reach a trial, so the sweep's name ignores them as it ignores model.depth
-    assert sweep_name(p, MANIFEST) == sweep_name(params("model.method=abc", "model.qk_init=default", "loss.name=bce",
-                                                        "sweep.depth=[0,3]", "model.abc.blocks=5"), MANIFEST)
+    same = params("model.method=abc", "model.qk_init=default", "loss.name=bce", "sweep.depth=[0,3]",
+                  "model.abc.blocks=5")
+    assert job_name("sweep", p, MANIFEST) == job_name("sweep", same, MANIFEST)
 
 
 def test_an_invalid_point_names_the_point_and_the_key():
@@ -120,14 +121,14 @@ def test_a_trial_holds_the_bundles_max_concurrent_counts(overrides, gpu):
     assert max_concurrent(None, shape, totals, 8) == trials_at_once(totals, shape, 8)
 
 
-def test_sweep_name_ignores_swept_keys_and_follows_the_rest():
-    name = sweep_name(params(), MANIFEST)
-    assert name.startswith("sweep-") and name == sweep_name(params(), MANIFEST)
-    assert sweep_name(params("model.depth=5", "train.batch_size=64", "train.epochs=3"), MANIFEST) == name
-    assert sweep_name(params("train.lr=0.01"), MANIFEST) != name
-    assert sweep_name(params("sweep.epochs=3"), MANIFEST) != name
+def test_the_sweeps_name_ignores_swept_keys_and_follows_the_rest():
+    name = job_name("sweep", params(), MANIFEST)
+    assert name.startswith("sweep-") and name == job_name("sweep", params(), MANIFEST)
+    assert job_name("sweep", params("model.depth=5", "train.batch_size=64", "train.epochs=3"), MANIFEST) == name
+    assert job_name("sweep", params("train.lr=0.01"), MANIFEST) != name
+    assert job_name("sweep", params("sweep.epochs=3"), MANIFEST) != name
     other = {"files": {"train.pt": {"sha256": "c"}, "test.pt": {"sha256": "b"}}}
-    assert sweep_name(params(), other) != name
+    assert job_name("sweep", params(), other) != name
 
 
 @pytest.mark.parametrize("bad", [
@@ -206,6 +207,7 @@ def test_rows_carry_the_last_epochs_block_health():
     import pandas as pd
 
     from pipeline.runs.sweep import trial_rows
+    from pipeline.runs.tune import outcomes
 
     class Result:  # what Tune's ResultGrid yields, as far as trial_rows reads it
         def __init__(self, name, reported):
@@ -217,7 +219,7 @@ def test_rows_carry_the_last_epochs_block_health():
     grid = [Result("a", [{"epoch": 1, "loss": 1.0, **dead}, {"epoch": 2, "loss": 0.9, **alive}]),
             Result("b", [{"epoch": 1, "loss": 1.0, **alive}, {"epoch": 2, "loss": 0.9, **dead}]),
             Result("c", [{"epoch": 1, "loss": 1.0}, {"epoch": 2, "loss": 0.9}])]  # depth 0: no blocks
-    a, b, c = trial_rows(grid, epochs=2, labels=lambda config: {})
+    a, b, c = trial_rows(outcomes(grid), epochs=2)
     assert (a["min_positive"], a["max_uniform_rows"], a["dead_blocks"]) == (0.2, 0.1, 0)
     assert (b["min_positive"], b["max_uniform_rows"], b["dead_blocks"]) == (0.0, 1.0, 1)
     assert math.isnan(c["min_positive"]) and c["dead_blocks"] == 0
@@ -235,6 +237,7 @@ def test_where_ranks_ran_comes_from_the_newest_checkpoint_that_has_it(tmp_path):
 
     from pipeline.runs.sweep import trial_rows
     from pipeline.runs.train import WORKERS_FILE
+    from pipeline.runs.tune import outcomes
 
     ranks = [{"rank": 1, "gpu_ids": ["3"]}, {"rank": 0, "gpu_ids": ["2"]}]
     done, torn = tmp_path / "checkpoint_000008", tmp_path / "checkpoint_000009"
@@ -247,7 +250,7 @@ def test_where_ranks_ran_comes_from_the_newest_checkpoint_that_has_it(tmp_path):
                                           {"epoch": 10, "loss": 0.9, "checkpoint_path": str(torn)}])
         path, config, error, checkpoint = str(tmp_path / "trial-x"), {}, None, None
 
-    (row,) = trial_rows([Result()], epochs=20, labels=lambda config: {})
+    (row,) = trial_rows(outcomes([Result()]), epochs=20)
     assert (row["workers"], row["gpu_ids"], row["epochs"], row["stopped_early"]) == (2, "2 3", 10, True)
 
 
@@ -256,8 +259,9 @@ def test_where_ranks_ran_comes_from_the_run_directory_when_no_checkpoint_has_it(
     placement rank 0 left in the trial's Ray Train run directory (``storage/trial-<id>``) gives the row its GPUs."""
     import pandas as pd
 
-    from pipeline.runs.storage import PLACEMENT_FILE, write_json
+    from pipeline.data.storage import PLACEMENT_FILE, write_json
     from pipeline.runs.sweep import trial_rows
+    from pipeline.runs.tune import outcomes
 
     gone = tmp_path / "trial-y" / "checkpoint_000009"  # pruned, or torn: nothing readable there
 
@@ -265,11 +269,11 @@ def test_where_ranks_ran_comes_from_the_run_directory_when_no_checkpoint_has_it(
         metrics_dataframe = pd.DataFrame([{"epoch": 10, "loss": 0.9, "checkpoint_path": str(gone)}])
         path, config, error, checkpoint = str(tmp_path / "tune" / "trial-y"), {}, None, None
 
-    (row,) = trial_rows([Result()], epochs=20, labels=lambda config: {}, storage=str(tmp_path))
+    (row,) = trial_rows(outcomes([Result()], str(tmp_path)), epochs=20)
     assert (row["workers"], row["gpu_ids"]) == (0, "")  # nothing to read: "" (not a made-up placement)
     placed = [{"rank": 1, "gpu_ids": ["1"]}, {"rank": 0, "gpu_ids": ["0"]}]
     write_json(str(tmp_path / "trial-y"), PLACEMENT_FILE, placed)
-    (row,) = trial_rows([Result()], epochs=20, labels=lambda config: {}, storage=str(tmp_path))
+    (row,) = trial_rows(outcomes([Result()], str(tmp_path)), epochs=20)
     assert (row["workers"], row["gpu_ids"], row["epochs"]) == (2, "0 1", 10)
 
 
@@ -283,6 +287,7 @@ def test_a_resumed_trial_stopped_mid_upload_keeps_every_epoch(tmp_path):
 
     from pipeline.runs.sweep import trial_rows
     from pipeline.runs.train import HISTORY_FILE
+    from pipeline.runs.tune import outcomes
 
     run_dir = tmp_path / "trial-z"
     old, torn = run_dir / "checkpoint_2026-11-26_10-00-05.000000", run_dir / "checkpoint_2026-11-26_10-00-08.000000"
@@ -295,28 +300,35 @@ def test_a_resumed_trial_stopped_mid_upload_keeps_every_epoch(tmp_path):
                                            else None} for e in (6, 7, 8)])
         path, config, error, checkpoint = str(tmp_path / "tune" / "trial-z"), {}, None, None
 
-    (row,) = trial_rows([Result()], epochs=20, labels=lambda config: {}, storage=str(tmp_path))
+    (row,) = trial_rows(outcomes([Result()], str(tmp_path)), epochs=20)
     assert [h["epoch"] for h in row["history"]] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert row["history"][4]["loss"] == 1.5 and row["history"][-1]["loss"] == 0.92  # checkpoint, then Tune's table
     assert (row["epochs"], row["stopped_early"]) == (8, True)
-    (row,) = trial_rows([Result()], epochs=20, labels=lambda config: {})  # no storage: Tune's table alone
+    (row,) = trial_rows(outcomes([Result()]), epochs=20)  # no storage: Tune's table alone
     assert [h["epoch"] for h in row["history"]] == [6, 7, 8]
 
 
-def test_a_restored_job_gets_the_drivers_tracker_not_a_copy():
-    """Tune pickles the run config, the job's tracker with it, into the job's directory (``tuner.pkl``, with Ray's
-    cloudpickle) and a restored job unpickles it: what comes back is the tracker this driver runs the job with now
-    (its MLflow runs, its statuses), not a copy of the first run's."""
+def test_the_trackers_record_lives_in_the_jobs_directory_so_a_restored_copy_continues_it(tmp_path):
+    """Tune pickles the job's tracker into the job's directory and a restored job unpickles a copy of it: the record
+    of the trials (statuses, when each trained) is in the job's directory, so the copy continues it and the driver
+    reads what both wrote."""
     import ray.cloudpickle
 
     from pipeline.runs.sweep import SweepTracker
+    from pipeline.runs.tune import Record
 
-    first = SweepTracker(3, uri="sqlite:///first.db")
-    first.attach("/storage/sweep-0123")
-    saved = ray.cloudpickle.dumps({"callbacks": [first]})
-    now = SweepTracker(3, uri="sqlite:///now.db")
-    now.attach("/storage/sweep-0123")  # what tune_job does before Tuner.restore
-    assert ray.cloudpickle.loads(saved)["callbacks"][0] is now
-    other = SweepTracker(5, uri="sqlite:///other.db")  # a job this process does not run: a copy, as pickle makes
-    copy = ray.cloudpickle.loads(ray.cloudpickle.dumps(other))
-    assert copy is not other and (type(copy), copy.epochs, copy.uri) == (SweepTracker, 5, "sqlite:///other.db")
+    class Trial:  # as far as the tracker reads Tune's Trial
+        def __init__(self, trial_id, status):
+            self.trial_id, self.status, self.config = trial_id, status, {}
+
+    first = SweepTracker(3, str(tmp_path))
+    first.setup(total_num_samples=3)
+    first.on_step_end(1, [Trial("a", "RUNNING"), Trial("b", "PENDING")])
+    first.on_trial_result(1, [], Trial("a", "RUNNING"), {"epoch": 1, "loss": 1.0})
+    copy = ray.cloudpickle.loads(ray.cloudpickle.dumps(first))
+    assert copy is not first
+    copy.on_step_end(2, [Trial("a", "TERMINATED"), Trial("b", "RUNNING")])
+    copy.on_trial_result(2, [], Trial("b", "RUNNING"), {"epoch": 1, "loss": 1.0})
+    record = Record.read(str(tmp_path))
+    assert record.unfinished() == ["b", "(not started)"]  # a never started: total 3
+    assert record.peak_at_once() == 2  # a and b both started, neither ended

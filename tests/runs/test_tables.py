@@ -7,8 +7,8 @@ import pytest
 
 from pipeline.config.base import ParamsError
 from pipeline.config.params import load_params
-from pipeline.runs.tables import resolve_rows
-from pipeline.runs.train import TrialFailed, error_reason
+from pipeline.evaluation.tables_rows import resolve_rows
+from pipeline.runs.job import TrialFailed, error_reason
 from tests.conftest import ROOT
 
 PRESET = ROOT / "presets/paper-tables.yaml"
@@ -104,7 +104,7 @@ def test_error_reason_is_one_line_also_through_rays_wrapper():
 
 
 def test_every_row_runs_once_per_seed_beside_the_controls():
-    from pipeline.runs.tables import trial_configs
+    from pipeline.evaluation.tables_rows import trial_configs
 
     p = params("tables.rows=[{name: InfoNCE, table: 1}, {name: SupCon, table: 2, params: {train.mode: supervised, "
                "loss.name: supcon}}]", "tables.seeds=[3, 5]")

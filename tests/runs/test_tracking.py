@@ -146,12 +146,12 @@ def test_trials_and_rows_are_named_by_their_point_or_row():
     from pipeline.runs.tables import TablesTracker
 
     default = load_params(ROOT / "params.yaml")
-    names = [SweepTracker(1).child_name(point) for point in grid_points(default)]
+    names = [SweepTracker(1, "").child_name(point) for point in grid_points(default)]
     assert names[1] == "depth 0 · b16 · strength 1.0" and len(set(names)) == len(names) == 8
     seeds = load_params(ROOT / "params.yaml", ["sweep.num_samples=2"])
-    assert SweepTracker(1).child_name(grid_points(seeds)[1]) == "depth 0 · b16 · strength 0.0 · s1"
+    assert SweepTracker(1, "").child_name(grid_points(seeds)[1]) == "depth 0 · b16 · strength 0.0 · s1"
     row = {"name": "TransFusion 9-Layer", "table": 1, "params": {"model.depth": 9}, "seed": 2, "control": None}
-    tracker = TablesTracker(1, unit="GPU-hours")
+    tracker = TablesTracker(1, "", None, unit="GPU-hours")
     assert tracker.child_name({"row": row}) == "TransFusion 9-Layer (table 1) · seed 2"
     control = {"name": "random init", "table": 0, "params": {}, "seed": 0, "control": "random_init"}
     assert tracker.child_name({"row": control}) == "random init (control) · seed 0"

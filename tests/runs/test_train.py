@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from pipeline.evaluation.health import health_line
-from pipeline.runs.train import epoch_metric_names, run_name, worker_device
+from pipeline.runs.job import job_name
+from pipeline.runs.train import epoch_metric_names, worker_device
 
 
 @pytest.fixture()
@@ -66,16 +67,15 @@ def test_the_epoch_metrics_and_the_console_carry_the_blocks_or_abcs_kernel():
 def test_stable_names_follow_what_each_run_reads():
     """A run resumes by its stable name: a key it reads changes it, one it does not read leaves it."""
     from pipeline.config.params import load_params
-    from pipeline.runs.tables import job_name
 
     def p(*overrides: str):
         return load_params(Path(__file__).resolve().parents[2] / "params.yaml", list(overrides))
 
     manifest = {"files": {"train.pt": {"sha256": "a" * 64}}}
-    name = run_name(p(), manifest)
-    assert name.startswith("pretrain-") and name == run_name(p("sweep.epochs=3", "probe.seed=4"), manifest)
-    assert run_name(p("train.lr=0.01"), manifest) != name
-    assert run_name(p("ray.num_workers=2"), manifest) != name
-    tables = job_name(p(), manifest)
-    assert tables.startswith("tables-") and tables == job_name(p("sweep.epochs=3"), manifest)
-    assert job_name(p("probe.seed=4"), manifest) != tables
+    name = job_name("pretrain", p(), manifest)
+    assert name.startswith("pretrain-") and name == job_name("pretrain", p("sweep.epochs=3", "probe.seed=4"), manifest)
+    assert job_name("pretrain", p("train.lr=0.01"), manifest) != name
+    assert job_name("pretrain", p("ray.num_workers=2"), manifest) != name
+    tables = job_name("tables", p(), manifest)
+    assert tables.startswith("tables-") and tables == job_name("tables", p("sweep.epochs=3"), manifest)
+    assert job_name("tables", p("probe.seed=4"), manifest) != tables

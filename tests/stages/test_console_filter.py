@@ -1,4 +1,4 @@
-"""The console filter (``stages.cli.CONSOLE_SKIP``, which the ``transfusion`` command hands Ray as
+"""The console filter (``pipeline.runs.undocumented.CONSOLE_SKIP``, which the ``transfusion`` command hands Ray as
 ``RAY_DEDUP_LOGS_SKIP_REGEX``; Ray's driver applies it to every line a worker prints before forwarding it): only what
 no Ray setting keeps off the console. Each pattern is tested with the line it hides, and our lines and Python
 tracebacks stay in.
@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from stages.cli import CONSOLE_SKIP, CONSOLE_SKIP_PATTERNS
+from pipeline.runs.undocumented import CONSOLE_SKIP, CONSOLE_SKIP_PATTERNS
 
 SKIP = re.compile(CONSOLE_SKIP)
 

@@ -26,7 +26,8 @@ import psutil
 import pytest
 import torch
 
-from pipeline.runs.train import HISTORY_FILE, SNAPSHOT_FILE, STATE_FILE, recover_run_snapshot
+from pipeline.runs.train import HISTORY_FILE, STATE_FILE, recover
+from pipeline.runs.undocumented import SNAPSHOT_FILE
 from tests import faults
 from tests.conftest import invoke, pretrain_curve
 
@@ -104,11 +105,6 @@ def _process(pid: int) -> psutil.Process | None:
         return psutil.Process(pid)
     except psutil.NoSuchProcess:
         return None
-
-
-@pytest.fixture
-def prepared(prepare_digits):
-    return prepare_digits(256)  # the faults are in the pretraining
 
 
 def last_recorded_epoch(project) -> int:
@@ -216,7 +212,7 @@ def test_killed_driver_then_rerun_resumes(prepared, ray_tmp, ray_session, instal
 
 def test_recover_run_snapshot_picks_the_newest_loadable_checkpoint(tmp_path):
     run = tmp_path / "pretrain-x"
-    assert recover_run_snapshot(str(run)) is None  # nothing there: nothing to recover
+    assert recover(str(run)) is None  # nothing there: nothing to recover
     for name, good in (("checkpoint_2026-01-01_00-00-01.000", True), ("checkpoint_2026-01-01_00-00-02.000", True),
                        ("checkpoint_2026-01-01_00-00-03.000", False)):
         (run / name).mkdir(parents=True)
@@ -225,8 +221,8 @@ def test_recover_run_snapshot_picks_the_newest_loadable_checkpoint(tmp_path):
         else:
             (run / name / STATE_FILE).write_bytes(b"PK\x03\x04 torn")
     (run / SNAPSHOT_FILE).write_text('{"checkpoints": []}')
-    assert recover_run_snapshot(str(run)) is None  # a readable record: Ray resumes by itself
+    assert recover(str(run)) is None  # a readable record: Ray resumes by itself
     (run / SNAPSHOT_FILE).write_text('{"checkpoi')  # torn mid-write
-    assert recover_run_snapshot(str(run)) == str(run / "checkpoint_2026-01-01_00-00-02.000")
+    assert recover(str(run)) == str(run / "checkpoint_2026-01-01_00-00-02.000")
     assert not (run / SNAPSHOT_FILE).exists() and (run / (SNAPSHOT_FILE + ".corrupt")).exists()
-    assert recover_run_snapshot(None) is None  # remote storage: left to Ray
+    assert recover(None) is None  # remote storage: left to Ray

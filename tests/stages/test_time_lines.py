@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.config.params import load_params
 from pipeline.evaluation.evaluate import Evaluation
-from pipeline.runs.train import PretrainResult
-from pipeline.runs.tune import SweepResult
+from pipeline.runs.job import Job, WorkerSpec
+from pipeline.runs.train import PretrainResult, TrainedState
+from pipeline.runs.tune import JobResult
 from stages import evaluate, pretrain, sweep
 from stages._common import time_line
 
@@ -14,8 +16,13 @@ from stages._common import time_line
 def result(fit_started: float, fit_seconds: float, ended: list[float], seconds: list[float]) -> PretrainResult:
     history = [{"epoch": i + 1, "ended_at": e, "seconds": s} for i, (e, s) in
                enumerate(zip(ended, seconds, strict=True))]
-    return PretrainResult(state={"history": history}, run_name="x", mlflow_run_id=None, input_shape=(1, 8, 8),
+    return PretrainResult(state=TrainedState({}, history, len(history), []), job=job(), input_shape=(1, 8, 8),
                           n_classes=10, fit_started=fit_started, fit_seconds=fit_seconds)
+
+
+def job() -> Job:
+    params = load_params("params.yaml")
+    return Job("x", params, None, False, {}, WorkerSpec(params, "", {}, "", "x", False), None)
 
 
 def test_the_line_names_the_total_and_each_part():
@@ -44,6 +51,6 @@ def test_evaluate_splits_the_evaluation_into_embeddings_probes_and_the_rest():
 
 
 def test_sweep_parts_are_the_start_the_trials_and_the_outputs():
-    res = SweepResult(rows=[], name="s", seconds=18.0, started=108.0)
+    res = JobResult(job=job(), outcomes=[], seconds=18.0, started=108.0)
     assert sweep.time_parts(100.0, res, now=128.5) == [
         ("start (imports, Ray, checks, MLflow run)", 8.0), ("trials", 18.0), ("outputs, figures and MLflow", 2.5)]

@@ -16,7 +16,7 @@ them: on shared storage every worker of a node then shares the same pages, and r
 Also here: what a worker leaves for the driver in the Ray run directory (:data:`STATUS_FILE`, :data:`PLACEMENT_FILE`),
 readable wherever the run directory lives.
 
-pyarrow's file systems (a Ray dependency) for URIs; Ray only to name the node in an error.
+pyarrow's file systems (a Ray dependency) for URIs.
 """
 
 from __future__ import annotations
@@ -27,12 +27,16 @@ import shutil
 import socket
 import tempfile
 import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 from pipeline.config.names import data_digest
 from pipeline.data.prepared import MANIFEST, PREPARED_FILES, load_prepared
 from pipeline.data.types import Dataset, DatasetError
+
+if TYPE_CHECKING:
+    from pyarrow import fs as pafs
 
 STAGED = "prepared-data"
 STATUS_FILE = "transfusion_status.json"
@@ -73,7 +77,7 @@ def join(base: str, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *parts]) if is_uri(base) else os.path.join(base, *parts)
 
 
-def _fs(path: str) -> tuple[Any, str]:
+def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
     from pyarrow import fs as pafs
 
     if is_uri(path):
@@ -106,14 +110,14 @@ def stage_prepared(data_dir: Path, storage: str) -> str:
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
         return dest
-    filesystem, path = _fs(dest)
-    filesystem.create_dir(path, recursive=True)
+    fs, path = filesystem(dest)
+    fs.create_dir(path, recursive=True)
     for name in names:  # manifest last
-        _copy(lambda n=name: open(data_dir / n, "rb"), lambda n=name: filesystem.open_output_stream(f"{path}/{n}"))
+        _copy(lambda n=name: open(data_dir / n, "rb"), lambda n=name: fs.open_output_stream(f"{path}/{n}"))
     return dest
 
 
-def _copy(open_src: Any, open_dst: Any) -> None:
+def _copy(open_src: Callable[[], IO[bytes]], open_dst: Callable[[], IO[bytes]]) -> None:
     with open_src() as src, open_dst() as out:
         shutil.copyfileobj(src, out, 1 << 20)
 
@@ -121,41 +125,29 @@ def _copy(open_src: Any, open_dst: Any) -> None:
 def read_json(location: str, name: str) -> Any:
     """``<location>/<name>`` (a local path or a URI) parsed as JSON, or None if missing or unreadable."""
     try:
-        filesystem, path = _fs(location)
-        with filesystem.open_input_stream(f"{path}/{name}") as f:
+        fs, path = filesystem(location)
+        with fs.open_input_stream(f"{path}/{name}") as f:
             return json.loads(f.read())
     except (OSError, ValueError):
         return None
 
 
-def _node() -> str:
-    """``node 1a2b3c4d5e6f (host)`` where this runs (Ray's node id when inside Ray)."""
-    host = socket.gethostname()
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return f"node {ray.get_runtime_context().get_node_id()[:12]} ({host})"
-    except Exception:  # not in Ray, or no runtime context
-        pass
-    return f"host {host}"
-
-
-def fetch_prepared(location: str, expected: dict[str, Any], mmap: bool = False) -> Dataset:
+def fetch_prepared(location: str, expected: Mapping[str, object], mmap: bool = False, where: str = "") -> Dataset:
     """Load the staged prepared data on a worker, checking it is the copy the driver saw.
 
     ``expected``: the driver's manifest; ``mmap``: map the inputs instead of reading them
     (:func:`pipeline.data.prepared.load_prepared`; a remote copy is downloaded to this node's disk first).
-    Raises :class:`DatasetError` naming this node and the path when the copy is missing, is another version, or a
-    file's sha256 disagrees (a torn or modified copy).
+    Raises :class:`DatasetError` naming this node (``where``, default its host) and the path when the copy is
+    missing, is another version, or a file's sha256 disagrees (a torn or modified copy).
     """
+    where = where or f"host {socket.gethostname()}"
     fix = ("ray.storage_path must be storage that every node sees at the same path (an NFS/EFS mount) or a URI "
            "such as s3://bucket/prefix; the driver stages the prepared data there")
     seen = read_json(location, MANIFEST)
     if seen is None:
-        raise DatasetError(f"{_node()} cannot see the prepared data at {location} (no {MANIFEST} there); {fix}")
+        raise DatasetError(f"{where} cannot see the prepared data at {location} (no {MANIFEST} there); {fix}")
     if seen.get("files") != expected.get("files"):
-        raise DatasetError(f"{_node()} sees another version of the prepared data at {location} (its file digests "
+        raise DatasetError(f"{where} sees another version of the prepared data at {location} (its file digests "
                            f"differ from those the driver staged); rerun the stage, and check that {fix}")
     local = Path(location)
     if is_uri(location):
@@ -163,19 +155,19 @@ def fetch_prepared(location: str, expected: dict[str, Any], mmap: bool = False) 
     try:
         return load_prepared(local, verify=True, mmap=mmap)
     except DatasetError as exc:
-        raise DatasetError(f"{_node()}: {exc}") from exc
+        raise DatasetError(f"{where}: {exc}") from exc
 
 
 def _download(location: str, digest: str) -> Path:
     cache = Path(os.environ.get(CACHE_ENV) or tempfile.gettempdir(), "transfusion-data", digest)
     if (cache / MANIFEST).is_file():
         return cache  # load_prepared(verify=True) still checks every file
-    filesystem, path = _fs(location)
+    fs, path = filesystem(location)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.parent / f".{digest}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     for name in (*PREPARED_FILES, MANIFEST):
-        _copy(lambda n=name: filesystem.open_input_stream(f"{path}/{n}"), lambda n=name: open(tmp / n, "wb"))
+        _copy(lambda n=name: fs.open_input_stream(f"{path}/{n}"), lambda n=name: open(tmp / n, "wb"))
     try:
         os.replace(tmp, cache)
     except OSError:  # another worker on this node won the race
@@ -184,35 +176,20 @@ def _download(location: str, digest: str) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------- run status
-def write_json(run_dir: str, name: str, data: Any) -> None:
+def write_json(run_dir: str, name: str, data: object) -> None:
     """``<run_dir>/<name>`` (a local path or a URI) as JSON: what a worker leaves for the driver in its Ray run
     directory, :data:`STATUS_FILE` (e.g. ``{"error": "non_finite", "message": ..., "epoch": 3}``) and
     :data:`PLACEMENT_FILE` (where each rank trains, written when training starts: the checkpoints hold it too, but a
     trial that ASHA stops while its newest checkpoint uploads can be left with none that does)."""
-    filesystem, path = _fs(run_dir)
-    filesystem.create_dir(path, recursive=True)
-    with filesystem.open_output_stream(f"{path}/{name}") as f:
+    fs, path = filesystem(run_dir)
+    fs.create_dir(path, recursive=True)
+    with fs.open_output_stream(f"{path}/{name}") as f:
         f.write(json.dumps(data).encode())
-
-
-def checkpoint_dirs(run_dir: str) -> list[str]:
-    """The ``checkpoint_*`` folders of a Ray Train run directory (a local path or a URI), newest first (their names
-    sort by time); [] where there is none or the directory cannot be read."""
-    from pyarrow import fs as pafs
-
-    try:
-        filesystem, path = _fs(run_dir)
-        infos = filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    except (OSError, ValueError):
-        return []
-    names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory
-                    and i.base_name.startswith("checkpoint_")), reverse=True)
-    return [join(run_dir, name) for name in names]
 
 
 def clear_status(run_dir: str) -> None:
     try:
-        filesystem, path = _fs(run_dir)
-        filesystem.delete_file(f"{path}/{STATUS_FILE}")
+        fs, path = filesystem(run_dir)
+        fs.delete_file(f"{path}/{STATUS_FILE}")
     except (OSError, ValueError):
         pass

@@ -8,11 +8,8 @@ import os
 import pytest
 import torch
 
-from pipeline.config.data import DataConfig
-from pipeline.data.prepared import MANIFEST, PREPARED_FILES, save_prepared
-from pipeline.data.sources import load_dataset
-from pipeline.data.types import DatasetError
-from pipeline.runs.storage import (
+from pipeline.data.prepared import MANIFEST, PREPARED_FILES
+from pipeline.data.storage import (
     CACHE_ENV,
     STAGED,
     STATUS_FILE,
@@ -23,15 +20,13 @@ from pipeline.runs.storage import (
     stage_prepared,
     write_json,
 )
+from pipeline.data.types import DatasetError
 from tests.data.test_datasets import mapped_file
 
 
 @pytest.fixture
-def prepared(tmp_path):
-    ds = load_dataset(DataConfig(dataset="digits", root=str(tmp_path / "raw"), seed=0))
-    out = tmp_path / "project" / "data" / "prepared"
-    manifest = save_prepared(ds, out)
-    return out, manifest
+def prepared(prepared):  # tests/conftest.py's project: its data/prepared and their manifest
+    return prepared / "data" / "prepared", read_json(str(prepared / "data" / "prepared"), MANIFEST)
 
 
 def test_staging_is_content_addressed_linked_and_idempotent(tmp_path, prepared):
