@@ -282,13 +282,11 @@ def test_build_model_abc_is_the_backbone_with_abcs_head(backbone, shape, embed_d
     assert isinstance(build_model(ModelConfig(backbone=backbone, embed_dim=embed_dim), shape).head, TransFusionHead)
 
 
-def test_build_model_abc_without_the_pre_embedding_feeds_the_backbone_to_the_sabs():
+@pytest.mark.parametrize("set_norm", [True, False])
+def test_build_model_abc_passes_set_norm_and_pre_embed_to_the_head(set_norm):
+    cfg = ModelConfig(method="abc", backbone="mlp", embed_dim=8, abc=AbcConfig(width=8, heads=2, set_norm=set_norm))
+    assert AbcConfig().set_norm and build_model(cfg, (1, 4, 4)).head.set_norm is set_norm
+    # without the pre-embedding the backbone's output goes to the SABs
     cfg = ModelConfig(method="abc", backbone="mlp", embed_dim=8, abc=AbcConfig(width=8, heads=2, pre_embed=False))
     model = build_model(cfg, (1, 4, 4))
     assert model.head.pre is None and model.head(torch.randn(5, 8)).kernel.shape == (5, 5)
-
-
-@pytest.mark.parametrize("set_norm", [True, False])
-def test_build_model_abc_passes_set_norm_to_the_head(set_norm):
-    cfg = ModelConfig(method="abc", backbone="mlp", embed_dim=8, abc=AbcConfig(width=8, heads=2, set_norm=set_norm))
-    assert AbcConfig().set_norm and build_model(cfg, (1, 4, 4)).head.set_norm is set_norm
