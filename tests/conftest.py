@@ -111,14 +111,20 @@ def _prepared_digits(tmp_path_factory):
 @pytest.fixture
 def prepare_digits(project, _prepared_digits):
     """``prepare_digits(limit)``: the project with ``data/prepared`` as ``transfusion prepare -S
-    data.limit_train=<limit>`` writes it there (None: params.yaml's own), copied from the session's one preparation of
-    that size. For tests of what comes after ``prepare`` (its own tests run it)."""
+    data.limit_train=<limit>`` writes it there (None: params.yaml's own, all the digits), copied from the session's one
+    preparation of that size. For tests of what comes after ``prepare`` (its own tests run it)."""
 
     def put(limit: int | None = None) -> Path:
         shutil.copytree(_prepared_digits(limit), project / "data" / "prepared")
         return project
 
     return put
+
+
+@pytest.fixture
+def prepared(prepare_digits) -> Path:
+    """The project with 256 digits prepared (``prepare_digits(256)``): what the stages after ``prepare`` run on."""
+    return prepare_digits(256)
 
 
 @pytest.fixture

@@ -23,11 +23,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 CPUS = len(os.sched_getaffinity(0))
 
 
-@pytest.fixture
-def prepared(prepare_digits):
-    return prepare_digits(256)
-
-
 def one_paragraph(output: str) -> str:
     (error,) = [line for line in output.splitlines() if line.startswith("Error: ")]
     assert "Traceback" not in output, output

@@ -33,7 +33,7 @@ from tests.conftest import invoke, pretrain_curve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-RUN = ["-S", "train.epochs=2", "-S", "data.limit_train=512", "-S", "train.batch_size=128", "-S", "model.embed_dim=32"]
+RUN = ["-S", "train.epochs=2", "-S", "data.limit_train=256", "-S", "train.batch_size=128", "-S", "model.embed_dim=32"]
 THREE_EPOCHS = ["-S", "train.epochs=3"]  # after RUN's: a crash after epoch 2 leaves one to resume
 # Ray's C++ core: "[2026-01-01 12:00:00,123 E 1968 1999] core_worker.cc:2465: ..." (any prefix Ray adds before it)
 CPP_LINE = re.compile(r"\[?\d{4}-\d\d-\d\d [\d:,.]+ [DIWEF] \d+ \d+\]? \S+\.(cc|h):\d+")
@@ -43,10 +43,10 @@ RAY_INTERNALS = ("core_worker.cc", "gcs_", "raylet", "Token authentication", "Re
 
 
 @pytest.fixture
-def sandbox(request, prepare_digits):
+def sandbox(prepared):
     """The project (data prepared), a short temp root for the run's own Ray (unix socket paths are limited to ~107
     bytes) and an empty HOME; whatever Ray leaves running under them is killed after."""
-    project = prepare_digits(getattr(request, "param", 512))  # digits in the training set (indirect parametrize)
+    project = prepared
     tmp = tempfile.mkdtemp(prefix="tfq", dir="/tmp")
     home = Path(tmp) / "home"
     home.mkdir()
@@ -189,7 +189,6 @@ def test_a_worker_aborting_mid_epoch_keeps_its_native_dump_in_rays_logs(sandbox)
     assert any("Fatal Python error: Aborted" in e and "SIGABRT received" in e for e in errs.values()), (console, errs)
 
 
-@pytest.mark.parametrize("sandbox", [256], indirect=True)  # 256 digits
 def test_asha_stopping_a_two_worker_trial_mid_epoch_prints_no_crash_dump(sandbox):
     """Two trials of 2 workers, each a Ray Train run reporting through Tune. The augmented one is slowed (its rank 1
     sleeps before each step, rank 0 waits in the step's collectives), so it reaches ASHA's first rung second, and is

@@ -12,13 +12,8 @@ from tests.conftest import invoke, pretrain_curve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-TINY = ["-S", "train.epochs=3", "-S", "train.batch_size=128", "-S", "data.limit_train=512",
+TINY = ["-S", "train.epochs=3", "-S", "train.batch_size=128", "-S", "data.limit_train=256",
         "-S", "model.embed_dim=32", "-S", "train.knn_every=1"]
-
-
-@pytest.fixture
-def prepared(prepare_digits):
-    return prepare_digits(512)
 
 
 def mlflow_runs(project):

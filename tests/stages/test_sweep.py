@@ -16,11 +16,6 @@ TINY = ["-S", "model.embed_dim=16", "-S", "sweep.depth=[1]", "-S", "sweep.batch_
         "-S", "sweep.strength=[0.0,1.0]"]
 
 
-@pytest.fixture
-def prepared(prepare_digits):
-    return prepare_digits(256)
-
-
 def read_csv(path):
     with open(path) as f:
         return list(csv.DictReader(f))

@@ -34,11 +34,11 @@ def test_invalid_rows_exit_2_before_any_work(project):
 
 
 @pytest.mark.timeout(600)
-def test_the_default_job_as_shipped_over_two_seeds(prepare_digits, ray_session):
+def test_the_default_job_as_shipped_over_two_seeds(prepared, ray_session):
     """params.yaml's tables job (the paper's 8 rows, the controls, ray.cpus_per_worker: null: all of this machine's
     CPUs less the trial's own) shrunk only in data, epochs and seeds: it fits this machine, a child run per (row,
     seed), tables and curves that render again from the job's outputs."""
-    project = prepare_digits(256)
+    project = prepared
     result = invoke("tables", "-S", "train.epochs=2", "-S", "tables.seeds=[0, 1]")
     assert result.exit_code == 0, result.output
     assert "tables: 19 runs (0 failed)" in result.output  # 8 rows x 2 seeds, random init x 2, raw pixels once

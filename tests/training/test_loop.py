@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from pipeline.config.data import DataConfig
 from pipeline.config.params import load_params
-from pipeline.data.prepared import load_prepared, save_prepared
+from pipeline.data.prepared import load_prepared
 from pipeline.data.sources import load_dataset
 from pipeline.training.loop import DATA_BUDGET_SHARE, KNN_BANK, KNN_QUERIES, Callback, PretrainLoop, data_budget
 from tests import gloo
@@ -35,11 +35,9 @@ TILING_BUDGET = "train.head_budget_mb=0"  # the head and the loss in column tile
 COMPARED = ("epoch", "loss", "lr", "view_noise", "knn_acc")  # an epoch's numbers (not its timings)
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("loop") / "prepared"
-    save_prepared(load_dataset(DataConfig(dataset="digits", root="unused")), out)
-    return out
+@pytest.fixture
+def prepared(prepare_digits) -> Path:  # tests/conftest.py's, all the digits: its data/prepared
+    return prepare_digits(None) / "data" / "prepared"
 
 
 def numbers(history: list[dict]) -> list[dict]:
@@ -121,7 +119,7 @@ def test_every_rank_reads_the_same_shard_either_way(prepared, mode):
                          load_prepared(prepared, mmap=True), torch.device("cpu"), rank=rank, world_size=2)
         assert b.streaming and not a.streaming
         for step in range(a.steps_per_epoch):
-            (xa, ida), (xb, idb) = a._local_batch(perm, step), b._local_batch(perm, step)
+            (xa, ida), (xb, idb) = a._local_batch(perm, step), b._local_batch(perm, step)  # noqa: SLF001 (white-box)
             assert xa.shape == (32, 1, 8, 8) and torch.equal(xa, xb) and torch.equal(ida, idb)
             mine = perm[step * 64 + rank * 32 : step * 64 + (rank + 1) * 32]
             assert torch.equal(xb, load_prepared(prepared).train.x[mine])  # exactly this rank's rows, in order
