@@ -1,5 +1,6 @@
 """Fast tests for the modules whose other tests are all slow (or absent), so the quick loop
-(``pytest -m "not slow"``) exercises every module of pipeline/ and stages/ (see tests/test_quick_loop.py)."""
+(``pytest -m "not slow" -n 2 --cov``) exercises every module of pipeline/ and stages/ (its floor:
+[tool.coverage.report] in pyproject.toml)."""
 
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ def cpu_fused_kernels():
             lib.impl(name, fn, "CPU")
         yield
     finally:
-        lib._destroy()
+        lib._destroy()  # noqa: SLF001 (torch.library offers no public way to drop a registration)
 
 
 @pytest.fixture
@@ -391,8 +391,8 @@ def run_case(case, path: str, rank: int):
         if path == "torch_sync":  # torch's own SyncBatchNorm Function on the same kernels
             m.num_batches_tracked.add_(1)
             factor = 0.1 if momentum is not None else 1.0 / float(m.num_batches_tracked)
-            y = torch.nn.modules._functions.SyncBatchNorm.apply(xr, m.weight, m.bias, m.running_mean, m.running_var,
-                                                                m.eps, factor, dist.group.WORLD, 2)
+            sync_bn = torch.nn.modules._functions.SyncBatchNorm  # noqa: SLF001 (the Function nn.SyncBatchNorm runs)
+            y = sync_bn.apply(xr, m.weight, m.bias, m.running_mean, m.running_var, m.eps, factor, dist.group.WORLD, 2)
         else:
             y = m(xr)
         dx, dw, db = torch.autograd.grad((y.double() * up[rows]).sum(), [xr, m.weight, m.bias])

@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             step.reducer.remove()
             for p in step.params:  # the coalesced sum after the backward, on the same local gradients
                 p.grad = None
-            loss = step._head_loss(model.backbone(x), i, world, rank)
+            loss = step._head_loss(model.backbone(x), i, world, rank)  # noqa: SLF001 (white-box: the head alone)
             summed = loss.detach().clone()
             dist.all_reduce(summed)
             loss.backward()
@@ -105,7 +105,7 @@ def test_buckets_launch_in_index_order_whatever_order_the_hooks_fire(one_rank, s
     reducer.start()
     for i in order:  # the hooks, fired in a scrambled order (as another rank's autograd might)
         params[i].grad = torch.full_like(params[i], float(i))
-        reducer._ready(params[i])
+        reducer._ready(params[i])  # noqa: SLF001 (white-box: what a gradient hook calls)
         # a bucket is launched only once every bucket before it is
         assert reducer.launched == list(range(len(reducer.launched)))
     reducer.finish()
@@ -137,7 +137,7 @@ def test_parameters_without_a_gradient_in_the_first_step_are_dropped(one_rank):
             assert reducer.launched_early < len(reducer.buckets)
         else:  # dropped: every bucket starts during the backward, in order
             assert reducer.launched == list(range(len(reducer.buckets))) == list(range(reducer.launched_early))
-    assert all(id(p) not in reducer._bucket_of for p in reducer.unused)
+    assert all(id(p) not in reducer._bucket_of for p in reducer.unused)  # noqa: SLF001 (white-box)
     # the graph changes: a dropped parameter gets a gradient -> refused, not silently left out of the sum
     reducer.start()
     value = model.head.blocks[1].value
@@ -172,7 +172,7 @@ def _order_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         step.reducer.remove()
         for p in step.params:
             p.grad = None
-        loss = step._head_loss(model.backbone(x), i, world, rank)
+        loss = step._head_loss(model.backbone(x), i, world, rank)  # noqa: SLF001 (white-box: the head alone)
         loss.backward()
         allreduce_grads(step.params)
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
