@@ -8,6 +8,7 @@ and equal to one process's). Controls: without the gather, or with plain per-wor
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pickle
@@ -87,11 +88,6 @@ def _run_step(spec: Spec, rank: int, world: int):
     return loss, grads_of(model), bn_buffers(model), captured[0]
 
 
-def single_process(loss_name: str, mode: str, chunk=None, truncated=False):
-    loss, grads, _, _ = one_process(Spec(loss_name, mode, chunk, truncated))
-    return loss, grads
-
-
 def one_process(spec: Spec):
     """(loss, grads, BN buffers, embeddings) of one process on the whole batch."""
     return _run_step(spec, 0, 1)
@@ -131,11 +127,6 @@ def run_two(tmp_path, spec: Spec):
     return results
 
 
-def two_workers(tmp_path, loss_name, mode, chunk=None, no_gather=False, truncated=False):
-    spec = Spec(loss_name, mode, chunk, truncated, no_gather=no_gather)
-    return [(loss, grads) for loss, grads, _, _ in run_two(tmp_path, spec)]
-
-
 def rel_diff(a: dict, b: dict) -> float:
     """‖a − b‖ / ‖b‖ over all tensors of two dicts with equal keys."""
     num = math.sqrt(sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b))
@@ -151,24 +142,30 @@ def assert_grads_close(a, b, rtol=1e-5):
         torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=rtol * top, msg=name)
 
 
-CASES = [("jsd", "self", None, False), pytest.param("supcon", "sup", None, False, marks=pytest.mark.slow),
-         pytest.param("barlow_twins", "self", None, False, marks=pytest.mark.slow),
-         pytest.param("jsd_appendix_e", "self", 3, True, marks=pytest.mark.slow)]
+def slow(spec: Spec, id: str):
+    return pytest.param(spec, marks=pytest.mark.slow, id=id)
 
 
-@pytest.mark.parametrize("loss_name,mode,chunk,truncated", CASES)
-def test_two_gloo_workers_equal_one_process(tmp_path, loss_name, mode, chunk, truncated):
-    ref_loss, ref_grads = single_process(loss_name, mode, truncated=truncated)
-    results = two_workers(tmp_path, loss_name, mode, chunk=chunk, truncated=truncated)
-    for loss, grads in results:
+CASES = [pytest.param(Spec(), id="jsd"), slow(Spec("supcon", "sup"), "supcon"), slow(Spec("barlow_twins"), "barlow"),
+         slow(Spec("jsd_appendix_e", chunk=3, truncated=True), "appendix-e-chunk3-truncated"),
+         pytest.param(Spec(layout="two_view"), id="jsd-two_view"),
+         # the all-gather's two backward collectives (gloo in torch 2.14 has reduce_scatter too)
+         slow(Spec("supcon", "sup", reduce_scatter=False), "supcon-allreduce-slice"),
+         slow(Spec("supcon", "sup", reduce_scatter=True), "supcon-reduce-scatter")]
+
+
+@pytest.mark.parametrize("spec", CASES)
+def test_two_gloo_workers_equal_one_process(tmp_path, spec):
+    ref_loss, ref_grads, _, _ = one_process(dataclasses.replace(spec, chunk=None, layout=None, reduce_scatter=None))
+    for loss, grads, _, _ in run_two(tmp_path, spec):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert_grads_close(grads, ref_grads)
 
 
 @pytest.mark.slow
 def test_without_the_gather_the_gradients_differ(tmp_path):
-    _, ref_grads = single_process("jsd", "self")
-    (loss0, grads0), _ = two_workers(tmp_path, "jsd", "self", no_gather=True)
+    _, ref_grads, _, _ = one_process(Spec())
+    (_, grads0, _, _), _ = run_two(tmp_path, Spec(no_gather=True))
     with pytest.raises(AssertionError):
         assert_grads_close(grads0, ref_grads)
 
@@ -177,8 +174,8 @@ def test_without_the_gather_the_gradients_differ(tmp_path):
                                             pytest.param("barlow_twins", "self", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 3, pytest.param(5, marks=pytest.mark.slow)])
 def test_grad_cache_equals_plain_step(loss_name, mode, chunk):
-    loss, grads = single_process(loss_name, mode)
-    loss_c, grads_c = single_process(loss_name, mode, chunk=chunk)
+    loss, grads, _, _ = one_process(Spec(loss_name, mode))
+    loss_c, grads_c, _, _ = one_process(Spec(loss_name, mode, chunk))
     assert loss_c == pytest.approx(loss, rel=1e-10)
     assert_grads_close(grads_c, grads, rtol=1e-9)
 
@@ -245,25 +242,6 @@ def test_plain_batchnorm_on_two_workers_differs(tmp_path):
     assert abs(loss0 - ref_loss) > 0.1  # measured 0.278 -> 0.737
     key = "backbone.bn1.running_mean"
     assert not torch.equal(buf0[key], buf1[key])  # the ranks drift apart
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("reduce_scatter", [False, True], ids=["allreduce-slice", "reduce-scatter"])
-def test_both_gather_backwards_equal_one_process(tmp_path, reduce_scatter):
-    """The all-gather's two backward collectives (gloo in torch 2.14 has reduce_scatter too) give equal grads."""
-    spec = Spec(loss_name="supcon", mode="sup", reduce_scatter=reduce_scatter)
-    ref_loss, ref_grads, _, _ = one_process(spec)
-    for loss, grads, _, _ in run_two(tmp_path, spec):
-        assert loss == pytest.approx(ref_loss, rel=1e-5)
-        assert_grads_close(grads, ref_grads)
-
-
-def test_grad_cache_with_batchnorm_is_refused():
-    model = make_model(backbone="resnet18_cifar", shape=(3, 8, 8))
-    with pytest.raises(ValueError, match="grad_cache_chunk=4 with a BatchNorm model.*different BatchNorm batches"):
-        GlobalBatchStep(model, make_loss("jsd"), grad_cache_chunk=4)
-    GlobalBatchStep(model, make_loss("jsd"))  # without gradient caching it is fine
-    GlobalBatchStep(make_model(), make_loss("jsd"), grad_cache_chunk=4)  # GroupNorm: caching is exact
 
 
 def test_lazy_step_equals_the_checked_step():
@@ -379,13 +357,6 @@ def test_layout_hint_gives_the_same_step(loss_name, mode, layout, exact, chunk):
         assert_grads_close(grads_h, grads, rtol=1e-10)
 
 
-def test_two_gloo_workers_with_a_layout_equal_one_process(tmp_path):
-    ref_loss, ref_grads = single_process("jsd", "self")
-    for loss, grads, _, _ in run_two(tmp_path, Spec("jsd", "self", layout="two_view")):
-        assert loss == pytest.approx(ref_loss, rel=1e-5)
-        assert_grads_close(grads, ref_grads)
-
-
 def test_two_view_ids_are_checked_once_per_batch_size(monkeypatch):
     import pipeline.training.step as step_mod
 
@@ -402,7 +373,7 @@ def test_two_view_ids_are_checked_once_per_batch_size(monkeypatch):
     assert calls == [(2 * B, "two_view"), (8, "two_view")]
 
 
-def test_wrong_ids_for_the_layout_are_refused():
+def test_wrong_ids_for_the_layout_and_grad_cache_with_batchnorm_are_refused():
     v1, v2, _ = make_batch("sup")
     labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
     x = torch.cat([v1, v2])
@@ -412,3 +383,8 @@ def test_wrong_ids_for_the_layout_are_refused():
         GlobalBatchStep(make_model(), make_loss("infonce"), layout="labels").lazy(x, torch.cat([labels, labels]))
     with pytest.raises(ValueError, match="unknown layout 'dense'"):
         GlobalBatchStep(make_model(), make_loss("jsd"), layout="dense")
+    model = make_model(backbone="resnet18_cifar", shape=(3, 8, 8))
+    with pytest.raises(ValueError, match="grad_cache_chunk=4 with a BatchNorm model.*different BatchNorm batches"):
+        GlobalBatchStep(model, make_loss("jsd"), grad_cache_chunk=4)
+    GlobalBatchStep(model, make_loss("jsd"))  # without gradient caching it is fine
+    GlobalBatchStep(make_model(), make_loss("jsd"), grad_cache_chunk=4)  # GroupNorm: caching is exact
