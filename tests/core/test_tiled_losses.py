@@ -212,16 +212,18 @@ def test_gradcheck_of_the_functions(kind, layout, tile):
 # ------------------------------------------------------------------------------------- host syncs
 @pytest.mark.parametrize("name,layout", [(name, layout) for name in PAIRWISE for layout in ("two_view", "labels", None)
                                          if layout == "two_view" or name not in SELF_SUPERVISED_ONLY
-                                         and (layout == "labels" or name != "dcl")])
+                                         and (layout == "labels" or name != "dcl")] + [("barlow_twins", "two_view")])
 def test_tiled_layouts_have_no_host_sync(name, layout):
-    """Forward and backward on whole batches and row slices, counted by measure.OpCounter (every aten op). Tiled,
-    the None layout reads no pairs either: only infonce's and dcl's validation syncs (left out here)."""
+    """Forward and backward on whole batches and row slices, counted by measure.OpCounter (every aten op), dense
+    (with a layout hint) and tiled. Tiled, the None layout reads no pairs either: only infonce's and dcl's validation
+    syncs (left out here)."""
     ids = self_supervised_ids(6) if layout == "two_view" else torch.tensor([0, 1, 2, 0] * 3)
     q, k = make_qk(seed=9, n=12, d=5)
     fn = make_loss(name)
-    for rows in [None, slice(0, 5), slice(5, None), slice(3, 3)]:
-        syncs = measure.count(lambda rows=rows: fn(q, k, ids, rows=rows, layout=layout, tile=5).backward()).syncs
-        assert syncs == [], (rows, syncs)
+    for tile in (None, 5) if layout else (5,):
+        for rows in [None, slice(0, 5), slice(5, None), slice(3, 3)]:
+            syncs = measure.count(lambda r=rows, t=tile: fn(q, k, ids, rows=r, layout=layout, tile=t).backward()).syncs
+            assert syncs == [], (tile, rows, syncs)
 
 
 def test_the_sync_count_can_fail():

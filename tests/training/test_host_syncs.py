@@ -17,7 +17,7 @@ import torch
 from pipeline.config.model import ModelConfig
 from pipeline.core.losses import LOSS_NAMES, SELF_SUPERVISED_ONLY, make_loss
 from pipeline.core.model import build_model
-from pipeline.core.targets import check_layout, self_supervised_ids
+from pipeline.core.targets import check_layout
 from pipeline.training import measure
 from pipeline.training.step import GlobalBatchStep
 
@@ -121,19 +121,6 @@ def test_without_a_layout_the_step_syncs(name, mode):
     x, ids = make_batch(mode)
     step.lazy(x, ids)
     assert count(lambda: step.lazy(x, ids))
-
-
-@pytest.mark.parametrize("name,layout", [(name, layout) for name in LOSS_NAMES for layout in ("two_view", "labels")
-                                         if layout == "two_view" or name not in SELF_SUPERVISED_ONLY])
-def test_losses_with_a_layout_have_no_host_sync(name, layout):
-    """Each loss alone, forward and backward, on whole batches and row slices."""
-    n = 12
-    ids = self_supervised_ids(n // 2) if layout == "two_view" else torch.tensor([0, 1, 2, 0] * 3)
-    q = torch.randn(n, 5, requires_grad=True)
-    k = torch.randn(n, 5, requires_grad=True)
-    fn = make_loss(name)
-    for rows in [None, slice(0, 5), slice(5, None), slice(3, 3)]:
-        assert count(lambda rows=rows: fn(q, k, ids, rows=rows, layout=layout).backward()) == []
 
 
 # ------------------------------------------------------------------------------------- the loop passes the layout
