@@ -1,21 +1,16 @@
 """The Ray cluster as the stages meet it: connect (bounded), what it has, and fail fast when it cannot serve a run.
 
-- :func:`init_ray` connects to ``ray.address`` / ``RAY_ADDRESS`` (or starts a local Ray). An address that does not
-  answer is retried for ``ray.connect_timeout_s`` and then ends in a one-paragraph :class:`ClusterError` (exit 1),
-  instead of Ray's own retries for minutes. Without an address, a local cluster that ``ray start`` recorded but that
-  no longer answers (killed without ``ray stop``) is named in one line and a fresh local Ray starts instead.
-- :func:`use_gpu` decides GPU training from the *cluster's* resources (workers may have GPUs the driver lacks).
-- :func:`check_request` refuses (exit 2, :class:`ParamsError`) a request a local Ray can never satisfy, before it
-  starts, naming what was asked and what exists (``pipeline.config.resources``).
-- :func:`wait_for_workers` reserves a run's resources (a placement group); while the autoscaler adds nodes it keeps
-  waiting, and ``ray.resources_timeout_s`` after the last node on its way a busy cluster, or one that cannot hold the
-  run, ends in a :class:`ClusterError` naming the wait, never a silent hang.
+- :func:`init_ray` connects to ``ray.address`` / ``RAY_ADDRESS`` (or starts a local Ray); an address that does not
+  answer ends after ``ray.connect_timeout_s`` in a one-paragraph :class:`ClusterError`, and a local cluster that
+  ``ray start`` recorded but that no longer answers is named and replaced by a fresh local Ray.
+- :func:`use_gpu` decides GPU training from the *cluster's* resources; :func:`check_request` refuses (exit 2) a
+  request a local Ray can never satisfy, before it starts (``pipeline.config.resources``).
+- :func:`wait_for_workers` reserves a run's resources; while the autoscaler adds nodes it keeps waiting, and
+  ``ray.resources_timeout_s`` after the last node on its way it ends in a :class:`ClusterError`, never a silent hang.
 
-Ray's console: the stages print their own progress lines and real errors; Ray's internal chatter stays in Ray's
-log files (``<Ray temp dir>/session_*/logs``, ``/tmp/ray`` unless ``RAY_TMPDIR``; Ray Train's own under ``logs/train``),
-through Ray's settings: the job's logging config (:func:`ray_logging`), Ray Train's (:func:`train_logging`), and what
-the ``transfusion`` command sets before it imports Ray (``stages.cli.ray_env``: the filter for what no setting
-reaches, Tune's output engine, ``RAY_AUTH_MODE`` as Ray would set it).
+The console keeps the stages' own lines and real errors; Ray's chatter stays in its session logs
+(``/tmp/ray/session_*/logs``), through the job's and Ray Train's logging configs below and what the ``transfusion``
+command sets before it imports Ray (``stages.cli.ray_env``).
 """
 
 from __future__ import annotations
@@ -40,27 +35,15 @@ if TYPE_CHECKING:
     import ray.train
 
 
-#: The level of Ray's own Python loggers (``ray``, and the root logger) in every process of a job the stages start
-#: (``ray.init(logging_config=...)``): their warnings are not printed, e.g. Ray Train's placement-group cleaner's
-#: ("Detected that the Ray Train controller actor (...) is dead. Cleaning up placement group ...", whenever a trial
-#: ends by ASHA or Ctrl-C; "Failed to query Ray Train Controller actor state" while Ray shuts down). Ray Train's
-#: controller and workers configure their own loggers and keep every level in ``logs/train/ray-train-sys-*.log``. With
-#: a job logging config Ray also drops its "(pid=...)" prefix from the lines it forwards: the stages' progress lines
-#: come as they were printed.
+#: Ray's own Python loggers in every process of a job (``ray.init(logging_config=...)``): their warnings (e.g. Ray
+#: Train's placement-group cleaner's whenever a trial ends by ASHA or Ctrl-C) stay in the logs; with a job logging
+#: config Ray also drops its "(pid=...)" prefix from the lines it forwards.
 RAY_LOG_LEVEL = "ERROR"
-
-#: Ray Train's own log level for its ``ray.train`` logs on the console and in ``logs/train/ray-train-app-*.log``; every
-#: level still goes to ``logs/train/ray-train-sys-*.log`` in Ray's session dir. INFO is the controller's chatter
-#: ("Requesting resources", "Started training worker group", ...; a worker's "Reporting training result ..." per
-#: report); its WARNINGs are about Ray Train's own internals (e.g. "Failed to send resource request ... safe to ignore",
-#: with a traceback, whenever the 2-core machine is busy for 5 s). ERROR stays for pretraining: a worker's "Error in
-#: training function" traceback.
+#: Ray Train's ``ray.train`` logs on the console: INFO is the controller's chatter, its WARNINGs are about its own
+#: internals; ERROR keeps a worker's "Error in training function" traceback. Every level stays in ``logs/train``.
 TRAIN_CONSOLE_LEVEL = "ERROR"
-
-#: The same for the Ray Train run of a Tune trial: its controller's errors too stay in the logs. A trial stopped by
-#: Ctrl-C or ASHA is torn down while its controller may be passing a report to Tune, which then fails ("Error in
-#: control loop iteration: The actor died unexpectedly ... _QueueActor", 40 lines of traceback); a trial that really
-#: fails gets its one-line reason from the job's tracker, its traceback in Tune's ``error.txt``.
+#: The same for a Tune trial's Ray Train run: a trial torn down by Ctrl-C or ASHA may fail its controller's report to
+#: Tune (40 lines of traceback); a trial that really fails gets its one-line reason from the job's tracker.
 TRIAL_CONSOLE_LEVEL = "CRITICAL"
 
 
