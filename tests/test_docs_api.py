@@ -34,12 +34,6 @@ def run(blocks: list[tuple[int, str]], namespace: dict | None = None) -> dict:
     return namespace
 
 
-def test_the_blocks_are_found():
-    assert python_blocks("a\n```python\nx = 1\n```\n```bash\nls\n```\n```python\ny = 2\n```\n") == [
-        (3, "x = 1\n"), (9, "y = 2\n")]
-    assert len(PLAIN) >= 2 and len(RAY) == 1
-
-
 def test_the_plain_pytorch_loop_learns(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     namespace = run(PLAIN)

@@ -69,19 +69,6 @@ def broken_links(path: Path) -> list[str]:
     return broken
 
 
-def test_link_parser() -> None:
-    text = "\n".join([
-        "See [a](docs/a.md#part), ![img](../plots/x.png \"title\") and [b [nested]](<with space.md>).",
-        "Not links: [web](https://example.org), [mail](mailto:x@y.z), [here](#anchor), `[code](nope.md)`.",
-        "```bash",
-        "[inside](fence.md)",
-        "```",
-        "[ref]: docs/ref.md",
-    ])
-    targets = [t for _, t in link_targets(text) if is_relative(t)]
-    assert targets == ["docs/a.md#part", "../plots/x.png", "with space.md", "docs/ref.md"]
-
-
 def test_relative_links_resolve() -> None:
     files = markdown_files()
     assert (ROOT / "README.md") in files and len(files) > 1

@@ -538,11 +538,6 @@ def test_hostile_input(project, case, ray_starts):
     assert not ray_starts, "bad input must fail before Ray starts"
 
 
-def test_case_table_is_large_and_unique():
-    assert len(CASES) >= 30
-    assert len({c.id for c in CASES}) == len(CASES)
-
-
 SUBPROCESS_CASES = [
     Case("yaml-syntax", ("check",), 2, ("params.yaml", "not valid YAML"), (params_text("data: [1, 2\n"),)),
     Case("no-prepared-data", ("pretrain",), 1, ("data/prepared/manifest.json", "transfusion prepare")),
