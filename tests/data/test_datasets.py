@@ -327,8 +327,11 @@ def test_cifar10_present_files_never_download(tmp_path, monkeypatch):
     assert torch.bincount(ds.train.y, minlength=10).tolist() == [3] * 10
 
 
-def test_cifar10_download_failure_is_explained(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dataset", ["cifar10", "fashion_mnist"])
+def test_download_failure_is_explained(tmp_path, monkeypatch, dataset):
+    """Offline: a CIFAR-10 batch corrupt (so re-downloaded), or no Fashion-MNIST file at all."""
     import torchvision.datasets.cifar as tv_cifar
+    import torchvision.datasets.mnist as tv_mnist
 
     calls = []
 
@@ -336,12 +339,13 @@ def test_cifar10_download_failure_is_explained(tmp_path, monkeypatch):
         calls.append(a)
         raise URLError("offline")
 
-    monkeypatch.setattr(tv_cifar, "download_and_extract_archive", offline)
-    write_cifar(tmp_path)
-    (tmp_path / "cifar-10-batches-py" / "data_batch_4").write_bytes(b"\x80\x02}q")  # corrupt: re-download
+    monkeypatch.setattr(tv_cifar if dataset == "cifar10" else tv_mnist, "download_and_extract_archive", offline)
+    if dataset == "cifar10":
+        write_cifar(tmp_path)
+        (tmp_path / "cifar-10-batches-py" / "data_batch_4").write_bytes(b"\x80\x02}q")  # corrupt: re-download
     with pytest.raises(DatasetError, match="network") as e:
-        load_dataset(DataConfig(dataset="cifar10", root=str(tmp_path), download=True))
-    assert calls and isinstance(e.value.__cause__, URLError)
+        load_dataset(DataConfig(dataset=dataset, root=str(tmp_path), download=True))
+    assert calls and "<urlopen error offline>" in str(e.value.__cause__)  # the network's error, kept as the cause
 
 
 def pickle_to(path: Path, obj) -> None:
@@ -430,17 +434,6 @@ def test_fashion_mnist_a_stratified_subset_of_the_real_sizes(fmnist_full):
                                  limit_test=200))
     assert ds.train.x.shape == (500, 1, 28, 28) and ds.test.x.shape == (200, 1, 28, 28)
     assert torch.bincount(ds.train.y).tolist() == [50] * 10 and torch.bincount(ds.test.y).tolist() == [20] * 10
-
-
-def test_fashion_mnist_download_failure_is_explained(tmp_path, monkeypatch):
-    import torchvision.datasets.mnist as tv_mnist
-
-    def offline(*a, **k):
-        raise URLError("offline")
-
-    monkeypatch.setattr(tv_mnist, "download_and_extract_archive", offline)
-    with pytest.raises(DatasetError, match="network"):
-        load_dataset(DataConfig(dataset="fashion_mnist", root=str(tmp_path), download=True))
 
 
 def test_fashion_mnist_the_layout_read(tmp_path):
