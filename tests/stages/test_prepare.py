@@ -49,40 +49,15 @@ def test_overrides_and_params_file_option(project):
     assert torch.allclose(ds.train.x.norm(dim=1), torch.ones(ds.train.x.shape[0]), atol=1e-5)
 
 
-def test_bad_params_exit_2_and_write_nothing(project):
-    result = CliRunner().invoke(main, ["prepare", "-S", "data.dataset=cifar"])
-    assert result.exit_code == 2
-    assert "data.dataset" in result.output and "digits" in result.output
-    assert not (project / "data").exists()
-
-
-def test_missing_dataset_exit_1_with_instructions(project):
-    result = CliRunner().invoke(main, ["prepare", "-S", "data.dataset=cifar10", "-S", "data.root=nowhere",
-                                       "-S", "model.backbone=resnet18_cifar", "-S", "model.embed_dim=null"])
-    assert result.exit_code == 1
-    assert "nowhere" in result.output and "download" in result.output
-    assert "Traceback" not in result.output
-    assert not (project / "data" / "prepared").exists()
-
-
-def test_console_script_exit_code(project):
-    """The installed entry point, as DVC runs it."""
-    proc = subprocess.run([sys.executable, "-m", "stages.cli", "prepare", "-S", "data.test_fraction=2"],
-                          capture_output=True, text=True, cwd=project)
-    assert proc.returncode == 2 and "data.test_fraction" in proc.stderr
-
-
 def test_prepare_validates_the_section_it_reads_and_leaves_the_rest_to_their_stages(project):
     """prepare reads `data` alone (its DVC deps hold no other section's names); a bad value elsewhere is refused by
-    `check` and by the stage that reads it, before that stage does any work. A malformed override is refused by all."""
+    `check` and by the stage that reads it, before that stage does any work."""
     bad = ["-S", "loss.name=nope", "-S", "model.depth=-2"]
     ok = CliRunner().invoke(main, ["prepare", *bad])
     assert ok.exit_code == 0, ok.output
     for command in ("check", "pretrain"):
         refused = CliRunner().invoke(main, [command, *bad])
         assert refused.exit_code == 2 and "loss.name" in refused.output and "model.depth" in refused.output
-    malformed = CliRunner().invoke(main, ["prepare", "-S", "model..depth=3"])
-    assert malformed.exit_code == 2 and "section.name" in malformed.output
 
 
 def test_check_validates_without_running(project):

@@ -114,10 +114,3 @@ def test_a_diverged_trial_is_failed_with_its_reason(prepared, ray_session, insta
     assert failed.data.tags["stopped_early"] == "False"
     assert [m.step for m in client.get_metric_history(failed.info.run_id, "loss")] == [1]  # the epoch before the NaN
     assert finished.info.status == "FINISHED" and "error" not in finished.data.tags
-
-
-def test_bad_sweep_point_is_a_usage_error_before_any_work(prepared):
-    result = invoke("sweep", "-S", "sweep.batch_size=[32,4096]")
-    assert result.exit_code == 2
-    assert "sweep.batch_size: 4096 exceeds the training set (256 samples)" in result.output
-    assert not (prepared / "sweeps").exists() and not (prepared / "ray_results").exists()

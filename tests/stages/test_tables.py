@@ -1,5 +1,5 @@
 """`transfusion tables` end to end: params.yaml's job (the paper's rows) on digits as shipped but for its sizes, through
-real Ray Tune and a real MLflow sqlite store; the paper preset's refusals."""
+real Ray Tune and a real MLflow sqlite store; bad rows and missing data refused before Ray."""
 
 from __future__ import annotations
 
@@ -11,28 +11,21 @@ import mlflow
 import pytest
 
 from pipeline.evaluation.report import PAPER_TABLE_1, PAPER_TABLE_2
-from tests.conftest import ROOT, invoke
+from tests.conftest import invoke
 
-pytestmark = [pytest.mark.slow]
-
-PRESET = str(ROOT / "presets/paper-tables.yaml")
-# the preset's job on digits, for its refusals
-SHRINK = ["-S", "data.dataset=digits", "-S", "data.limit_train=256", "-S", "model.backbone=cnn_small",
-          "-S", "model.embed_dim=16", "-S", "train.epochs=2", "-S", "train.batch_size=32", "-S", "ray.use_gpu=false",
-          "-S", "ray.cpus_per_worker=0.5", "-S", "ray.storage_path=ray_results", "-S", "train.device=cpu",
-          "-S", "probe.device=cpu"]
 OURS = re.compile(r"^\| \*\*ours: (?P<name>[^*]+)\*\* \| 128 \| (?P<accs>[^|]+\|[^|]+\|[^|]+\|[^|]+)\| "
                   r"(?P<min>[^|]+) \| (?P<hours>[^|]+) \|$")
 
 
-def test_invalid_rows_exit_2_before_any_work(project):
-    bad = "tables.rows=[{name: A, table: 2, params: {loss.name: infonce, train.mode: supervised}}]"
-    result = invoke("tables", "--params", PRESET, *SHRINK, "-S", bad)
-    assert result.exit_code == 2
-    assert "tables.rows[0] ('A', table 2)" in result.output and "loss.name: infonce" in result.output
-    assert not (project / "ray_results").exists() and not (project / "mlflow.db").exists()
+def test_bad_rows_exit_2_and_missing_data_exit_1_before_ray(project, ray_starts):
+    bad = invoke("tables", "-S", "tables.rows=[{name: A, table: 2}]")  # table 2 is supervised, the base is not
+    assert bad.exit_code == 2 and "tables.rows[0]" in bad.output and "train.mode" in bad.output
+    no_data = invoke("tables", "-S", "tables.rows=[{name: A, table: 1}]")
+    assert no_data.exit_code == 1 and "data/prepared" in no_data.output
+    assert not ray_starts and not (project / "reports").exists() and not (project / "mlflow.db").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_default_job_as_shipped_over_two_seeds(prepared, ray_session):
     """params.yaml's tables job (the paper's 8 rows, the controls, ray.cpus_per_worker: null: all of this machine's
