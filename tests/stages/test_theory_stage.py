@@ -79,10 +79,3 @@ def test_cli_writes_plots_and_metrics(project):
     assert "reports/theory.md" in result.output
     check_outputs(project / "plots" / "theory", project / "metrics" / "theory.json", runs=2,
                   report=project / "reports" / "theory.md")
-
-
-@needs_integration
-def test_cli_bad_theory_params_exit_2(project):
-    result = CliRunner().invoke(theory_cmd, ["-S", "theory.n=[2]"])
-    assert result.exit_code == 2 and "theory" in result.output
-    assert not (project / "plots" / "theory").exists()
