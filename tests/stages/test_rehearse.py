@@ -1,7 +1,8 @@
-"""Every shipped params file rehearsed as shipped: its jobs end to end through real Ray, Tune and MLflow, shrunk only in
-size (``transfusion rehearse``); GPU scheduling on a Ray that declares GPUs, with Ctrl-C of its sweep of multi-worker
-trials and the rehearsal's resume (no partial outputs, MLflow's statuses, no finished trial run again, every epoch
-logged once)."""
+"""Every file of presets/ rehearsed as shipped: its jobs end to end through real Ray, Tune and MLflow, shrunk only in
+size (``transfusion rehearse``; the jobs' own flows: their stages' tests, the full flow: tests/test_dvc_pipeline.py);
+GPU scheduling on a Ray that declares GPUs, with Ctrl-C of its sweep of multi-worker trials and the rehearsal's resume
+(no partial outputs, MLflow's statuses, no finished trial run again, every epoch logged once): the resume through Tune.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +24,6 @@ from tests.config.test_rehearse import FILES, SETS_FILES
 from tests.conftest import ROOT, invoke
 from tests.stages.test_sweep import sweep_runs
 
-pytestmark = [pytest.mark.slow]
-
 AT_ONCE = re.compile(r"\[(sweep|tables)\] \d+ (?:trials|rows) in \d+ s, up to (\d+) training at once \((\d+) allowed\)")
 NOISE = ("Traceback", "TrainController", "ActorDiedError", "PlacementGroupCleaner", "Could not re-use actor",
          "Stop signal received", "Tuner.restore", "(raylet)", ") [0x")  # ") [0x": a native backtrace frame
@@ -35,16 +34,19 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
-def check_outputs(work, output):
+OUTPUTS = {"pretrain": "models/pretrain/model.pt", "evaluate": "metrics/evaluate.json", "report": "reports/REPORT.md",
+           "sweep": "sweeps/results.csv", "tables": "tables/results.csv"}
+
+
+def check_outputs(work, output, jobs=("prepare", "pretrain", "evaluate", "report", "sweep", "tables")):
     """What every rehearsal leaves: each job's outputs, every trial and row ended well, MLflow runs FINISHED."""
-    for name in ("models/pretrain/model.pt", "metrics/evaluate.json", "reports/REPORT.md", "sweeps/results.csv",
-                 "tables/results.csv", "reports/TABLES.md"):
-        assert (work / name).is_file(), name
-    for path in ("sweeps/results.csv", "tables/results.csv"):
+    for job in jobs:
+        assert job == "prepare" or (work / OUTPUTS[job]).is_file(), OUTPUTS[job]
+    for path in (OUTPUTS[j] for j in ("sweep", "tables") if j in jobs):
         rows = read_csv(work / path)
         assert rows and {r["status"] for r in rows} == {"TERMINATED"}, rows
     peaks = {m[1]: (int(m[2]), int(m[3])) for m in AT_ONCE.finditer(output)}
-    assert set(peaks) == {"sweep", "tables"}
+    assert set(peaks) == {"sweep", "tables"} & set(jobs)
     assert all(1 <= peak <= allowed for peak, allowed in peaks.values()), peaks
     client = mlflow.MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("transfusion").experiment_id])
@@ -65,19 +67,51 @@ def check_controls(name, work):
     assert rehearsed["ray"]["max_failures"] == shipped["ray"]["max_failures"]
 
 
+PRESETS = [f for f in FILES if f.startswith("presets/") and f != ON_DECLARED_GPUS]
+
+
+def jobs_to_rehearse(name: str) -> tuple[str, ...]:
+    """All the jobs of ``name``; only prepare and tables for a file that is an earlier preset's but for its tables
+    rows (fashion-mnist-temperature.yaml: fashion-mnist-ssl.yaml's), whose other jobs would run the same params."""
+    from pipeline.config.rehearse import plan
+
+    def rest(path):
+        return {k: v for k, v in plan(ROOT / path, cpus=2).raw.items() if k != "tables"}
+
+    jobs = plan(ROOT / name, cpus=2).jobs
+    return ("prepare", "tables") if any(rest(o) == rest(name) for o in PRESETS[:PRESETS.index(name)]) else jobs
+
+
+def test_a_preset_that_is_anothers_but_for_its_rows_rehearses_its_tables():
+    assert PRESETS == ["presets/fashion-mnist-ssl.yaml", "presets/fashion-mnist-temperature.yaml",
+                       "presets/paper-tables.yaml"]
+    assert [len(jobs_to_rehearse(name)) for name in PRESETS] == [6, 2, 6]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", [f for f in FILES if f != ON_DECLARED_GPUS])
-def test_shipped_file_rehearses_end_to_end(name, tmp_path, ray_session):
-    """params.yaml and every preset (a preset added later is in FILES: the test lists presets/ itself), but
-    ON_DECLARED_GPUS, which the next test rehearses end to end on a Ray that declares its GPUs."""
-    work = tmp_path / "rehearsal"
-    result = invoke("rehearse", "--params", str(ROOT / name), "--dir", str(work))
+@pytest.mark.parametrize("name", PRESETS)
+def test_shipped_preset_rehearses_end_to_end(name, tmp_path, ray_session):
+    """Every preset (one added later is in FILES: the test lists presets/ itself) but ON_DECLARED_GPUS, which the
+    last test rehearses on a Ray that declares its GPUs; params.yaml's jobs run through `dvc repro`
+    (tests/test_dvc_pipeline.py) and `transfusion tables` (tests/stages/test_tables.py)."""
+    work, jobs = tmp_path / "rehearsal", jobs_to_rehearse(name)
+    result = invoke("rehearse", "--params", str(ROOT / name), "--dir", str(work), "--jobs", ",".join(jobs))
     assert result.exit_code == 0, result.output
-    assert f"[rehearse] {ROOT / name}: prepare, pretrain, evaluate, report, sweep, tables passed" in result.output
-    check_outputs(work, result.output)
+    assert f"[rehearse] {ROOT / name}: {', '.join(jobs)} passed" in result.output
+    check_outputs(work, result.output, jobs)
     check_controls(name, work)
 
 
+def test_a_gpu_preset_on_too_few_declared_gpus_exits_2_before_ray(tmp_path, ray_starts):
+    refused = invoke("rehearse", "--params", str(ROOT / ON_DECLARED_GPUS), "--gpus", "1", "--dir",
+                     str(tmp_path / "one"), "--jobs", "prepare,pretrain")
+    assert refused.exit_code == 2, refused.output
+    assert "1 GPU" in refused.output and "ray.num_workers" in refused.output
+    assert not ray_starts
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SETS_FILES)
 def test_set_study_rehearses_end_to_end(name, tmp_path):
     work = tmp_path / "sets"
@@ -132,6 +166,7 @@ def interrupt_mid_sweep(args, env, cwd) -> tuple[str, set[str], float, list[floa
     return out, ended, time.monotonic() - sent, gaps, proc.returncode
 
 
+@pytest.mark.slow
 @pytest.mark.first  # the suite's longest test (~180 s alone, ~300 s beside another)
 @pytest.mark.timeout(900)
 def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
@@ -203,8 +238,3 @@ def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
     lines = resumed.stdout.splitlines()
     noise = [i for i, line in enumerate(lines) if any(n in line for n in NOISE)]
     assert not noise, "\n".join(lines[max(noise[0] - 5, 0):noise[0] + 40])  # the first noise, in context
-
-    refused = run(["rehearse", "--params", str(ROOT / "presets/cluster-sweep.yaml"), "--gpus", "1",
-                   "--dir", str(tmp_path / "one"), "--jobs", "prepare,pretrain"], cwd=tmp_path, timeout=300)
-    assert refused.returncode == 2, refused.stdout + refused.stderr
-    assert "1 GPU" in refused.stderr and "ray.num_workers" in refused.stderr
