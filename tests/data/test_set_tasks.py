@@ -3,7 +3,6 @@ time, fresh circles and subspaces, determinism."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ def test_batches_have_the_declared_shape_and_cluster_counts(name):
     task = make_task(name, SetsConfig())
     for part in (TRAIN, TEST):
         b = task.draw(6, part, seed=3)
-        assert b.x.shape == (6, task.size, task.dim) and b.x.dtype == torch.float32
+        assert b.x.shape == (6, task.size, task.dim) and b.x.dtype == torch.float32 and b.x.isfinite().all()
         assert b.labels.shape == (6, task.size) and b.labels.dtype == torch.int64
         lo, hi = task.k_range
         assert ((b.k() >= lo) & (b.k() <= hi)).all(), b.k()
@@ -56,11 +55,6 @@ def test_unknown_task_is_refused_and_the_registry_matches_the_config():
         make_task("mnist", SetsConfig())
     with pytest.raises(ValueError, match="part must be"):
         make_task("circles", SetsConfig()).draw(2, 3, 0)
-
-
-def test_circle_sets_have_four_circles():
-    b = make_task("circles", SetsConfig()).draw(5, TEST, 0)
-    assert (b.k() == 4).all() and np.isfinite(b.x.numpy()).all()
 
 
 def test_omniglot_sets_train_on_background_characters_and_test_on_evaluation_ones(tmp_path):

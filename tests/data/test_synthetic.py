@@ -48,13 +48,6 @@ def test_radii_and_centres_within_their_ranges() -> None:
     assert abs(float(counts.mean()) - 5.0) < 1e-6 and abs(float(counts[:, 0].mean()) - 5.0) < 0.2
 
 
-def test_deterministic_by_seed() -> None:
-    a, b, c = four_circles(5, seed=11), four_circles(5, seed=11), four_circles(5, seed=12)
-    for field in ("points", "labels", "centres", "radii"):
-        assert torch.equal(getattr(a, field), getattr(b, field))
-    assert not torch.equal(a.points, c.points)
-
-
 def largest_gaps(d) -> list[tuple[float, int]]:
     """(the largest angular gap between neighbouring points of a circle, its m points) for every circle of every set,
     by a loop over sets and circles."""
@@ -79,11 +72,13 @@ def test_stratified_neighbours_are_never_more_than_two_arcs_apart(points: int) -
     assert broken > len(iid) / 4, (broken, len(iid))
 
 
-def test_stratified_and_iid_share_the_circles_and_memberships() -> None:
-    a, b = four_circles(30, seed=5), four_circles(30, seed=5, angles="iid")
-    for field in ("labels", "centres", "radii"):
+def test_deterministic_by_seed_and_iid_angles_share_the_circles_and_memberships() -> None:
+    a, b, c, iid = (four_circles(30, seed=5), four_circles(30, seed=5), four_circles(30, seed=6),
+                    four_circles(30, seed=5, angles="iid"))
+    for field in ("points", "labels", "centres", "radii"):
         assert torch.equal(getattr(a, field), getattr(b, field))
-    assert not torch.equal(a.points, b.points)
+        assert torch.equal(getattr(a, field), getattr(iid, field)) == (field != "points")
+    assert not torch.equal(a.points, c.points)
 
 
 def test_stratified_angles_are_uniform_on_the_circle() -> None:
