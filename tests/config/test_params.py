@@ -38,68 +38,41 @@ def test_overrides_parse_yaml_values():
 
 
 ABC_OK = ["model.method=abc", "model.qk_init=default", "loss.name=bce"]  # what method abc needs on params.yaml
-# (overrides, substrings the message must contain)
+# (overrides, substrings the message must contain): the rules' cases that tests/test_hostile_input.py does not run
+# through the CLI (its name-*, type-*, range-*, conflict-* and unknown-key cases are not repeated here)
 BAD = [
-    (["data.dataset=cifar"], ["data.dataset", "digits", "cifar10", "fashion_mnist"]),
-    (["model.backbone=vit"], ["model.backbone", "cnn_small", "resnet18_cifar", "torchvision:<name>"]),
-    (["model.backbone=torchvision:resnet5", "model.embed_dim=null"],
-     ["model.backbone: torchvision:resnet5: unknown backbone",
-      "torchvision.models.list_models(module=torchvision.models)", "torchvision:resnet50"]),
     (["model.backbone=torchvision:", "model.embed_dim=null"],  # YAML reads a mapping
      ["model.backbone: {'torchvision': None} (dict, not a name): unknown backbone", "torchvision:<name>"]),
     (["model.backbone=3"], ["model.backbone: 3 (int, not a name): unknown backbone", "cnn_small"]),
     (["model.backbone=resnet50", "model.embed_dim=null"], ["model.backbone", "torchvision:<name>"]),
-    (["model.backbone=torchvision:squeezenet1_1", "model.embed_dim=null"],
-     ["model.backbone", "squeezenet1_1", "1x1 convolution", "except squeezenet1_0, squeezenet1_1"]),
-    (["model.backbone=torchvision:resnet50"], ["model.embed_dim", "torchvision:resnet50", "2048-d", "null or 2048"]),
-    (["model.backbone=torchvision:mobilenet_v3_small", "model.embed_dim=null", "train.grad_cache_chunk=8"],
-     ["train.grad_cache_chunk", "torchvision:mobilenet_v3_small", "BatchNorm", "torchvision:convnext_tiny"]),
     (["model.backbone=torchvision:resnet18", "model.embed_dim=null", "data.dataset=synthetic"],
      ["model.backbone", "torchvision:resnet18", "vectors"]),
     (["model.backbone=torchvision:resnet18", "model.embed_dim=null", "model.weights=w.pt"],
      ["model.weights", "resnet18 backbone"]),
     ([*ABC_OK, "model.abc.pre_embed=false", "model.backbone=torchvision:resnet18", "model.embed_dim=null"],
      ["model.abc.pre_embed", "torchvision:resnet18 gives 512", "model.abc.width (128)"]),
-    (["loss.name=triplet"], ["loss.name", "jsd", "barlow_twins"]),
     (["model.activation=gelu"], ["model.activation", "relu", "softmax"]),
     (["model.fusion_scope=pairs"], ["model.fusion_scope", "joint", "per_view"]),
     (["model.qk_init=zeros"], ["model.qk_init", "default", "tied", "identity"]),
     (["train.head_lr_scale=0"], ["train.head_lr_scale", "greater than 0"]),
     (["train.data_budget_mb=-1"], ["train.data_budget_mb", "greater than or equal to 0"]),
     (["train.data_budget_mb=lots"], ["train.data_budget_mb", "valid number"]),
-    (["augment.preset=strong"], ["augment.preset", "paper", "simclr"]),
     (["model.depth=-1"], ["model.depth", "greater than or equal to 0"]),
-    (["model.depth=three"], ["model.depth", "valid integer"]),
-    (["model.depth=2.5"], ["model.depth", "valid integer"]),
-    (["augment.strength=1.5"], ["augment.strength", "less than or equal to 1"]),
-    (["train.lr=0"], ["train.lr", "greater than 0"]),
-    (["train.batch_size=1"], ["train.batch_size", "greater than or equal to 2"]),
     (["train.epochs=0"], ["train.epochs"]),
     (["data.test_fraction=1.0"], ["data.test_fraction", "less than 1"]),
-    (["data.download=maybe"], ["data.download", "valid boolean"]),
-    (["model.depht=3"], ["model.depht", "unknown key", "depth"]),
-    (["extra.key=1"], ["extra", "unknown key", "data, model, loss"]),
     (["train.optimizer=rmsprop"], ["train.optimizer", "adam", "lars"]),
     (["train.mode=semi"], ["train.mode", "self_supervised", "supervised"]),
-    (["train.mode=supervised", "loss.name=infonce"], ["loss.name", "infonce", "self_supervised", "supcon"]),
     (["train.mode=supervised", "loss.name=barlow_twins"], ["barlow_twins", "self_supervised"]),
     (["model.head=truncated", "model.depth=0"], ["model.head", "depth >= 1"]),
     (["model.backbone=pixels", "model.depth=0", "model.embed_dim=null"], ["pixels", "nothing to train"]),
     (["model.backbone=resnet18_cifar", "model.embed_dim=128"], ["model.embed_dim", "512"]),
-    (["data.dataset=image_folder"], ["data.image_size", "image_folder"]),
-    (["data.dataset=synthetic"], ["model.backbone", "cnn_small", "vectors", "mlp"]),
     (["data.synthetic.rank=10", "data.synthetic.dim=20"], ["data.synthetic", "must be < dim"]),
-    (["ray.num_workers=3"], ["train.batch_size", "multiple of ray.num_workers"]),
     (["ray.num_workers=0"], ["ray.num_workers", "greater than or equal to 1"]),
     (["ray.use_gpu=true", "train.device=cpu"], ["ray.use_gpu", "train.device"]),
-    (["model.backbone=resnet18_cifar", "model.embed_dim=null", "train.grad_cache_chunk=8"],
-     ["train.grad_cache_chunk", "resnet18_cifar", "BatchNorm", "two views", "running statistics", "null"]),
     (["model.backbone=resnet18", "model.embed_dim=null", "train.grad_cache_chunk=64"],
      ["train.grad_cache_chunk", "resnet18", "BatchNorm"]),
-    (["train.warmup_epochs=50"], ["train.warmup_epochs", "train.epochs"]),
     (["loss.temperature=-0.1"], ["loss.temperature", "greater than 0"]),
     (["model.weights=w.pt"], ["model.weights", "resnet18"]),
-    (["data=3"], ["data", "valid dictionary"]),
     (["data.synthetic.noise=2"], ["data.synthetic.noise", "less than or equal to 1"]),
     # method abc (ABC_OK: the keys it needs on this file)
     (["model.method=kmeans"], ["model.method", "transfusion", "abc"]),
@@ -153,9 +126,7 @@ def test_abc_set_norm_is_on_by_default_and_can_be_turned_off():
     on = validate_params(apply_overrides(default_raw(), ABC_OK))
     assert on.model.abc.set_norm is True and "set_norm" in default_raw()["model"]["abc"]
     off = validate_params(apply_overrides(default_raw(), [*ABC_OK, "model.abc.set_norm=false"]))
-    assert off.model.abc.set_norm is False
-    with pytest.raises(ParamsError, match="model.abc"):  # like every model.abc key, read only with method abc
-        validate_params(apply_overrides(default_raw(), ["model.abc.set_norm=false"]))
+    assert off.model.abc.set_norm is False  # read only with method abc, as every model.abc key (BAD's last row)
 
 
 def test_backbones_take_their_width_and_grad_cache_without_batchnorm():
@@ -179,21 +150,3 @@ def test_every_problem_is_listed_at_once():
     assert "model.depth" in msg and "loss.name" in msg and "data.seed" in msg
 
 
-@pytest.mark.parametrize(
-    "text,needle",
-    [("", "empty"), ("data: [1, 2\n", "not valid YAML"), ("- a\n- b\n", "mapping of sections"),
-     ("data: {}\n", "model: required section is missing")],
-)
-def test_bad_files(tmp_path, text, needle):
-    path = tmp_path / "params.yaml"
-    path.write_text(text)
-    with pytest.raises(ParamsError, match=needle):
-        load_params(path)
-
-
-@pytest.mark.parametrize("name,overrides,needle", [("nope.yaml", [], "not found"),
-                                                   ("params.yaml", ["model.depth"], "key=value"),
-                                                   ("params.yaml", ["model.depth.x=1"], "is a value, not a section")])
-def test_missing_file_and_bad_override_syntax(name, overrides, needle):
-    with pytest.raises(ParamsError, match=needle):
-        load_params(ROOT / name, overrides)
