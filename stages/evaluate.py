@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -54,24 +53,11 @@ def log_to_mlflow(params: Params, ev: Evaluation, parent_run_id: str | None, fil
     metrics' flat numbers, the figures, the prepared data as its dataset input (context ``evaluation``)."""
     from pipeline.runs import tracking as trk
 
-    metrics = {}
-    for rep, by_probe in ev.metrics["probes"].items():
-        for probe, by_frac in by_probe.items():
-            for frac, acc in by_frac.items():
-                if acc is not None:  # None: the probe could not run (n/a)
-                    metrics[f"{rep}.{probe}.{round(float(frac) * 100)}pct"] = acc
-    metrics.update({f"spectral.{k}": v for k, v in ev.metrics["spectral"].items() if isinstance(v, float)})
-    metrics.update({f"layers.{rep}.{k}": v for rep, scores in ev.metrics["layers"].items()
-                    for k, v in scores.items() if v is not None and math.isfinite(v)})
-    for key in ("sharpness", "sharpness_q10"):
-        metrics.update({f"{key}.{k}": v for k, v in ev.metrics[key].items() if math.isfinite(v)})
-    metrics.update({f"health.{block}.{k}": v for block, h in ev.metrics["health"].items() for k, v in h.items()
-                    if v is not None})
     root = trk.project_root()
     manifest = json.loads((data_dir / "manifest.json").read_text())
     data = trk.dataset_input(manifest, data_dir if data_dir.is_absolute() else root / data_dir, context="evaluation")
-    return trk.log_stage_run("evaluate", root, params=flatten(params.probe, "probe."), metrics=metrics, files=files,
-                             parent=parent_run_id, artifact_path="evaluate", inputs=[data],
+    return trk.log_stage_run("evaluate", root, params=flatten(params.probe, "probe."), metrics=ev.flat_metrics(),
+                             files=files, parent=parent_run_id, artifact_path="evaluate", inputs=[data],
                              name=evaluate_label(params.probe.probes, params.probe.label_fractions))
 
 

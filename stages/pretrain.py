@@ -14,7 +14,6 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline.config.base import ParamsError
 from pipeline.config.params import Params, load_params
 from pipeline.data.storage import StorageError
 from pipeline.data.types import DatasetError
@@ -22,17 +21,16 @@ from pipeline.evaluation.health import is_health_key, unflat, warnings_for
 from pipeline.io import atomic_dir, save_torch, write_csv, write_json
 from pipeline.runs.cluster import ClusterError
 from pipeline.runs.job import close_job
-from pipeline.runs.tracking import TrackingError, project_root
+from pipeline.runs.tracking import TrackingError
 from pipeline.runs.train import PretrainError, PretrainResult, pretrain
 from stages._common import (
-    ParamsUsageError,
     around,
-    check_weights,
     params_options,
     process_started,
     runtime_errors,
     time_line,
 )
+from stages._job import run_job
 
 CURVE_COLUMNS = ("epoch", "loss", "lr", "knn_acc", "view_noise", "samples_per_s", "seconds")
 
@@ -95,12 +93,7 @@ def trained_model(params: Params, res: PretrainResult) -> torch.nn.Module:
 def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Pretrain TransFusion on the prepared data with Ray Train (resumes an interrupted run)."""
     started = process_started()
-    check_weights(params.model.weights)
-    root = project_root()
-    try:
-        res = pretrain(params, data_dir, root, tracking=not no_tracking)
-    except ParamsError as exc:  # params that contradict the prepared data: bad usage, like the sweep's check
-        raise ParamsUsageError(str(exc)) from None
+    res = run_job(pretrain, params, data_dir, no_tracking)
     paths = (Path("models/pretrain"), Path("metrics/pretrain.json"), Path("plots/pretrain.csv"))
     summary = write_outputs(params, res, *paths)
     workers = res.state.workers

@@ -23,16 +23,16 @@ from pipeline.data.storage import StorageError
 from pipeline.data.types import DatasetError
 from pipeline.io import atomic_dir, write_csv, write_json
 from pipeline.runs.cluster import ClusterError
-from pipeline.runs.tracking import TrackingError, project_root
+from pipeline.runs.tracking import TrackingError
 from stages._common import (
     ParamsUsageError,
     around,
-    check_weights,
     params_options,
     process_started,
     runtime_errors,
     time_line,
 )
+from stages._job import run_job
 
 COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "train.seed", "view_noise",
            "knn_acc", "best_knn_acc", "loss", "min_positive", "max_uniform_rows", "dead_blocks", "epochs",
@@ -81,9 +81,8 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
 def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Sweep depth, batch size and augmentation strength with Ray Tune (each trial a Ray Train run)."""
     from pipeline.config.space import SPACE_KEYS, check_points
-    from pipeline.data.prepared import load_prepared
     from pipeline.runs.sweep import run_sweep
-    from pipeline.runs.tune import SweepError, close_tune_job
+    from pipeline.runs.tune import close_tune_job
 
     started = process_started()
     try:  # every point of the grid is valid params (e.g. batch vs workers) before any work
@@ -91,15 +90,7 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     except ParamsError as exc:
         axes = ", ".join(f"sweep.{k} (sets {v})" for k, v in SPACE_KEYS.items())
         raise ParamsUsageError(f"{exc}\n  the point comes from {axes}: change those lists or the base params") from None
-    check_weights(params.model.weights)
-    root = project_root()
-    load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here (mapped: never read whole)
-    try:
-        result = run_sweep(params, data_dir, root, tracking=not no_tracking)
-    except ParamsError as exc:  # a batch beyond the prepared data: run_sweep checks it before Ray or tracking
-        raise ParamsUsageError(str(exc)) from None
-    except SweepError as exc:
-        raise click.ClickException(str(exc)) from exc
+    result = run_job(run_sweep, params, data_dir, no_tracking)
     sweeps, plots = Path("sweeps"), Path("plots/sweep")
     dataset = json.loads((data_dir / "manifest.json").read_text()).get("dataset", "")
     best = write_outputs(params, result.rows, sweeps, plots, dataset)

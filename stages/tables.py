@@ -23,8 +23,9 @@ from pipeline.data.storage import StorageError
 from pipeline.data.types import DatasetError
 from pipeline.io import write_csv, write_json, write_text
 from pipeline.runs.cluster import ClusterError
-from pipeline.runs.tracking import TrackingError, project_root
-from stages._common import ParamsUsageError, check_weights, params_options, runtime_errors
+from pipeline.runs.tracking import TrackingError
+from stages._common import ParamsUsageError, params_options, runtime_errors
+from stages._job import run_job
 
 REPORT = Path("reports/TABLES.md")
 OUT = Path("tables")
@@ -54,7 +55,6 @@ def write_outputs(base: Path, records: list[dict], curves: list[dict], params: P
 @runtime_errors(DatasetError, TrackingError, ClusterError, StorageError)
 def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, render_only: bool) -> None:
     """Run tables.rows x tables.seeds (and the controls) as one Ray Tune job; write reports/TABLES.md."""
-    from pipeline.data.prepared import load_prepared
     from pipeline.evaluation.tables_report import (
         COLUMNS,
         csv_records,
@@ -65,7 +65,7 @@ def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, re
     )
     from pipeline.evaluation.tables_rows import resolve_rows
     from pipeline.runs.tables import run_tables
-    from pipeline.runs.tune import SweepError, close_tune_job
+    from pipeline.runs.tune import close_tune_job
 
     out = base / OUT
     if render_only:
@@ -82,15 +82,7 @@ def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, re
         resolve_rows(params)
     except ParamsError as exc:
         raise ParamsUsageError(str(exc)) from None
-    check_weights(params.model.weights)
-    root = project_root()
-    load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here (mapped: never read whole)
-    try:
-        result, unit = run_tables(params, data_dir, root, tracking=not no_tracking)
-    except ParamsError as exc:  # a row's batch beyond the prepared data, a request the cluster can never hold
-        raise ParamsUsageError(str(exc)) from None
-    except SweepError as exc:
-        raise click.ClickException(str(exc)) from exc
+    result, unit = run_job(run_tables, params, data_dir, no_tracking)
     dataset = json.loads((data_dir / "manifest.json").read_text()).get("dataset", "")
     curves = curve_rows(result.rows)
     write_csv(out / "results.csv", csv_records(result.rows), COLUMNS)

@@ -21,6 +21,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pipeline.config.base import ParamsError
+from pipeline.config.params import Params
+
 EPS = 1e-9
 KINDS = ("CPU", "GPU")  # the resources a run asks for; others a node has do not limit it
 
@@ -124,3 +127,36 @@ def trials_at_once(totals: Mapping[str, float], shape: TrialShape, cap: int) -> 
     trials there are), at least 1 (the rest wait, also for nodes an autoscaler adds)."""
     counts = [int(totals.get(k, 0.0) / shape.total(k) + EPS) for k in KINDS if shape.total(k) > 0]
     return max(1, min([cap, *counts]))
+
+
+def max_concurrent(fixed: int | None, shape: TrialShape, totals: dict[str, float], n_trials: int) -> int:
+    """``fixed`` (``sweep.max_concurrent_trials``, ``tables.max_concurrent_trials``) if set, else as many trials of
+    ``shape`` as the cluster's resources now (``totals``) hold by their limiting resource
+    (``pipeline.config.resources.trials_at_once``), never more than the trials there are, at least 1. Set it on a
+    cluster that autoscales: it grows for the trials Tune starts."""
+    return fixed if fixed is not None else trials_at_once(totals, shape, cap=max(1, n_trials))
+
+
+def use_gpu(params: Params, gpus: float) -> bool:
+    """Train on GPUs when asked (``ray.use_gpu``, ``train.device: cuda``), or when the cluster has GPUs (``gpus``)
+    and ``train.device: auto``. Decided from the cluster, not from the driver's node."""
+    if params.train.device == "cpu":
+        return False
+    return params.ray.use_gpu or params.train.device == "cuda" or gpus > 0
+
+
+def trial_shape(params: Params, gpu: bool, cpus_per_worker: float | None = None, trial_cpu: float = 0.0) -> TrialShape:
+    """What one run of ``params`` asks for: ``ray.num_workers`` workers of ``cpus_per_worker`` (a sweep's
+    ``sweep.cpus_per_worker``; default ``ray.cpus_per_worker``) CPUs, a GPU each when ``gpu``, plus a trial's own
+    ``trial_cpu``."""
+    key = "ray.cpus_per_worker" if cpus_per_worker is None else "sweep.cpus_per_worker"
+    return TrialShape(params.ray.num_workers, cpus_per_worker or params.ray.cpus_per_worker, gpu, trial_cpu, key)
+
+
+def check_request(params: Params, nodes: list[dict[str, float]], *, gpu: bool, cpus_per_worker: float | None = None,
+                  trial_cpu: float = 0.0, what: str = "pretraining") -> None:
+    """Raise :class:`ParamsError` if ``ray.num_workers`` workers (plus a trial's own bundle) can never fit on
+    ``nodes``, all the nodes there will be."""
+    reason = infeasible(nodes, trial_shape(params, gpu, cpus_per_worker, trial_cpu), what=what)
+    if reason:
+        raise ParamsError(reason)

@@ -14,6 +14,7 @@ fixed seeded permutation and split into nearly equal chunks (no runt last batch)
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -166,6 +167,20 @@ class Evaluation:
     probe_rows: list[dict[str, Any]] = field(default_factory=list)
     sharpness_rows: list[dict[str, Any]] = field(default_factory=list)
     tsne: tuple[list[np.ndarray], np.ndarray, list[str]] | None = None
+
+    def flat_metrics(self) -> dict[str, float]:
+        """The finite numbers of :attr:`metrics` under flat names, as MLflow logs them: ``<rep>.<probe>.<pct>pct``,
+        ``spectral.*``, ``layers.<rep>.*``, ``sharpness.*``, ``sharpness_q10.*``, ``health.<block>.*``."""
+        m, out = self.metrics, {}
+        for rep, by_probe in m["probes"].items():
+            for probe, by_frac in by_probe.items():
+                out |= {f"{rep}.{probe}.{round(float(f) * 100)}pct": a for f, a in by_frac.items() if a is not None}
+        out |= {f"spectral.{k}": v for k, v in m["spectral"].items() if isinstance(v, float)}
+        out |= {f"layers.{rep}.{k}": v for rep, s in m["layers"].items() for k, v in s.items()
+                if v is not None and math.isfinite(v)}
+        out |= {f"{key}.{k}": v for key in ("sharpness", "sharpness_q10") for k, v in m[key].items()
+                if math.isfinite(v)}
+        return out | {f"health.{b}.{k}": v for b, h in m["health"].items() for k, v in h.items() if v is not None}
 
 
 def probe_train_index(p: ProbeConfig, y: torch.Tensor) -> np.ndarray:

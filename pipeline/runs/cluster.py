@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from pipeline.config.base import ParamsError
 from pipeline.config.params import Params
-from pipeline.config.resources import KINDS, TrialShape, infeasible
+from pipeline.config.resources import KINDS, check_request, trial_shape, use_gpu
 from pipeline.host import usable_cpus
 from pipeline.runs.undocumented import local_gcs_port, pending_nodes, ray_record_file, stale_local_record
 
@@ -187,31 +186,6 @@ def live_nodes() -> list[dict[str, float]]:
     import ray
 
     return [{k: float(n["Resources"].get(k, 0.0)) for k in KINDS} for n in ray.nodes() if n.get("Alive")]
-
-
-def use_gpu(params: Params, gpus: float) -> bool:
-    """Train on GPUs when asked (``ray.use_gpu``, ``train.device: cuda``), or when the cluster has GPUs (``gpus``)
-    and ``train.device: auto``. Decided from the cluster, not from the driver's node."""
-    if params.train.device == "cpu":
-        return False
-    return params.ray.use_gpu or params.train.device == "cuda" or gpus > 0
-
-
-def trial_shape(params: Params, gpu: bool, cpus_per_worker: float | None = None, trial_cpu: float = 0.0) -> TrialShape:
-    """What one run of ``params`` asks for: ``ray.num_workers`` workers of ``cpus_per_worker`` (a sweep's
-    ``sweep.cpus_per_worker``; default ``ray.cpus_per_worker``) CPUs, a GPU each when ``gpu``, plus a trial's own
-    ``trial_cpu``."""
-    key = "ray.cpus_per_worker" if cpus_per_worker is None else "sweep.cpus_per_worker"
-    return TrialShape(params.ray.num_workers, cpus_per_worker or params.ray.cpus_per_worker, gpu, trial_cpu, key)
-
-
-def check_request(params: Params, nodes: list[dict[str, float]], *, gpu: bool, cpus_per_worker: float | None = None,
-                  trial_cpu: float = 0.0, what: str = "pretraining") -> None:
-    """Raise :class:`ParamsError` if ``ray.num_workers`` workers (plus a trial's own bundle) can never fit on
-    ``nodes``, all the nodes there will be."""
-    reason = infeasible(nodes, trial_shape(params, gpu, cpus_per_worker, trial_cpu), what=what)
-    if reason:
-        raise ParamsError(reason)
 
 
 def wait_for_workers(params: Params, *, gpu: bool, cpus_per_worker: float | None = None, trial_cpu: float = 0.0,

@@ -90,6 +90,11 @@ class Job:
         return self.spec.run_dir
 
 
+class SweepError(RuntimeError):
+    """A Tune job (the sweep, the tables) did not finish (interrupted, or every trial failed); rerunning the stage
+    resumes it."""
+
+
 class TrialFailed(RuntimeError):
     """A trial's training ended with an error its worker reported (e.g. a non-finite loss): the message is the
     one-line reason. Raised from the trial function, so that Tune marks the trial ERROR (MLflow: FAILED)."""

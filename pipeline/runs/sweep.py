@@ -1,21 +1,9 @@
 """Ray Tune sweeps over depth, batch size and augmentation strength (and lr): the paper's claims, tested.
 
-The sweep's job: its space and every trial's params come from ``pipeline.config.space`` (pure, checked before any
-work); here the job (:func:`run_sweep`) and its rows (:func:`trial_rows`).
-Each trial runs the pretraining worker loop on its point of the space through ``pipeline.runs.tune`` (the Ray Tune
-machinery this job shares with the paper's tables): in the trial itself for one worker, as a Ray Train run for
-several; either way Tune gets the same per-epoch metrics (online kNN accuracy, loss, measured view noise ε, the
-blocks' health), and ASHA (optional) stops the hopeless trials early.
-
-Resources: a trial holds ``TRIAL_CPU`` and its workers ``ray.num_workers × sweep.cpus_per_worker``;
-``max_concurrent_trials`` is ``sweep.max_concurrent_trials``, else what the cluster's limiting resource holds
-(``pipeline.runs.tune.max_concurrent``).
-
-Tracking and progress come from one driver-side Tune callback (:class:`SweepTracker`): a progress line per
-trial event, and MLflow written live from the driver only (one parent run per sweep, a child per trial with its
-point, per-epoch metrics and final status), so trials never contend for the sqlite store. An interrupted
-sweep (Ctrl-C, a killed driver) is restored with ``Tuner.restore``: finished trials are kept, unfinished ones
-resume from their checkpoints, and the same MLflow parent and children continue.
+The space and every trial's params come from ``pipeline.config.space`` (pure, checked before any work); here the job
+(:func:`run_sweep`, on ``pipeline.runs.tune``'s machinery: a trial per point, its per-epoch online kNN, loss, view
+noise and health to Tune, ASHA optional, :class:`SweepTracker` for progress and MLflow) and its rows
+(:func:`trial_rows`). An interrupted sweep resumes: finished trials kept, unfinished ones from their checkpoints.
 """
 
 from __future__ import annotations
@@ -28,9 +16,10 @@ from ray import tune
 from pipeline.config.base import flatten
 from pipeline.config.names import sweep_label
 from pipeline.config.params import Params
+from pipeline.config.resources import max_concurrent, trial_shape
 from pipeline.config.space import axes, base_params, check_points, grid_points, point_of, point_params, trial_params
+from pipeline.data.prepared import load_prepared
 from pipeline.evaluation.health import dead_blocks, unflat
-from pipeline.runs.cluster import trial_shape
 from pipeline.runs.job import WorkerSpec, open_job, read_manifest, say
 from pipeline.runs.tune import (
     TRIAL_CPU,
@@ -39,7 +28,6 @@ from pipeline.runs.tune import (
     TrialTracker,
     fit_trial,
     inline,
-    max_concurrent,
     trainable,
     trial_placement,
     tune_job,
@@ -91,10 +79,11 @@ class SweepTracker(TrialTracker):
 
 # ------------------------------------------------------------------------------------------------ driver
 def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = True) -> JobResult:
-    """Run (or resume) the sweep; its ``rows`` are :func:`trial_rows`. Raises ``pipeline.runs.tune.SweepError`` if it
+    """Run (or resume) the sweep; its ``rows`` are :func:`trial_rows`. Raises ``pipeline.runs.job.SweepError`` if it
     was interrupted or every trial failed."""
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
+    load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here (mapped: never read whole)
     base = base_params(params)
     check_points(params, read_manifest(data_dir).get("n_train"))
     s = params.sweep

@@ -22,12 +22,14 @@ from pipeline.config.base import flatten
 from pipeline.config.names import row_label, tables_label
 from pipeline.config.params import Params
 from pipeline.config.ray import TRIAL_CPU
+from pipeline.config.resources import max_concurrent, trial_shape
 from pipeline.config.space import trial_params
+from pipeline.data.prepared import load_prepared
 from pipeline.evaluation.report import NA, fmt_cell, fmt_minutes
 from pipeline.evaluation.tables_report import ALL_PROBES
 from pipeline.evaluation.tables_rows import Row, control_rows, resolve_rows, seeds_of, trial_configs
 from pipeline.runs import tracking as trk
-from pipeline.runs.cluster import trial_shape, with_worker_cpus
+from pipeline.runs.cluster import with_worker_cpus
 from pipeline.runs.job import Manifest, Tracked, WorkerSpec, open_job, read_manifest, say
 from pipeline.runs.tune import (
     Config,
@@ -37,7 +39,6 @@ from pipeline.runs.tune import (
     TrialTracker,
     fit_trial,
     inline,
-    max_concurrent,
     trainable,
     trial_placement,
     tune_job,
@@ -59,15 +60,14 @@ def probe_row(params: Params, data_dir: str, manifest: Manifest, model_state: di
     from pipeline.data.storage import fetch_prepared
     from pipeline.evaluation.evaluate import probe_frozen
 
-    p = params
     data = fetch_prepared(data_dir, manifest)
     model = None
     if control != "raw_pixels":
-        torch.manual_seed(p.train.seed)  # as pipeline.training.loop.PretrainLoop before it builds the model
-        model = build_model(p.model, data.input_shape)
+        torch.manual_seed(params.train.seed)  # as pipeline.training.loop.PretrainLoop before it builds the model
+        model = build_model(params.model, data.input_shape)
         if model_state is not None:
             model.load_state_dict(model_state)
-    accuracies, n_probe = probe_frozen(p, data, model)
+    accuracies, n_probe = probe_frozen(params, data, model)
     held = ray.get_runtime_context().get_assigned_resources() if ray.is_initialized() else {}
     return accuracies, n_probe, {k: float(v) for k, v in held.items() if k in ("CPU", "GPU")}
 
@@ -96,28 +96,18 @@ def _row_trial(config: Config, job: WorkerSpec) -> None:
     row = config["row"]
     params = trial_params(job.params.model_dump(), {**row["params"], "train.seed": row["seed"]},
                           source=f"tables row {row['name']!r}")
-    workers = params.ray.num_workers
-    if row["control"]:
-        start = time.time()
-        accuracies, n_probe, held = probe_where_trained(params, job, None, control=row["control"])
-        tune.report({"evaluated": 1, "epoch": 0, "knn_acc": math.nan,
-                     **{f"probe.{k}": v for k, v in accuracies.items()}, "n_probe_train": n_probe,
-                     "train_seconds": 0.0, "fit_seconds": 0.0, "eval_seconds": time.time() - start, "workers": 0,
-                     "gpus": 0, "hours": 0.0, "checkpoint_path": "", "probe_cpus": held.get("CPU", 0.0),
-                     "probe_gpus": held.get("GPU", 0.0)})
-        return
-    run = fit_trial(job, params)
-    state = run.state
+    run = None if row["control"] else fit_trial(job, params)
     start = time.time()
-    accuracies, n_probe, held = probe_where_trained(params, job, state.model)
-    history = state.history
+    accuracies, n_probe, held = probe_where_trained(params, job, run.state.model if run else None, row["control"])
+    history = run.state.history if run else []
     knn = [h["knn_acc"] for h in history if h.get("knn_acc") is not None]
+    workers, seconds = (params.ray.num_workers, run.seconds) if run else (0, 0.0)
     tune.report({
-        "evaluated": 1, "epoch": state.epoch, "knn_acc": knn[-1] if knn else math.nan,
+        "evaluated": 1, "epoch": run.state.epoch if run else 0, "knn_acc": knn[-1] if knn else math.nan,
         **{f"probe.{k}": v for k, v in accuracies.items()}, "n_probe_train": n_probe,
-        "train_seconds": float(sum(h["seconds"] for h in history)), "fit_seconds": run.seconds,
+        "train_seconds": float(sum(h["seconds"] for h in history)), "fit_seconds": seconds,
         "eval_seconds": time.time() - start, "workers": workers, "gpus": workers if job.use_gpu else 0,
-        "hours": run.seconds * workers / 3600, "checkpoint_path": run.checkpoint_path,
+        "hours": seconds * workers / 3600, "checkpoint_path": run.checkpoint_path if run else "",
         "probe_cpus": held.get("CPU", 0.0), "probe_gpus": held.get("GPU", 0.0),
     })
 
@@ -210,10 +200,11 @@ def collect(trials: list[Outcome], rows: list[Row], unit: str) -> list[dict[str,
 def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = True) -> tuple[JobResult, str]:
     """Run (or resume) the tables job; returns its result (``rows`` from :func:`collect`) and the hours' unit.
 
-    Raises :class:`ParamsError` for bad rows (before Ray and tracking) and :class:`pipeline.runs.tune.SweepError` if the
+    Raises :class:`ParamsError` for bad rows (before Ray and tracking) and :class:`pipeline.runs.job.SweepError` if the
     job was interrupted or every row failed.
     """
     params = with_worker_cpus(params, TRIAL_CPU)  # null: this machine's CPUs less the trial's own
+    load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here (mapped: never read whole)
     rows = resolve_rows(params, read_manifest(data_dir).get("n_train"))
     seeds = seeds_of(params)
     logged = {**{k: v for k, v in flatten(params).items() if k.split(".")[0] in ("model", "loss", "augment", "train",

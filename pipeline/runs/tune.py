@@ -7,8 +7,8 @@ tables (``pipeline.runs.tables``): a library both use, knowing neither.
   a Ray Train run's start and stop (docs/results.md measures them) would cost more than a small trial's training.
   Several workers are a ``TorchTrainer`` run named after the trial id, so that a restored job resumes each trial's own
   run; ``TuneReportCallback`` passes rank 0's metrics to Tune. A diverged trial raises ``TrialFailed``.
-- **Resources**: a trial holds ``TRIAL_CPU`` and its workers' bundles (:func:`trial_placement`); :func:`max_concurrent`
-  starts as many at once as the cluster's limiting resource holds; Tune and Ray Train hold the rest pending.
+- **Resources**: a trial holds ``TRIAL_CPU`` and its workers' bundles (:func:`trial_placement`); as many start at
+  once as the cluster's limiting resource holds (``pipeline.config.resources.max_concurrent``).
 - **Tracking and progress**: :class:`TrialTracker`, the driver-side Tune callback each job subclasses: a line per
   trial event, MLflow from the driver only (a child of the job's run per trial, found again by its tags), so
   trials never contend for the sqlite store. It keeps no state of its own: what the driver needs after the job (each
@@ -35,7 +35,7 @@ from ray import tune
 from pipeline.config.names import point_label
 from pipeline.config.params import Params
 from pipeline.config.ray import TRIAL_CPU
-from pipeline.config.resources import TrialShape, trials_at_once
+from pipeline.config.resources import TrialShape
 from pipeline.config.space import describe, point_of
 from pipeline.data.storage import (
     PLACEMENT_FILE,
@@ -48,7 +48,7 @@ from pipeline.data.storage import (
 from pipeline.evaluation.health import is_health_key
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import TRIAL_CONSOLE_LEVEL
-from pipeline.runs.job import Job, Tracked, TrialFailed, WorkerSpec, close_job, error_reason, fail_job, say
+from pipeline.runs.job import Job, SweepError, Tracked, TrialFailed, WorkerSpec, close_job, error_reason, fail_job, say
 from pipeline.runs.train import (
     EPOCH_METRICS,
     HISTORY_FILE,
@@ -69,19 +69,6 @@ from pipeline.runs.undocumented import checkpoint_dirs, trial_error
 Config = dict[str, object]  # a trial's config: its point, or its row
 Result = dict[str, object]  # one result a trial reported to Tune
 TRACKER_FILE = "transfusion_trials.json"  # the tracker's record of the trials, in the job's directory
-
-
-class SweepError(RuntimeError):
-    """A Tune job (the sweep, the tables) did not finish (interrupted, or every trial failed); rerunning the stage
-    resumes it."""
-
-
-def max_concurrent(fixed: int | None, shape: TrialShape, totals: dict[str, float], n_trials: int) -> int:
-    """``fixed`` (``sweep.max_concurrent_trials``, ``tables.max_concurrent_trials``) if set, else as many trials of
-    ``shape`` as the cluster's resources now (``totals``) hold by their limiting resource
-    (``pipeline.config.resources.trials_at_once``), never more than the trials there are, at least 1. Set it on a
-    cluster that autoscales: it grows for the trials Tune starts."""
-    return fixed if fixed is not None else trials_at_once(totals, shape, cap=max(1, n_trials))
 
 
 # ------------------------------------------------------------------------------------------------- trial

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config.params import load_params
+from pipeline.config.resources import use_gpu
 from pipeline.data.types import DatasetError
-from pipeline.runs.cluster import host_port, local_nodes, use_gpu
+from pipeline.runs.cluster import host_port, local_nodes
 from pipeline.runs.job import error_reason
 from tests.conftest import ROOT
 

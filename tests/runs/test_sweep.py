@@ -12,7 +12,7 @@ import yaml
 from pipeline.config.base import ParamsError
 from pipeline.config.params import load_params
 from pipeline.config.ray import TRIAL_CPU
-from pipeline.config.resources import TrialShape, trials_at_once
+from pipeline.config.resources import TrialShape, max_concurrent, trials_at_once
 from pipeline.config.space import (
     axes,
     base_params,
@@ -22,7 +22,7 @@ from pipeline.config.space import (
     trial_params,
 )
 from pipeline.runs.job import job_name
-from pipeline.runs.tune import inline, max_concurrent, trial_placement
+from pipeline.runs.tune import inline, trial_placement
 from stages.sweep import COLUMNS, best_trial, write_outputs
 from tests.conftest import ROOT
 
