@@ -26,12 +26,10 @@ from pipeline.core.targets import LAYOUTS, check_layout, pairwise_cosine, self_s
 
 SIZES = [(4, 3), pytest.param(4, 8, marks=pytest.mark.slow), pytest.param(6, 3, marks=pytest.mark.slow),
          pytest.param(6, 8, marks=pytest.mark.slow), pytest.param(10, 3, marks=pytest.mark.slow), (10, 8)]
-# supervised labels, each with at least one singleton class (rows without a positive)
-SUP_IDS = {
-    4: [1, 0, 1, 1],
-    6: [0, 1, 0, 1, 2, 1],
-    10: [2, 0, 1, 0, 2, 1, 3, 0, 1, 2],
-}
+# supervised labels, each with at least one singleton class (rows without a positive); "random": unsorted,
+# non-contiguous, negative labels
+SUP_IDS = {4: [1, 0, 1, 1], 6: [0, 1, 0, 1, 2, 1], 10: [2, 0, 1, 0, 2, 1, 3, 0, 1, 2]}
+RANDOM_IDS = [7, -3, 7, 100, 4, 4, -3, 7, 9, 100]  # 9 is a singleton; 100 too at n = 4
 TEMPERATURES = {"kl_softmax", "infonce", "supcon", "dcl"}
 LOG2 = math.log(2.0)
 
@@ -39,36 +37,33 @@ LOG2 = math.log(2.0)
 def make_ids(kind: str, n: int) -> torch.Tensor:
     if kind == "self":
         return self_supervised_ids(n // 2)
-    return torch.tensor(SUP_IDS[n], dtype=torch.int64)
+    return torch.tensor(SUP_IDS[n] if kind == "sup" else RANDOM_IDS[:n], dtype=torch.int64)
 
 
-def make_qk(
-    n: int, d: int, seed: int, dtype: torch.dtype = torch.float64
-) -> tuple[torch.Tensor, torch.Tensor]:
+def make_qk(n: int, d: int, seed: int, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(n, d, generator=g, dtype=dtype)
-    k = torch.randn(n, d, generator=g, dtype=dtype)
-    return q, k
+    return torch.randn(n, d, generator=g, dtype=dtype), torch.randn(n, d, generator=g, dtype=dtype)
 
 
 def allowed(name: str, kind: str) -> bool:
-    return not (kind == "sup" and name in SELF_SUPERVISED_ONLY)
+    return kind == "self" or name not in SELF_SUPERVISED_ONLY
 
 
-# (loss name, ids kind) pairs the loss accepts: supervised batches (with singletons) are excluded for the
-# self-supervised-only losses, which are tested to raise on them below.
-NAME_KIND = [(name, kind) for name in LOSS_NAMES for kind in ("self", "sup") if allowed(name, kind)]
+# (loss name, ids kind) pairs the loss accepts (the self-supervised-only losses refuse supervised batches, below)
+NAME_KIND = [(name, kind) for name in LOSS_NAMES for kind in ("self", "sup", "random") if allowed(name, kind)]
 # hyper-parameter settings (temperature, barlow_lambda); the second only for the losses that take one
-NAME_KIND_HYPER = [
-    (name, kind, tau, lam)
-    for name, kind in NAME_KIND
-    for tau, lam in [(0.1, 5e-3), (0.7, 0.05)]
-    if tau == 0.1 or name in TEMPERATURES | {"barlow_twins"}
-]
+NAME_KIND_HYPER = [(name, kind, tau, lam) for name, kind in NAME_KIND for tau, lam in [(0.1, 5e-3), (0.7, 0.05)]
+                   if tau == 0.1 or name in TEMPERATURES | {"barlow_twins"}]
+
+
+def layouts_for(name: str, kind: str) -> list[str | None]:
+    """None and the hints a batch of ids ``kind`` may be given to the loss ``name``."""
+    hints = ["two_view"] if kind == "self" else []
+    return [None, *hints] if name in SELF_SUPERVISED_ONLY else [None, *hints, "labels"]
 
 
 # --------------------------------------------------------------------------------------------------
-# slow references: plain python floats, explicit loops
+# slow references: explicit loops
 # --------------------------------------------------------------------------------------------------
 
 
@@ -77,9 +72,7 @@ def ref_cosine(q: torch.Tensor, k: torch.Tensor) -> list[list[float]]:
     n, d = len(qs), len(qs[0])
     qn = [math.sqrt(sum(qs[i][c] ** 2 for c in range(d))) for i in range(n)]
     kn = [math.sqrt(sum(ks[j][c] ** 2 for c in range(d))) for j in range(n)]
-    return [
-        [sum(qs[i][c] * ks[j][c] for c in range(d)) / (qn[i] * kn[j]) for j in range(n)] for i in range(n)
-    ]
+    return [[sum(qs[i][c] * ks[j][c] for c in range(d)) / (qn[i] * kn[j]) for j in range(n)] for i in range(n)]
 
 
 def ref_target(ids: list[int]) -> list[list[float]]:
@@ -87,11 +80,9 @@ def ref_target(ids: list[int]) -> list[list[float]]:
     return [[1.0 if (ids[i] == ids[j] and i != j) else 0.0 for j in range(n)] for i in range(n)]
 
 
-def ref_row_loss(name: str, A: list, ids: list[int], i: int, tau: float, log=math.log, exp=math.exp):
-    """Per-row loss of row i (all losses but barlow_twins), written straight from the formulas.
-
-    A holds floats (with math.log / math.exp) or 0-dim tensors (with torch's, for the loop gradients).
-    """
+def ref_row_loss(name: str, A: list, ids: list[int], i: int, tau: float, log, exp):
+    """Per-row loss of row i (all losses but barlow_twins), written straight from the formulas; A holds 0-dim
+    tensors (with torch's log / exp), so that autograd gives the reference gradients."""
     n = len(ids)
     Y = ref_target(ids)
     others = [j for j in range(n) if j != i]
@@ -127,7 +118,7 @@ def ref_row_loss(name: str, A: list, ids: list[int], i: int, tau: float, log=mat
         return total
 
     if name in ("kl_relu", "kl_squared"):
-        f = (lambda a: max(a, 0.0)) if name == "kl_relu" else (lambda a: a * a)
+        f = (lambda a: a if a > 0 else 0.0 * a) if name == "kl_relu" else (lambda a: a * a)  # ReLU's slope 0 at 0
         tot = sum(f(A[i][j]) + EPS for j in others)
         return sum(yhat[j] * log(yhat[j] / ((f(A[i][j]) + EPS) / tot)) for j in positives)
 
@@ -142,6 +133,21 @@ def ref_row_loss(name: str, A: list, ids: list[int], i: int, tau: float, log=mat
         denom_neg = sum(exp(A[i][a] / tau) for a in others if a not in positives)
         return -sum(A[i][p] / tau for p in positives) / npos + log(denom_neg)
     raise AssertionError(name)
+
+
+def ref_loss_torch(name: str, q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, tau: float) -> torch.Tensor:
+    """The mean over the rows of :func:`ref_row_loss`, on 0-dim tensors."""
+    n = q.shape[0]
+    A = [[q[i] @ k[j] / (q[i].norm() * k[j].norm()) for j in range(n)] for i in range(n)]
+
+    def log(x):
+        return torch.log(torch.as_tensor(x, dtype=q.dtype))
+
+    def exp(x):
+        return torch.exp(torch.as_tensor(x, dtype=q.dtype))
+
+    idl = ids.tolist()
+    return torch.as_tensor(sum(ref_row_loss(name, A, idl, i, tau, log, exp) for i in range(n)) / n, dtype=q.dtype)
 
 
 def ref_barlow(q: torch.Tensor, lam: float) -> float:
@@ -167,15 +173,6 @@ def ref_barlow(q: torch.Tensor, lam: float) -> float:
     return total
 
 
-def ref_loss(name: str, q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, tau: float, lam: float) -> float:
-    if name == "barlow_twins":
-        return ref_barlow(q, lam)
-    A = ref_cosine(q, k)
-    idl = ids.tolist()
-    n = len(idl)
-    return sum(ref_row_loss(name, A, idl, i, tau) for i in range(n)) / n
-
-
 def appendix_e_transcription(embeddings: torch.Tensor, target_affinity: torch.Tensor) -> torch.Tensor:
     """Appendix E.2 Loss.forward, step by step, with the same tensor operations."""
     unit = F.normalize(embeddings)  # unit rows
@@ -189,66 +186,9 @@ def appendix_e_transcription(embeddings: torch.Tensor, target_affinity: torch.Te
     return out
 
 
-def call(name: str, q, k, ids, rows=None, tau: float = 0.1, lam: float = 5e-3, layout=None) -> torch.Tensor:
-    hyper = {}
-    if name in TEMPERATURES:
-        hyper["temperature"] = tau
-    if name == "barlow_twins":
-        hyper["barlow_lambda"] = lam
-    return LOSSES[name](q, k, ids, rows=rows, layout=layout, **hyper)
-
-
-# larger supervised batches: unsorted, non-contiguous (also negative) labels, several singletons
-RANDOM_SUP = [
-    (17, 5, [7, -3, 7, 100, 4, 4, -3, 7, 9, 100, 100, 4, 7, 11, -3, 4, 7]),  # 9 and 11 are singletons
-    (40, 8, None),  # drawn below: labels 0..11 of 40 rows
-]
-
-
-def random_sup_ids(n: int, labels: list[int] | None) -> torch.Tensor:
-    if labels is not None:
-        return torch.tensor(labels, dtype=torch.int64)
-    g = torch.Generator().manual_seed(n)
-    return torch.randint(0, 12, (n,), generator=g)
-
-
-def values_and_grads(fn, q0, k0, *, rows=None, weight: float = 1.0):
-    """``fn(q, k, rows)`` and the gradient of ``weight`` times it with respect to q and k."""
-    q = q0.clone().requires_grad_(True)
-    k = k0.clone().requires_grad_(True)
-    loss = fn(q, k, rows)
-    gq, gk = torch.autograd.grad(loss * weight, (q, k), allow_unused=True)
-    gq = torch.zeros_like(q0) if gq is None else gq
-    gk = torch.zeros_like(k0) if gk is None else gk
-    return loss.detach(), gq, gk
-
-
-def assert_same(got, want, tol):
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
-
-
-def big_saved(fn, n: int) -> int:
-    """How many tensors of n * n / 2 entries or more the graph of ``fn()`` keeps for backward."""
-    saved = []
-
-    def pack(t):
-        saved.append(t.numel())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(1 for size in saved if size >= n * n // 2)
-
-
-def slices(n: int) -> list[slice | None]:
-    return [None, slice(0, 1), slice(1, n // 2), slice(n // 2, None), slice(n - 1, None), slice(n // 3, n - 2)]
-
-
-# --------------------------------------------------------------------------------------------------
-# today's vectorised implementation before the fused autograd Functions (issue 12), kept verbatim as a
-# second reference: it builds the full (r, n) P, Ŷ, M, log M ... and lets autograd differentiate them
-# --------------------------------------------------------------------------------------------------
+# the dense jsd and jsd_appendix_e before the fused autograd Functions (issue 12), verbatim: full (r, n) P, Ŷ, M,
+# log M differentiated by autograd. benchmarks/bench_loss.py --reference times them; below, the control of
+# test_fused_keeps_one_n_by_n_tensor_for_backward.
 
 
 def _pre_prepare(q, k, ids, rows):
@@ -300,85 +240,55 @@ def reference_jsd_appendix_e(q, k, ids, *, rows=None):
     return (F.kl_div(log_mix, y, reduction="sum") + F.kl_div(log_mix, aff, reduction="sum")) / n
 
 
-def reference_kl(f):  # kl_relu (f = ReLU), kl_squared (f = square)
-    def loss(q, k, ids, *, rows=None):
-        a, y, diag, n = _pre_prepare(q, k, ids, rows)
-        p = _pre_normalize_offdiag(f(a), diag)
-        return _pre_kl_rows(_pre_row_normalize(y), _pre_safe_log(p, ~diag)).sum() / n
-
-    return loss
-
-
-def reference_kl_softmax(q, k, ids, *, rows=None, temperature=0.1):
-    a, y, diag, n = _pre_prepare(q, k, ids, rows)
-    logits = (a / temperature).masked_fill(diag, float("-inf"))
-    log_sigma = F.log_softmax(logits, dim=1).masked_fill(diag, 0.0)
-    return _pre_kl_rows(_pre_row_normalize(y), log_sigma).sum() / n
-
-
-def reference_supcon(q, k, ids, *, rows=None, temperature=0.1):  # also infonce
-    a, y, diag, n = _pre_prepare(q, k, ids, rows)
-    logits = a / temperature
-    lse = logits.masked_fill(diag, float("-inf")).logsumexp(dim=1)
-    per_row = lse - (_pre_row_normalize(y) * logits).sum(dim=1)
-    return torch.where(y.sum(dim=1) > 0, per_row, torch.zeros_like(per_row)).sum() / n
-
-
-def reference_dcl(q, k, ids, *, rows=None, temperature=0.1):
-    a, y, diag, n = _pre_prepare(q, k, ids, rows)
-    logits = a / temperature
-    lse_neg = logits.masked_fill((y > 0) | diag, float("-inf")).logsumexp(dim=1)
-    per_row = lse_neg - (_pre_row_normalize(y) * logits).sum(dim=1)
-    return torch.where(y.sum(dim=1) > 0, per_row, torch.zeros_like(per_row)).sum() / n
-
-
-PRE_FUSION = {
-    "jsd": reference_jsd,
-    "jsd_appendix_e": reference_jsd_appendix_e,
-    "kl_relu": reference_kl(lambda a: a.clamp_min(0.0)),
-    "kl_squared": reference_kl(torch.square),
-    "kl_softmax": reference_kl_softmax,
-    "infonce": reference_supcon,
-    "supcon": reference_supcon,
-    "dcl": reference_dcl,
-}
-FUSED = tuple(PRE_FUSION)
-
-
-def call_pre_fusion(name, q, k, ids, rows=None, tau: float = 0.1):
+def call(name: str, q, k, ids, rows=None, tau: float = 0.1, lam: float = 5e-3, layout=None) -> torch.Tensor:
     hyper = {"temperature": tau} if name in TEMPERATURES else {}
-    return PRE_FUSION[name](q, k, ids, rows=rows, **hyper)
+    if name == "barlow_twins":
+        hyper["barlow_lambda"] = lam
+    return LOSSES[name](q, k, ids, rows=rows, layout=layout, **hyper)
 
 
-def ref_loss_torch(name: str, q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, tau: float) -> torch.Tensor:
-    """The loop reference of :func:`ref_row_loss` on 0-dim tensors, so that autograd gives its gradient."""
-    n = q.shape[0]
-    A = [[q[i] @ k[j] / (q[i].norm() * k[j].norm()) for j in range(n)] for i in range(n)]
+def values_and_grads(fn, q0, k0, *, rows=None, weight: float = 1.0):
+    """``fn(q, k, rows)`` and the gradient of ``weight`` times it with respect to q and k."""
+    q = q0.clone().requires_grad_(True)
+    k = k0.clone().requires_grad_(True)
+    loss = fn(q, k, rows)
+    gq, gk = torch.autograd.grad(loss * weight, (q, k), allow_unused=True)
+    gq = torch.zeros_like(q0) if gq is None else gq
+    gk = torch.zeros_like(k0) if gk is None else gk
+    return loss.detach(), gq, gk
 
-    def log(x):
-        return torch.log(torch.as_tensor(x, dtype=q.dtype))
 
-    def exp(x):
-        return torch.exp(torch.as_tensor(x, dtype=q.dtype))
+def assert_same(got, want, tol):
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
 
-    idl = ids.tolist()
-    total = sum(ref_row_loss(name, A, idl, i, tau, log=log, exp=exp) for i in range(n)) / n
-    return torch.as_tensor(total, dtype=q.dtype)
+
+def big_saved(fn, n: int) -> int:
+    """How many tensors of n * n / 2 entries or more the graph of ``fn()`` keeps for backward."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(1 for size in saved if size >= n * n // 2)
+
+
+def slices(n: int) -> list[slice | None]:
+    return [None, slice(0, 1), slice(1, n // 2), slice(n // 2, None), slice(n - 1, None), slice(n // 3, n - 2)]
 
 
 # --------------------------------------------------------------------------------------------------
-# helpers
+# targets and cosines
 # --------------------------------------------------------------------------------------------------
-
-
-def test_self_supervised_ids_layout():
-    assert self_supervised_ids(3).tolist() == [0, 1, 2, 0, 1, 2]
-    assert self_supervised_ids(1).dtype == torch.int64
 
 
 @pytest.mark.parametrize("kind", ["self", "sup"])
 @pytest.mark.parametrize("n", [4, 6, 10])
 def test_target_affinity_matches_eq1(kind, n):
+    assert self_supervised_ids(3).tolist() == [0, 1, 2, 0, 1, 2] and self_supervised_ids(1).dtype == torch.int64
     ids = make_ids(kind, n)
     Y = ref_target(ids.tolist())
     assert target_affinity(ids).tolist() == Y
@@ -391,9 +301,7 @@ def test_pairwise_cosine_matches_loops(n, d):
     q, k = make_qk(n, d, seed=n * d)
     A = torch.tensor(ref_cosine(q, k), dtype=torch.float64)
     torch.testing.assert_close(pairwise_cosine(q, k), A, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(
-        pairwise_cosine(q, k, rows=slice(1, n - 1)), A[1 : n - 1], rtol=1e-12, atol=1e-12
-    )
+    torch.testing.assert_close(pairwise_cosine(q, k, rows=slice(1, n - 1)), A[1 : n - 1], rtol=1e-12, atol=1e-12)
     # idempotent on unit rows
     torch.testing.assert_close(pairwise_cosine(F.normalize(q), F.normalize(k)), A, rtol=1e-12, atol=1e-12)
 
@@ -406,17 +314,24 @@ def test_pairwise_cosine_matches_loops(n, d):
 @pytest.mark.parametrize("name,kind,tau,lam", NAME_KIND_HYPER)
 @pytest.mark.parametrize("n,d", SIZES)
 def test_loss_matches_loop_reference(name, kind, tau, lam, n, d):
+    """Value and gradient (for an upstream gradient of -2.5) through every layout hint the batch allows in fp64,
+    and in fp32. jsd's loop has no 1e-10 epsilon: ~1e-9 on the value, ~1e-8 on near-zero positive affinities'
+    gradients."""
     ids = make_ids(kind, n)
-    q, k = make_qk(n, d, seed=10 * n + d)
-    got = call(name, q, k, ids, tau=tau, lam=lam)
-    want = ref_loss(name, q, k, ids, tau, lam)
-    assert got.dim() == 0
-    # jsd's 1e-10 normalisation epsilon is absent from its reference: allow ~1e-9
-    assert got.item() == pytest.approx(want, rel=1e-8, abs=1e-8)
-    # float32 path agrees too
-    got32 = call(name, q.float(), k.float(), ids, tau=tau, lam=lam)
-    assert got32.dtype == torch.float32
-    assert got32.item() == pytest.approx(want, rel=1e-4, abs=1e-4)
+    q0, k0 = make_qk(n, d, seed=10 * n + d)
+    if name == "barlow_twins":  # the loop's value (its gradient: test_gradcheck)
+        want = [torch.tensor(ref_barlow(q0, lam), dtype=torch.float64)]
+    else:
+        want = values_and_grads(lambda q, k, _: ref_loss_torch(name, q, k, ids, tau), q0, k0, weight=-2.5)
+        assert want[1].abs().sum() > 0
+    for layout in layouts_for(name, kind):
+        got = values_and_grads(lambda q, k, _, lay=layout: call(name, q, k, ids, tau=tau, lam=lam, layout=lay), q0,
+                               k0, weight=-2.5)
+        assert_same(got[: len(want)], want, 1e-6 if name == "jsd" else 1e-8)
+    got32 = values_and_grads(lambda q, k, _: call(name, q, k, ids, tau=tau, lam=lam), q0.float(), k0.float(),
+                             weight=-2.5)
+    assert got32[0].dtype == torch.float32
+    assert_same([t.double() for t in got32[: len(want)]], want, 1e-4)
 
 
 @pytest.mark.parametrize("kind", ["self", "sup"])
@@ -425,11 +340,9 @@ def test_loss_matches_loop_reference(name, kind, tau, lam, n, d):
 def test_jsd_appendix_e_matches_transcription(kind, n, d, dtype):
     ids = make_ids(kind, n)
     z, _ = make_qk(n, d, seed=n + d, dtype=dtype)
-    Y = target_affinity(ids, dtype=dtype)
-    z1 = z.clone().requires_grad_(True)
-    z2 = z.clone().requires_grad_(True)
+    z1, z2 = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
     got = jsd_appendix_e(z1, z1, ids)
-    want = appendix_e_transcription(z2, Y)
+    want = appendix_e_transcription(z2, target_affinity(ids, dtype=dtype))
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     got.backward()
@@ -437,28 +350,23 @@ def test_jsd_appendix_e_matches_transcription(kind, n, d, dtype):
     torch.testing.assert_close(z1.grad, z2.grad, rtol=tol * 10, atol=tol * 10)
 
 
-# --------------------------------------------------------------------------------------------------
-# row-slice additivity (values and gradients)
-# --------------------------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("name,kind", NAME_KIND)
 @pytest.mark.parametrize("n,d", SIZES)
 def test_row_slices_add_up(name, kind, n, d):
+    """Values and gradients of disjoint row slices add up to the whole batch's, through every layout hint."""
     ids = make_ids(kind, n)
     q0, k0 = make_qk(n, d, seed=7 * n + d)
+    for layout in layouts_for(name, kind):
+        def fn(q, k, rows, lay=layout):
+            return call(name, q, k, ids, rows=rows, tau=0.3, layout=lay)
 
-    def fn(q, k, rows):
-        return call(name, q, k, ids, rows=rows, tau=0.3)
-
-    full = values_and_grads(fn, q0, k0)
-    assert full[1].abs().sum() > 0
-    for a in sorted({1, n // 2, n - 1}):
-        parts = [values_and_grads(fn, q0, k0, rows=rows) for rows in (slice(0, a), slice(a, None))]
-        assert_same([p1 + p2 for p1, p2 in zip(*parts, strict=True)], full, 1e-10)
-    # one slice per row
-    parts = [call(name, q0, k0, ids, rows=slice(i, i + 1), tau=0.3) for i in range(n)]
-    torch.testing.assert_close(torch.stack(parts).sum(), full[0], rtol=1e-12, atol=1e-12)
+        full = values_and_grads(fn, q0, k0)
+        assert full[1].abs().sum() > 0
+        for cuts in ([0, 1, n], [0, n // 2, n], [0, 1, n // 2 + 1, n - 1, n]):
+            parts = [values_and_grads(fn, q0, k0, rows=slice(a, b)) for a, b in zip(cuts, cuts[1:], strict=False)]
+            assert_same([sum(p[t] for p in parts) for t in range(3)], full, 1e-10)
+        per_row = torch.stack([fn(q0, k0, slice(i, i + 1)) for i in range(n)]).sum()
+        torch.testing.assert_close(per_row, full[0], rtol=1e-12, atol=1e-12)
 
 
 def test_input_errors():
@@ -502,15 +410,10 @@ def test_appendix_a_identity(kind, n, d, tau):
         return loss.detach(), head.weight.grad.clone()
 
     kl, g_kl = value_and_grad(kl_softmax)
-    if kind == "self":
-        other, g_other = value_and_grad(infonce)
-        const = 0.0
-    else:
-        other, g_other = value_and_grad(supcon)
-        Y = torch.tensor(ref_target(ids.tolist()))
-        npos = Y.sum(dim=1)
-        const = sum(math.log(p) for p in npos.tolist() if p > 0) / n  # mean_i log|P(i)|, singletons give 0
-        assert const > 0
+    other, g_other = value_and_grad(infonce if kind == "self" else supcon)
+    npos = torch.tensor(ref_target(ids.tolist())).sum(dim=1).tolist()
+    const = sum(math.log(p) for p in npos if p > 0) / n  # mean_i log|P(i)|, singletons give 0
+    assert (const > 0) == (kind == "sup")
     assert kl.item() == pytest.approx(other.item() - const, rel=1e-10, abs=1e-10)
     torch.testing.assert_close(g_kl, g_other, rtol=1e-9, atol=1e-12)
 
@@ -532,22 +435,19 @@ def test_jsd_zero_for_orthogonal_class_embeddings(kind, n, dtype):
     # there: a row with m = |P(i)| positives (S' = 1/m on them) gives -m log(1 + 1/m) - log(1 + m).
     npos = [sum(1 for j in range(n) if j != i and ids[j] == ids[i]) for i in range(n)]
     want = sum(-m * math.log(1 + 1 / m) - math.log(1 + m) for m in npos if m > 0) / n
-    assert jsd_appendix_e(z, z, ids).item() == pytest.approx(want, abs=1e-6)
-    assert want < 0
+    assert want < 0 and jsd_appendix_e(z, z, ids).item() == pytest.approx(want, abs=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["self", "sup"])
 @pytest.mark.parametrize("n", [4, 6, 10])
 def test_jsd_prefers_block_structure(kind, n):
     ids = make_ids(kind, n)
-    n_cls = int(ids.max()) + 1
     g = torch.Generator().manual_seed(n)
     for _ in range(5):
         block = F.one_hot(ids, 8).double() * 3.0 + 0.3 * torch.randn(n, 8, generator=g, dtype=torch.float64)
         rand = torch.randn(n, 8, generator=g, dtype=torch.float64)
         assert jsd(block, block, ids) < jsd(rand, rand, ids)
         assert jsd_appendix_e(block, block, ids) < jsd_appendix_e(rand, rand, ids)
-        assert n_cls <= 8
 
 
 @pytest.mark.parametrize("kind", ["self", "sup"])
@@ -564,13 +464,14 @@ def test_jsd_bounds(kind, n, d):
 @pytest.mark.parametrize("name", LOSS_NAMES)
 def test_exact_zeros(name):
     """One-hot embeddings give cosines of exactly 0 and 1 (kl_relu's kink, jsd's P = 1e-10 / T entries): finite
-    gradients, and the fused losses equal to the pre-fusion implementation there."""
+    values and gradients, and the loops' values and gradients where they are defined."""
     ids = self_supervised_ids(4)
     z = F.one_hot(torch.tensor([0, 1, 2, 3, 0, 1, 2, 2]), 8).double()
     got = values_and_grads(lambda q, k, r: call(name, q, k, ids, rows=r), z, z)
     assert all(torch.isfinite(t).all() for t in got)
-    if name in FUSED:
-        assert_same(got, values_and_grads(lambda q, k, r: call_pre_fusion(name, q, k, ids, rows=r), z, z), 1e-10)
+    if name not in ("barlow_twins", "jsd"):  # jsd's loop, without epsilon, is 0 / 0 on row 3 (orthogonal to all)
+        want = values_and_grads(lambda q, k, _: ref_loss_torch(name, q, k, ids, 0.1), z, z)
+        assert_same(got, want, 1e-10)
 
 
 @pytest.mark.parametrize("name,kind", NAME_KIND)
@@ -580,7 +481,7 @@ def test_gradcheck(name, kind):
     q, k = make_qk(6, 3, seed=11)
     q.requires_grad_(True)
     k.requires_grad_(True)
-    for layout in [None, *layouts_for(name, kind)]:
+    for layout in layouts_for(name, kind):
         for rows in (None, slice(2, 5)):
             assert torch.autograd.gradcheck(
                 lambda a, b, lay=layout, r=rows: call(name, a, b, ids, rows=r, tau=0.5, layout=lay), (q, k)
@@ -590,13 +491,6 @@ def test_gradcheck(name, kind):
 # --------------------------------------------------------------------------------------------------
 # registry
 # --------------------------------------------------------------------------------------------------
-
-
-def test_registry_contents():
-    assert set(LOSSES) == set(LOSS_NAMES)
-    assert len(LOSS_NAMES) == 9
-    assert SELF_SUPERVISED_ONLY == frozenset({"infonce", "barlow_twins"})
-    assert SELF_SUPERVISED_ONLY <= set(LOSS_NAMES)
 
 
 @pytest.mark.parametrize("name", LOSS_NAMES)
@@ -609,38 +503,31 @@ def test_make_loss_uniform_signature(name):
     assert loss.dim() == 0 and torch.isfinite(loss) and loss.requires_grad
     loss.backward()
     assert q.grad is not None and torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
-    part = fn(q0, k0, ids, rows=slice(0, 2)) + fn(q0, k0, ids, rows=slice(2, 6))
-    torch.testing.assert_close(part, loss.detach(), rtol=1e-5, atol=1e-6)
     # the bound hyper-parameters are the ones given
-    assert fn(q0, k0, ids).item() == pytest.approx(
-        call(name, q0, k0, ids, tau=0.2, lam=0.01).item(), rel=1e-6
-    )
+    assert fn(q0, k0, ids).item() == pytest.approx(call(name, q0, k0, ids, tau=0.2, lam=0.01).item(), rel=1e-6)
     if name in TEMPERATURES:
         assert make_loss(name, temperature=0.9)(q0, k0, ids).item() != pytest.approx(loss.item(), rel=1e-3)
 
 
-def test_make_loss_errors():
+def test_registry_and_make_loss_errors():
+    assert set(LOSSES) == set(LOSS_NAMES) and len(LOSS_NAMES) == 9
+    assert SELF_SUPERVISED_ONLY == frozenset({"infonce", "barlow_twins"})
     with pytest.raises(ValueError) as info:
         make_loss("triplet")
-    msg = str(info.value)
-    assert "unknown loss 'triplet'" in msg
-    for name in LOSS_NAMES:
-        assert name in msg
+    assert "unknown loss 'triplet'" in str(info.value) and all(name in str(info.value) for name in LOSS_NAMES)
     with pytest.raises(ValueError, match="temperature"):
         make_loss("supcon", temperature=0.0)
 
 
 @pytest.mark.parametrize("name", sorted(SELF_SUPERVISED_ONLY))
 def test_self_supervised_only_losses_refuse_supervised_batches(name):
-    ids = torch.tensor([0, 0, 0, 1, 1, 2])
+    """Also when only a slice of rows is computed, and with layout="labels" even on two-view ids."""
     q, k = make_qk(6, 4, seed=2)
     match = "one positive per row" if name == "infonce" else "Barlow Twins needs the self-supervised two-view"
-    with pytest.raises(ValueError, match=match):
-        make_loss(name)(q, k, ids)
-    with pytest.raises(ValueError, match=match):  # also when only a slice of rows is computed
-        make_loss(name)(q, k, ids, rows=slice(0, 3))
-    with pytest.raises(ValueError, match=match):  # and with layout="labels", even on two-view ids (not guaranteed)
-        make_loss(name)(q, k, self_supervised_ids(3), layout="labels")
+    for ids, kw in [(torch.tensor([0, 0, 0, 1, 1, 2]), {}), (torch.tensor([0, 0, 0, 1, 1, 2]), {"rows": slice(0, 3)}),
+                    (self_supervised_ids(3), {"layout": "labels"})]:
+        with pytest.raises(ValueError, match=match):
+            make_loss(name)(q, k, ids, **kw)
 
 
 def test_barlow_ignores_k():
@@ -659,81 +546,12 @@ def test_nan_embeddings_give_a_nan_loss(name, layout):
 
 
 # --------------------------------------------------------------------------------------------------
-# fused losses (issue 12): values and gradients equal to the loops and to the pre-fusion implementation
+# the fused pairwise losses (issue 12): singletons, flat rows, what backward keeps
 # --------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("name,kind", [(nm, kd) for nm, kd in NAME_KIND if nm in FUSED])
-@pytest.mark.parametrize("n,d", [(4, 3), (6, 8), (10, 3)])
-def test_fused_gradient_matches_loop_reference(name, kind, n, d):
-    """Value and gradient (through autograd of the explicit i, j loops) of every fused loss and layout hint, fp64
-    and fp32."""
-    ids = make_ids(kind, n)
-    q0, k0 = make_qk(n, d, seed=3 * n + d)
-    want = values_and_grads(lambda q, k, _: ref_loss_torch(name, q, k, ids, 0.3), q0, k0)
-    assert want[1].abs().sum() > 0
-    for layout in [None, *layouts_for(name, kind)]:
-        got = values_and_grads(lambda q, k, _, lay=layout: call(name, q, k, ids, tau=0.3, layout=lay), q0, k0)
-        # jsd's loop has no 1e-10 epsilon: near-zero positive affinities move its gradient by ~1e-8
-        assert_same(got, want, 1e-6 if name == "jsd" else 1e-8)
-    got32 = values_and_grads(lambda q, k, _: call(name, q, k, ids, tau=0.3), q0.float(), k0.float())
-    assert got32[0].dtype == torch.float32
-    assert_same([t.double() for t in got32], want, 1e-4)
+PAIRWISE = [name for name in LOSS_NAMES if name != "barlow_twins"]
 
 
-@pytest.mark.parametrize(
-    "name,kind",
-    [(nm, kd) for nm in FUSED for kd in ("self", "sup", "random0", "random1", "single-class-rows")
-     if allowed(nm, "self" if kd == "self" else "sup")],
-)
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("weight", [1.0, -2.5])
-def test_fused_matches_pre_fusion(name, kind, dtype, weight):
-    """Equal to the pre-fusion implementation on whole batches and row slices, for any upstream gradient; the dense
-    masks of ``layout="labels"`` equal to the sparse pairs (up to rounding)."""
-    if kind.startswith("random"):
-        n, d, labels = RANDOM_SUP[int(kind[-1])]
-        ids = random_sup_ids(n, labels)
-    elif kind == "single-class-rows":  # one class holds all but two rows; rows 3 and 7 are singletons
-        n, d = 12, 4
-        ids = torch.tensor([5, 5, 5, 9, 5, 5, 5, 8, 5, 5, 5, 5])
-    else:
-        n, d = 10, 5
-        ids = make_ids(kind, n)
-    q0, k0 = make_qk(n, d, seed=n + d, dtype=dtype)
-    tol = 1e-10 if dtype == torch.float64 else 2e-5
-    full = None
-    for rows in slices(n):
-        want = values_and_grads(lambda q, k, r: call_pre_fusion(name, q, k, ids, rows=r, tau=0.2), q0, k0, rows=rows,
-                                weight=weight)
-        got = values_and_grads(lambda q, k, r: call(name, q, k, ids, rows=r, tau=0.2), q0, k0, rows=rows, weight=weight)
-        assert got[0].dtype == dtype
-        assert_same(got, want, tol)
-        full = full or got
-        if name not in SELF_SUPERVISED_ONLY:
-            dense = values_and_grads(lambda q, k, r: call(name, q, k, ids, rows=r, tau=0.2, layout="labels"), q0, k0,
-                                     rows=rows, weight=weight)
-            assert_same(dense, got, 1e-12 if dtype == torch.float64 else 2e-6)
-    assert full[1].abs().sum() > 0
-
-
-@pytest.mark.parametrize("name,layout", [(nm, lay) for nm in FUSED for lay in (None, "labels")
-                                         if lay is None or nm not in SELF_SUPERVISED_ONLY])
-@pytest.mark.parametrize("n", [18, 40])
-def test_fused_disjoint_slices_add_up(name, layout, n):
-    ids = self_supervised_ids(n // 2) if name == "infonce" else random_sup_ids(n, None)
-    q0, k0 = make_qk(n, 6, seed=5 * n)
-
-    def fused(q, k, rows):
-        return call(name, q, k, ids, rows=rows, layout=layout)
-
-    full = values_and_grads(fused, q0, k0)
-    cuts = [0, 1, n // 3, n // 2 + 1, n]
-    parts = [values_and_grads(fused, q0, k0, rows=slice(a, b)) for a, b in zip(cuts, cuts[1:], strict=False)]
-    assert_same([sum(p[t] for p in parts) for t in range(3)], full, 1e-10)
-    assert full[2].abs().sum() > 0
-
-
-@pytest.mark.parametrize("name", [nm for nm in FUSED if nm != "infonce"])
+@pytest.mark.parametrize("name", [nm for nm in PAIRWISE if nm != "infonce"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_singleton_rows_have_zero_gradient(name, dtype):
     """A row without a positive contributes 0 and pushes nothing (jsd_appendix_e: 0 by construction)."""
@@ -755,45 +573,38 @@ def test_kl_relu_all_zero_rows(dtype):
     z[:, 0] = -z[:, 0].abs() - 0.1  # every other row points away from row 0 ...
     z[0] = torch.tensor([1.0, 0.0, 0.0])  # ... so A[0, j] < 0 for all j != 0
     z[3] = torch.tensor([0.0, 1.0, 0.0])  # row 0's positive is orthogonal to it: A[0, 3] = 0 exactly
-    z = z.to(dtype)
     assert (pairwise_cosine(z, z, rows=slice(0, 1))[0, 1:] <= 0).all()
-    for rows in [slice(0, 1), None]:
-        got = values_and_grads(lambda q, k, r: call("kl_relu", q, k, ids, rows=r), z, z, rows=rows)
-        want = values_and_grads(lambda q, k, r: call_pre_fusion("kl_relu", q, k, ids, rows=r), z, z, rows=rows)
-        assert_same(got, want, 1e-10 if dtype == torch.float64 else 1e-5)
-        if rows is not None:  # uniform over the n - 1 others: D(Ŷ || U) = log(n - 1), and flat
-            assert got[0].item() * n == pytest.approx(math.log(n - 1), rel=1e-6)
-            assert got[1].abs().max().item() == 0.0 and got[2].abs().max().item() == 0.0
+    want = values_and_grads(lambda q, k, _: ref_loss_torch("kl_relu", q, k, ids, 0.1), z, z)
+    got = values_and_grads(lambda q, k, r: call("kl_relu", q, k, ids, rows=r), z.to(dtype), z.to(dtype))
+    assert_same([t.double() for t in got], want, 1e-10 if dtype == torch.float64 else 1e-5)
+    got = values_and_grads(lambda q, k, r: call("kl_relu", q, k, ids, rows=r), z.to(dtype), z.to(dtype),
+                           rows=slice(0, 1))
+    assert got[0].item() * n == pytest.approx(math.log(n - 1), rel=1e-6)  # uniform: D(Ŷ || U) = log(n - 1) ...
+    assert got[1].abs().max().item() == 0.0 and got[2].abs().max().item() == 0.0  # ... and flat
 
 
-@pytest.mark.parametrize("name", FUSED)
+@pytest.mark.parametrize("name", PAIRWISE)
 def test_fused_keeps_one_n_by_n_tensor_for_backward(name):
-    """The graph of a fused loss holds one (r, n) tensor (A or the logits), with the two_view hint too; the
-    pre-fusion one held many."""
+    """One (r, n) tensor (A or the logits), with the two_view hint too; the pre-fusion jsd kept many."""
     n, d = 64, 4
-    ids = self_supervised_ids(n // 2) if name == "infonce" else random_sup_ids(n, None)
+    g = torch.Generator().manual_seed(n)
+    ids = self_supervised_ids(n // 2) if name == "infonce" else torch.randint(0, 12, (n,), generator=g)
     q, k = make_qk(n, d, seed=0, dtype=torch.float32)
     q.requires_grad_(True)
     k.requires_grad_(True)
     assert big_saved(lambda: call(name, q, k, ids, rows=slice(0, n // 2)), n) == 1  # an (n/2, n) block
     assert big_saved(lambda: call(name, q, k, ids), n) == 1
     assert big_saved(lambda: call(name, q, k, self_supervised_ids(n // 2), layout="two_view"), n) == 1
-    assert big_saved(lambda: call_pre_fusion(name, q, k, ids), n) >= 2
+    assert big_saved(lambda: reference_jsd(q, k, ids), n) >= 2
 
 
 # --------------------------------------------------------------------------------------------------
-# layout hints (no host sync): "two_view" bit for bit the default, "labels" equal up to rounding
+# layout hints (no host sync): "two_view" bit for bit the default, "labels" equal up to rounding (above)
 # --------------------------------------------------------------------------------------------------
-
-
-def layouts_for(name: str, kind: str) -> list[str]:
-    """The hints a batch of ids ``kind`` may be given to the loss ``name``."""
-    hints = ["two_view"] if kind == "self" else []
-    return hints if name in SELF_SUPERVISED_ONLY else [*hints, "labels"]
 
 
 @pytest.mark.parametrize("name", LOSS_NAMES)
-@pytest.mark.parametrize("n,d", [(2, 3), (4, 3), (10, 8), (40, 16), (130, 5)])
+@pytest.mark.parametrize("n,d", [(2, 3), (10, 8), (130, 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_two_view_layout_is_bit_identical(name, n, d, dtype):
     """The cached pairs of the self-supervised layout: the very values and gradients of the validated path."""
