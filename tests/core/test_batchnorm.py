@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -20,14 +19,6 @@ def _net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 6),
                          nn.BatchNorm1d(6, momentum=None), nn.BatchNorm1d(6, affine=False)).double()
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    """A real gloo process group with one rank: the collectives run and are the identity."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_conversion_keeps_parameters_buffers_and_checkpoints():
@@ -111,12 +102,3 @@ def test_fp32_statistics_do_not_cancel_with_a_large_mean(world_of_one):
     naive = (x64.float().square().mean([0, 2, 3]) - x64.float().mean([0, 2, 3]).square())  # the sums form
     assert float(((var.double() - true) / true).abs().max()) < 1e-2
     assert float(((naive.double() - true) / true).abs().max()) > 1.0  # what the centred moments avoid
-
-
-def test_too_few_values_per_channel_is_an_error(world_of_one, monkeypatch):
-    import pipeline.core.batchnorm as bn
-
-    monkeypatch.setattr(bn, "world_size", lambda group: 2)  # the global path with this one rank's values
-    m = GlobalBatchNorm(3).train()
-    with pytest.raises(ValueError, match="more than 1 value per channel"):
-        m(torch.randn(1, 3))

@@ -157,19 +157,18 @@ def cpu_fused_kernels():
         lib._destroy()  # noqa: SLF001 (torch.library offers no public way to drop a registration)
 
 
-@pytest.fixture
-def world_of_one(tmp_path, monkeypatch):
-    """A real 1-rank gloo group, with the global branch forced (world_size says 2): the collectives run."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    monkeypatch.setattr(bn, "world_size", lambda group: 2)
-    yield
-    dist.destroy_process_group()
+@contextlib.contextmanager
+def on_path(monkeypatch, path: str):
+    """``path`` "fused": the fused path, on the reference CPU kernels; "exact": today's CPU path, unchanged."""
+    if path == "fused":
+        monkeypatch.setattr(bn, "use_fused_kernels", lambda x: True)
+    with cpu_fused_kernels() if path == "fused" else contextlib.nullcontext():
+        yield
 
 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
-    monkeypatch.setattr(bn, "use_fused_kernels", lambda x: True)
-    with cpu_fused_kernels():
+    with on_path(monkeypatch, "fused"):
         yield
 
 
@@ -252,11 +251,7 @@ EXPECTED_PASSES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("path", ["fused", "exact"])
 def test_passes_over_the_activations(world_of_one, monkeypatch, path, dtype, shape):
-    ctx = contextlib.nullcontext()
-    if path == "fused":
-        monkeypatch.setattr(bn, "use_fused_kernels", lambda x: True)
-        ctx = cpu_fused_kernels()
-    with ctx:
+    with on_path(monkeypatch, path):
         m = GlobalBatchNorm(3).train()
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
         fwd, bwd = count_passes(m, x)
@@ -345,10 +340,11 @@ def test_fused_path_without_affine_or_running_stats(world_of_one, fused_on_cpu):
         assert xa.grad.dtype == xdt and m.running_mean is None
 
 
-def test_fused_path_too_few_values_is_an_error_and_leaves_the_buffers(world_of_one, fused_on_cpu):
+@pytest.mark.parametrize("path", ["exact", "fused"])
+def test_too_few_values_is_an_error_and_leaves_the_buffers(world_of_one, monkeypatch, path):
     m = GlobalBatchNorm(3).train()
     before = {k: v.clone() for k, v in m.state_dict().items()}
-    with pytest.raises(ValueError, match="more than 1 value per channel"):
+    with on_path(monkeypatch, path), pytest.raises(ValueError, match="more than 1 value per channel"):
         m(torch.randn(1, 3))
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
 
@@ -487,14 +483,10 @@ def test_global_batchnorm_reads_nothing_on_the_host(world_of_one, monkeypatch, p
     the running statistics still those of ``F.batch_norm`` with the factor 1/step."""
     from pipeline.training import measure
 
-    ctx = contextlib.nullcontext()
-    if path == "fused":
-        monkeypatch.setattr(bn, "use_fused_kernels", lambda x: True)
-        ctx = cpu_fused_kernels()
     g = torch.Generator().manual_seed(4)
     m = GlobalBatchNorm(3, momentum=momentum).double().train()
     rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
-    with ctx:
+    with on_path(monkeypatch, path):
         for step in range(3):
             x = (torch.randn(6, 3, 4, generator=g, dtype=torch.float64) * 2 + 1).requires_grad_()
             assert measure.count(lambda x=x: m(x).square().sum().backward()).syncs == []
