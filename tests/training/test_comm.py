@@ -4,16 +4,13 @@ family (BatchNorm included)."""
 
 from __future__ import annotations
 
-import os
-import pickle
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from pipeline.training.comm import GradReducer, buckets_of
-from tests import gloo
+from tests.training.ranks import run_ranks
 from tests.training.test_step import BACKBONES, B, make_batch, make_model
 
 
@@ -33,46 +30,39 @@ def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        from pipeline.core.batchnorm import convert_batchnorm
-        from pipeline.core.losses import make_loss
-        from pipeline.training.step import GlobalBatchStep, allreduce_grads
+def _worker(rank: int, world: int) -> dict:
+    from pipeline.core.batchnorm import convert_batchnorm
+    from pipeline.core.losses import make_loss
+    from pipeline.training.step import GlobalBatchStep, allreduce_grads
 
-        out = {}
-        for backbone, shape in BACKBONES:
-            model = convert_batchnorm(make_model(backbone=backbone, shape=shape, dtype=torch.float32))
-            v1, v2, ids = make_batch("self", shape, torch.float32)
-            b = B // world
-            mine = slice(rank * b, (rank + 1) * b)
-            x, i = torch.cat([v1[mine], v2[mine]]), torch.cat([ids[mine], ids[mine]])
-            step = GlobalBatchStep(model, make_loss("jsd"), layout="two_view")
-            step.reducer = GradReducer(step.params, bucket_mb=0.05)  # small buckets: many start mid-backward
-            step.lazy(x, i)  # the first step of a batch size gathers and checks the ids
-            total = step.lazy(x, i)  # the second uses the layout's ids; the loss's sum rode in a gradient bucket
-            overlapped, early, buckets = _grads(model), step.reducer.launched_early, len(step.reducer.buckets)
-            step.reducer.remove()
-            for p in step.params:  # the coalesced sum after the backward, on the same local gradients
-                p.grad = None
-            loss = step._head_loss(model.backbone(x), i, world, rank)  # noqa: SLF001 (white-box: the head alone)
-            summed = loss.detach().clone()
-            dist.all_reduce(summed)
-            loss.backward()
-            allreduce_grads(step.params)
-            out[backbone] = (overlapped, _grads(model), early, buckets, total, summed)
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(out, f)
-    finally:
-        dist.destroy_process_group()
+    out = {}
+    for backbone, shape in BACKBONES:
+        model = convert_batchnorm(make_model(backbone=backbone, shape=shape, dtype=torch.float32))
+        v1, v2, ids = make_batch("self", shape, torch.float32)
+        b = B // world
+        mine = slice(rank * b, (rank + 1) * b)
+        x, i = torch.cat([v1[mine], v2[mine]]), torch.cat([ids[mine], ids[mine]])
+        step = GlobalBatchStep(model, make_loss("jsd"), layout="two_view")
+        step.reducer = GradReducer(step.params, bucket_mb=0.05)  # small buckets: many start mid-backward
+        step.lazy(x, i)  # the first step of a batch size gathers and checks the ids
+        total = step.lazy(x, i)  # the second uses the layout's ids; the loss's sum rode in a gradient bucket
+        overlapped, early, buckets = _grads(model), step.reducer.launched_early, len(step.reducer.buckets)
+        step.reducer.remove()
+        for p in step.params:  # the coalesced sum after the backward, on the same local gradients
+            p.grad = None
+        loss = step._head_loss(model.backbone(x), i, world, rank)  # noqa: SLF001 (white-box: the head alone)
+        summed = loss.detach().clone()
+        dist.all_reduce(summed)
+        loss.backward()
+        allreduce_grads(step.params)
+        out[backbone] = (overlapped, _grads(model), early, buckets, total, summed)
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_overlapped_sums_equal_the_coalesced_all_reduce_bit_for_bit(tmp_path):
-    gloo.spawn(_worker, (2, str(tmp_path / "init"), str(tmp_path)))
-    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    ranks = run_ranks(tmp_path, _worker)
     for backbone, _ in BACKBONES:
         for out in ranks:
             overlapped, coalesced, early, buckets, total, summed = out[backbone]
@@ -146,46 +136,39 @@ def test_parameters_without_a_gradient_in_the_first_step_are_dropped(one_rank):
     reducer.remove()
 
 
-def _order_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        from pipeline.core.batchnorm import convert_batchnorm
-        from pipeline.core.losses import make_loss
-        from pipeline.training.step import GlobalBatchStep, allreduce_grads
+def _order_worker(rank: int, world: int) -> tuple:
+    from pipeline.core.batchnorm import convert_batchnorm
+    from pipeline.core.losses import make_loss
+    from pipeline.training.step import GlobalBatchStep, allreduce_grads
 
-        model = convert_batchnorm(make_model(truncated=True, dtype=torch.float32))
-        names = {id(p): n for n, p in model.named_parameters()}
-        v1, v2, ids = make_batch("self", dtype=torch.float32)
-        b = B // world
-        mine = slice(rank * b, (rank + 1) * b)
-        x, i = torch.cat([v1[mine], v2[mine]]), torch.cat([ids[mine], ids[mine]])
-        step = GlobalBatchStep(model, make_loss("jsd"), layout="two_view")
-        step.reducer = GradReducer(step.params, bucket_mb=0.01)
-        steps = []
-        for _ in range(3):
-            total = step.lazy(x, i)
-            r = step.reducer
-            steps.append((list(r.launched), r.launched_early, [[names[id(p)] for p in bk.params] for bk in r.buckets]))
-        overlapped = _grads(model)
-        unused = sorted(names[id(p)] for p in step.reducer.unused)
-        step.reducer.remove()
-        for p in step.params:
-            p.grad = None
-        loss = step._head_loss(model.backbone(x), i, world, rank)  # noqa: SLF001 (white-box: the head alone)
-        loss.backward()
-        allreduce_grads(step.params)
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump((steps, unused, overlapped, _grads(model), total), f)
-    finally:
-        dist.destroy_process_group()
+    model = convert_batchnorm(make_model(truncated=True, dtype=torch.float32))
+    names = {id(p): n for n, p in model.named_parameters()}
+    v1, v2, ids = make_batch("self", dtype=torch.float32)
+    b = B // world
+    mine = slice(rank * b, (rank + 1) * b)
+    x, i = torch.cat([v1[mine], v2[mine]]), torch.cat([ids[mine], ids[mine]])
+    step = GlobalBatchStep(model, make_loss("jsd"), layout="two_view")
+    step.reducer = GradReducer(step.params, bucket_mb=0.01)
+    steps = []
+    for _ in range(3):
+        total = step.lazy(x, i)
+        r = step.reducer
+        steps.append((list(r.launched), r.launched_early, [[names[id(p)] for p in bk.params] for bk in r.buckets]))
+    overlapped = _grads(model)
+    unused = sorted(names[id(p)] for p in step.reducer.unused)
+    step.reducer.remove()
+    for p in step.params:
+        p.grad = None
+    loss = step._head_loss(model.backbone(x), i, world, rank)  # noqa: SLF001 (white-box: the head alone)
+    loss.backward()
+    allreduce_grads(step.params)
+    return steps, unused, overlapped, _grads(model), total
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_ranks_launch_in_the_same_fixed_order_with_a_truncated_head(tmp_path):
-    gloo.spawn(_order_worker, (2, str(tmp_path / "init"), str(tmp_path)))
-    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
+    ranks = run_ranks(tmp_path, _order_worker)
     assert ranks[0][0] == ranks[1][0]  # the same buckets, launched in the same order, in every step
     for steps, unused, overlapped, coalesced, _ in ranks:
         assert unused == ["head.blocks.1.value.bias", "head.blocks.1.value.weight"]

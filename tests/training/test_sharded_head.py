@@ -10,21 +10,17 @@ one-process side runs in the test's process.
 
 from __future__ import annotations
 
-import os
-import pickle
-import warnings
 from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from pipeline.core.abc import ABCHead
 from pipeline.core.backbones import build_backbone
 from pipeline.core.losses import make_loss
 from pipeline.core.model import ABCModel, Rows, TransFusion, TransFusionHead, bce_loss
 from pipeline.training.step import GlobalBatchStep
-from tests import gloo
+from tests.training.ranks import run_ranks
 
 B, SHAPE = 8, (1, 6, 6)  # 8 images, two views each; 4 a worker
 LABELS = torch.tensor([0, 1, 2, 0, 1, 2, 0, 3])  # class 3 is a singleton: a row without a positive
@@ -135,16 +131,8 @@ def gathered_dtypes(rank: int, world: int) -> list[torch.dtype]:
     return seen
 
 
-def _worker(rank, world, init_file, out_dir, cases):
-    torch.set_num_threads(1)
-    warnings.simplefilter("error", FutureWarning)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        results = [run_case(c, rank, world, tile=c.tile) for c in cases] + [gathered_dtypes(rank, world)]
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(results, f)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, world, cases):
+    return [run_case(c, rank, world, tile=c.tile) for c in cases] + [gathered_dtypes(rank, world)]
 
 
 def assert_same(got, want, rtol=1e-9):
@@ -159,12 +147,7 @@ def assert_same(got, want, rtol=1e-9):
 
 @pytest.mark.slow
 def test_two_sharded_workers_equal_one_dense_process(tmp_path):
-    init = tmp_path / "init"
-    gloo.spawn(_worker, (2, str(init), str(tmp_path), CASES))
-    ranks = []
-    for r in range(2):
-        with open(tmp_path / f"rank{r}.pkl", "rb") as f:
-            ranks.append(pickle.load(f))
+    ranks = run_ranks(tmp_path, _worker, CASES)
     for i, case in enumerate(CASES):
         want = run_case(case, 0, 1)  # one process, the dense head on the whole batch
         for r in range(2):

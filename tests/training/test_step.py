@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import pickle
-import warnings
 from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from pipeline.core.backbones import build_backbone
 from pipeline.core.batchnorm import GlobalBatchNorm, convert_batchnorm
 from pipeline.core.losses import make_loss
 from pipeline.core.model import TransFusion, TransFusionHead
 from pipeline.training.step import GlobalBatchStep, NonFiniteLossError, local_rows
-from tests import gloo
+from tests.training.ranks import run_ranks
 
 B, SHAPE = 8, (1, 8, 8)  # 8 images, two views each
 
@@ -93,38 +89,21 @@ def one_process(spec: Spec):
     return _run_step(spec, 0, 1)
 
 
-def _worker(rank, world, init_file, out_dir, spec: Spec):
-    torch.set_num_threads(1)
-    warnings.simplefilter("error", FutureWarning)  # no deprecated collective (torch 2.14 deprecates several)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        import pipeline.training.step as step_mod
+def _worker(rank, world, spec: Spec):
+    import pipeline.training.step as step_mod
 
-        if spec.no_gather:
-            step_mod.gather_views = lambda z, w: z
-            step_mod.gather_ids = lambda i, w: i
-            step_mod.local_rows = lambda r, b, w: (slice(0, b), slice(b, 2 * b))
-        if spec.reduce_scatter is not None:
-            step_mod.reduce_scatter_works = lambda t: spec.reduce_scatter
-        result = _run_step(spec, rank, world)
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+    if spec.no_gather:
+        step_mod.gather_views = lambda z, w: z
+        step_mod.gather_ids = lambda i, w: i
+        step_mod.local_rows = lambda r, b, w: (slice(0, b), slice(b, 2 * b))
+    if spec.reduce_scatter is not None:
+        step_mod.reduce_scatter_works = lambda t: spec.reduce_scatter
+    return _run_step(spec, rank, world)
 
 
 def run_two(tmp_path, spec: Spec):
     """(loss, grads, BN buffers, embeddings) of each of 2 gloo workers."""
-    for r in range(2):
-        (tmp_path / f"rank{r}.pkl").unlink(missing_ok=True)
-    init = tmp_path / "init"
-    init.unlink(missing_ok=True)
-    gloo.spawn(_worker, (2, str(init), str(tmp_path), spec))
-    results = []
-    for r in range(2):
-        with open(tmp_path / f"rank{r}.pkl", "rb") as f:
-            results.append(pickle.load(f))
-    return results
+    return run_ranks(tmp_path, _worker, spec)
 
 
 def rel_diff(a: dict, b: dict) -> float:
@@ -256,28 +235,22 @@ def test_lazy_step_equals_the_checked_step():
 
 
 # ------------------------------------------------------------------------------------- broadcast from rank 0
-def _broadcast_worker(rank, world, init_file, out_dir, data_dir):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        from pipeline.config.params import load_params
-        from pipeline.core.model import build_model
-        from pipeline.data.prepared import load_prepared
-        from pipeline.training.loop import PretrainLoop
-        from tests.conftest import ROOT
+def _broadcast_worker(rank, world, data_dir):
+    from pipeline.config.params import load_params
+    from pipeline.core.model import build_model
+    from pipeline.data.prepared import load_prepared
+    from pipeline.training.loop import PretrainLoop
+    from tests.conftest import ROOT
 
-        # ranks seeded differently (train.seed = rank): without the broadcast their models would start apart
-        params = load_params(ROOT / "params.yaml", ["model.backbone=resnet18_cifar", "model.embed_dim=null",
-                                                     "train.batch_size=16", f"train.seed={rank}"])
-        data = load_prepared(data_dir)
-        torch.manual_seed(rank)
-        own = {k: v.clone() for k, v in build_model(params.model, data.input_shape).state_dict().items()}
-        loop = PretrainLoop(params, data, torch.device("cpu"), rank=rank, world_size=world)
-        kinds = sorted({type(m).__name__ for m in loop.model.modules() if "BatchNorm" in type(m).__name__})
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump((own, {k: v.clone() for k, v in loop.model.state_dict().items()}, kinds), f)
-    finally:
-        dist.destroy_process_group()
+    # ranks seeded differently (train.seed = rank): without the broadcast their models would start apart
+    params = load_params(ROOT / "params.yaml", ["model.backbone=resnet18_cifar", "model.embed_dim=null",
+                                                 "train.batch_size=16", f"train.seed={rank}"])
+    data = load_prepared(data_dir)
+    torch.manual_seed(rank)
+    own = {k: v.clone() for k, v in build_model(params.model, data.input_shape).state_dict().items()}
+    loop = PretrainLoop(params, data, torch.device("cpu"), rank=rank, world_size=world)
+    kinds = sorted({type(m).__name__ for m in loop.model.modules() if "BatchNorm" in type(m).__name__})
+    return own, {k: v.clone() for k, v in loop.model.state_dict().items()}, kinds
 
 
 @pytest.mark.slow
@@ -288,12 +261,7 @@ def test_ranks_seeded_differently_start_identical(tmp_path):
 
     save_prepared(load_dataset(DataConfig(dataset="digits", root=str(tmp_path), limit_train=64, limit_test=32)),
                   tmp_path / "prepared")
-    gloo.spawn(_broadcast_worker, (2, str(tmp_path / "init"), str(tmp_path), str(tmp_path / "prepared")))
-    results = []
-    for r in range(2):
-        with open(tmp_path / f"rank{r}.pkl", "rb") as f:
-            results.append(pickle.load(f))
-    (own0, state0, kinds0), (own1, state1, kinds1) = results
+    (own0, state0, kinds0), (own1, state1, kinds1) = run_ranks(tmp_path, _broadcast_worker, str(tmp_path / "prepared"))
     assert any(not torch.equal(own0[k], own1[k]) for k in own0)  # the seeds do give different models
     assert state0.keys() == state1.keys() == own0.keys()  # global BN keeps the state_dict keys
     for k in state0:

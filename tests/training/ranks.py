@@ -1,0 +1,31 @@
+"""Gloo ranks that each return a result (forked by tests.gloo): the training tests' two-worker harness."""
+
+from __future__ import annotations
+
+import pickle
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests import gloo
+
+
+def _rank(rank: int, world: int, out_dir: str, fn, args: tuple) -> None:
+    torch.set_num_threads(1)
+    warnings.simplefilter("error", FutureWarning)  # no deprecated collective (torch 2.14 deprecates several)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/init", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_ranks(tmp_path: Path, fn, *args, world: int = 2) -> list:
+    """``fn(rank, world, *args)`` on each of ``world`` gloo ranks of one thread; what each returned, by rank."""
+    out = tempfile.mkdtemp(dir=tmp_path)
+    gloo.spawn(_rank, (world, out, fn, args), nprocs=world)
+    return [pickle.loads(Path(out, f"rank{r}.pkl").read_bytes()) for r in range(world)]
