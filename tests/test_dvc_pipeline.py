@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -30,12 +29,6 @@ def git_dvc_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DVC_NO_ANALYTICS", "1")
 
 
-@pytest.fixture
-def repo(tmp_path, monkeypatch):
-    git_dvc_env(monkeypatch)
-    return make_repo(tmp_path / "proj")
-
-
 def make_repo(dst: Path) -> Path:
     """A git repository holding the project's pipeline files (params, dvc.yaml, the code), committed."""
     dst.mkdir()
@@ -61,25 +54,6 @@ def set_param(repo: Path, section: str, key: str, value) -> None:
     raw = yaml.safe_load(path.read_text())
     raw[section][key] = value
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
-
-
-def test_prepare_runs_then_is_a_no_op_and_reruns_only_on_its_params(repo):
-    out = run(["dvc", "repro", "prepare"], repo)
-    assert "Running stage 'prepare'" in out
-    assert (repo / "data/prepared/manifest.json").is_file()
-    assert (repo / "dvc.lock").is_file()
-
-    out = run(["dvc", "repro", "prepare"], repo)
-    assert "Running stage" not in out
-
-    set_param(repo, "train", "lr", 0.5)  # not read by prepare
-    out = run(["dvc", "repro", "prepare"], repo)
-    assert "Running stage" not in out
-
-    set_param(repo, "data", "seed", 1)  # read by prepare
-    out = run(["dvc", "repro", "prepare"], repo)
-    assert "Running stage 'prepare'" in out
-    assert os.path.getsize(repo / "data/prepared/train_x.npy") > 0
 
 
 TINY = {
@@ -233,12 +207,13 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
 
     set_param(repo, "probe", "label_fractions", [0.5, 1.0])  # only evaluate and report read probe.*
     assert ran(run(["dvc", "repro"], repo)) == {"evaluate", "report"}
-    # theory.* and sets.*: what DVC would run (`--dry`: their stages ran above and run again only in the time they
-    # take; the report follows the sets stage by its output, metrics/sets.json), then the params as they were
-    for section, key, value in (("theory", "steps", 6), ("sets", "test_sets", 3)):
+    # data.*, theory.* and sets.*: what DVC would run (`--dry`: their stages ran above and run again only in the time
+    # they take; what follows them follows by their outputs), then the params as they were
+    for section, key, value in (("data", "seed", 1), ("theory", "steps", 6), ("sets", "test_sets", 3)):
+        was = yaml.safe_load((repo / "params.yaml").read_text())[section][key]
         set_param(repo, section, key, value)
-        assert ran(run(["dvc", "repro", "--dry"], repo)) == {section}  # only that stage reads its section
-        set_param(repo, section, key, TINY[section, key])
+        assert ran(run(["dvc", "repro", "--dry"], repo)) == {"prepare" if section == "data" else section}
+        set_param(repo, section, key, was)  # only that stage reads its section
     # model.depth: pretraining (and, by its outputs, what follows it), not the sweep, which sets each trial's depth
     depth = yaml.safe_load((repo / "params.yaml").read_text())["model"]["depth"]
     set_param(repo, "model", "depth", depth + 1)
@@ -264,6 +239,10 @@ def test_full_pipeline_no_op_rerun_selective_rerun_and_experiments(tiny_repro):
     assert {r.info.run_name for r in sets if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id} == {
         f"{m} · {d}" for m in ("abc_multiplicative", "abc_additive", "transfusion", "pairwise", "rbf")
         for d in ("circles", "digits")}
+    rbf = next(r for r in sets if r.info.run_name == "rbf · digits")  # a child's metrics: the study's numbers
+    summary = json.loads((repo / "metrics/sets.json").read_text())["summary"]["digits"]["rbf"]
+    assert rbf.data.metrics["ari_known"] == pytest.approx(summary["ari_known"])
+    assert rbf.data.params["dataset"] == "digits"
     assert all(r.data.tags["mlflow.parentRunId"] == sweeps[0].info.run_id for r in trials)
     assert all(r.data.tags["mlflow.parentRunId"] == pretrain[0].info.run_id for r in evaluate)
     latest = max(evaluate, key=lambda r: r.info.start_time)
