@@ -31,7 +31,6 @@ SIZES = [(4, 3), pytest.param(4, 8, marks=pytest.mark.slow), pytest.param(6, 3, 
 SUP_IDS = {4: [1, 0, 1, 1], 6: [0, 1, 0, 1, 2, 1], 10: [2, 0, 1, 0, 2, 1, 3, 0, 1, 2]}
 RANDOM_IDS = [7, -3, 7, 100, 4, 4, -3, 7, 9, 100]  # 9 is a singleton; 100 too at n = 4
 TEMPERATURES = {"kl_softmax", "infonce", "supcon", "dcl"}
-LOG2 = math.log(2.0)
 
 
 def make_ids(kind: str, n: int) -> torch.Tensor:
@@ -436,29 +435,6 @@ def test_jsd_zero_for_orthogonal_class_embeddings(kind, n, dtype):
     npos = [sum(1 for j in range(n) if j != i and ids[j] == ids[i]) for i in range(n)]
     want = sum(-m * math.log(1 + 1 / m) - math.log(1 + m) for m in npos if m > 0) / n
     assert want < 0 and jsd_appendix_e(z, z, ids).item() == pytest.approx(want, abs=1e-6)
-
-
-@pytest.mark.parametrize("kind", ["self", "sup"])
-@pytest.mark.parametrize("n", [4, 6, 10])
-def test_jsd_prefers_block_structure(kind, n):
-    ids = make_ids(kind, n)
-    g = torch.Generator().manual_seed(n)
-    for _ in range(5):
-        block = F.one_hot(ids, 8).double() * 3.0 + 0.3 * torch.randn(n, 8, generator=g, dtype=torch.float64)
-        rand = torch.randn(n, 8, generator=g, dtype=torch.float64)
-        assert jsd(block, block, ids) < jsd(rand, rand, ids)
-        assert jsd_appendix_e(block, block, ids) < jsd_appendix_e(rand, rand, ids)
-
-
-@pytest.mark.parametrize("kind", ["self", "sup"])
-@pytest.mark.parametrize("n,d", SIZES)
-def test_jsd_bounds(kind, n, d):
-    ids = make_ids(kind, n)
-    for seed in range(10):
-        q, k = make_qk(n, d, seed=seed)
-        for i in range(n):
-            v = jsd(q, k, ids, rows=slice(i, i + 1)).item() * n  # per-row loss
-            assert -1e-12 <= v <= 2 * LOG2 + 1e-12
 
 
 @pytest.mark.parametrize("name", LOSS_NAMES)
