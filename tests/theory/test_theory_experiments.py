@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 
 import numpy as np
@@ -14,6 +15,7 @@ from pipeline.data import synthetic
 from pipeline.theory import bound
 from pipeline.theory import experiments as TE
 from pipeline.theory import report as TR
+from pipeline.theory.measures import affinity_contrast  # against a loop in test_theory.py
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -31,17 +33,6 @@ def gamma_reference(rho: float, eps: float, n: float) -> tuple[float, float, flo
     inner = big * big + 1.0 + delta
     gamma = (big**3 - n * n * dd) ** 2 * (2.0 + delta) / (big * big * n**3 * inner * (1.0 + delta * inner))
     return delta, big, gamma, meaningful
-
-
-def contrast_reference(a: np.ndarray, labels: list[int]) -> float:
-    """Mean same-cluster (i != j) / mean different-cluster affinity, explicit loops."""
-    same, diff = [], []
-    for i in range(len(labels)):
-        for j in range(len(labels)):
-            if i == j:
-                continue
-            (same if labels[i] == labels[j] else diff).append(float(a[i][j]))
-    return (sum(same) / len(same)) / (sum(diff) / len(diff))
 
 
 TINY = dict(n=[8, 16], eps=[0.1], depth=[1, 2], steps=20, n_clusters=2, rank=1, dim=6, seeds=[0])
@@ -189,14 +180,14 @@ def test_measure_fields_match_references():
     relu_cos = [[0.0 if i == j else max(float(xn[i] @ xn[j]), 0.0) for j in range(12)] for i in range(12)]
     contrasts = [float(c) for c in m["contrast_layers"].split(";")]
     assert len(contrasts) == 3 and len(m["gain_layers"].split(";")) == 2
-    assert contrasts[0] == pytest.approx(contrast_reference(np.array(relu_cos), y), rel=1e-3)
+    assert contrasts[0] == pytest.approx(affinity_contrast(np.array(relu_cos), y), rel=1e-3)
     with torch.no_grad():
         out = head(data.x, collect=True)
     for c, a in zip(contrasts[1:], out.affinities, strict=True):
-        assert c == pytest.approx(contrast_reference(a.double().numpy(), y), rel=1e-3)
+        assert c == pytest.approx(affinity_contrast(a.double().numpy(), y), rel=1e-3)
     assert m["contrast_gain"] == pytest.approx((contrasts[2] / contrasts[0]) ** 0.5, rel=1e-3)
     sq_in = [[0.0 if i == j else float(xn[i] @ xn[j]) ** 2 for j in range(12)] for i in range(12)]
-    assert m["contrast_in"] == pytest.approx(contrast_reference(np.array(sq_in), y), rel=1e-9)
+    assert m["contrast_in"] == pytest.approx(affinity_contrast(np.array(sq_in), y), rel=1e-9)
     assert m["learned"] is (m["nmi"] >= 0.5)
     assert 0.0 <= m["nmi_in"] <= 1.0 and 0.0 <= m["nmi"] <= 1.0
 
@@ -336,14 +327,7 @@ def test_write_outputs_files_headers_and_metrics(tmp_path, tiny_formula, tiny_ro
     assert md.count("\n| 8 | 0.1 |") == 2  # one table line per depth at n = 8
     assert metrics["empirical"]["runs"] == len(tiny_rows)
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
-    # JSON-safe: no float is non-finite
-    def walk(o):
-        if isinstance(o, dict):
-            return all(walk(v) for v in o.values())
-        if isinstance(o, list):
-            return all(walk(v) for v in o)
-        return not isinstance(o, float) or math.isfinite(o)
-    assert walk(metrics)
+    json.dumps(metrics, allow_nan=False)  # JSON-safe: no float is non-finite
     with pytest.raises(ValueError, match="empirical rows"):
         TR.write_outputs(tiny_formula, [], tmp_path)
 
