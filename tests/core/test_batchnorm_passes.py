@@ -465,13 +465,10 @@ def test_two_gloo_workers_fused_equals_exact_and_one_process(two_workers, case):
             assert torch.equal(x0, x1), f"{path}: {name} differs between ranks"
             assert_near(x0, r, tol, f"{path}: {name}")
         assert buf0[2] == buf1[2] == STEPS
-    for r in range(2):  # the fused path against today's exact path directly, rank by rank (local grad shares too)
-        (fused, fbuf), (exact, ebuf) = runs["fused"][r], runs["exact"][r]
-        for f, e in zip(fused, exact, strict=True):
-            for a, b, what in zip(f, e, ("y", "dx", "dw", "db"), strict=True):
-                assert_near(a, b, tol, f"rank {r}: fused vs exact {what}")
-        for a, b in zip(fbuf[:2], ebuf[:2], strict=True):
-            assert_near(a, b, tol, f"rank {r}: fused vs exact running stats")
+    for r in range(2):  # each rank's local dw / db shares (their sum is checked above): fused as exact
+        for f, e in zip(runs["fused"][r][0], runs["exact"][r][0], strict=True):
+            assert_near(f[2], e[2], tol, f"rank {r}: dw share")
+            assert_near(f[3], e[3], tol, f"rank {r}: db share")
 
 
 # --------------------------------------------------------------------------------------------- host syncs
