@@ -61,7 +61,7 @@ SIZES = [(1, 1, 2, 1), (5, 3, 3, 2), (30, 17, 4, 3), (60, 25, 8, 5)]  # (n_train
 @pytest.mark.parametrize("k", [1, 2, 5, 20])
 @pytest.mark.parametrize("temperature", [None, 0.1, 0.5])
 def test_knn_matches_reference(n_train: int, n_test: int, d: int, n_classes: int, k: int, temperature) -> None:
-    """Predictions, in float64 and float32, and the accuracy they give."""
+    """Predictions, in float64 and float32, and the accuracy they give (k = 20 beyond 5 training points: all vote)."""
     train_z, train_y, test_z, test_y = _data(n_train, n_test, d, n_classes, seed=n_train + k)
     got = knn_predict(train_z, train_y, test_z, k=k, n_classes=n_classes, temperature=temperature, chunk=4)
     expected = _knn_reference(train_z, train_y, test_z, k, n_classes, temperature)
@@ -74,18 +74,6 @@ def test_knn_matches_reference(n_train: int, n_test: int, d: int, n_classes: int
         z32 = [t.float() for t in (train_z, test_z)]
         assert knn_predict(z32[0], train_y, z32[1], k=k, temperature=temperature).tolist() == _knn_reference(
             z32[0], train_y, z32[1], k, n_classes, temperature)
-
-
-def test_knn_is_scale_invariant() -> None:
-    # cosine similarity: rescaling any embedding by a positive factor changes nothing
-    train_z, train_y, test_z, _ = _data(50, 20, 5, 4, seed=3)
-    g = torch.Generator().manual_seed(1)
-    scale_tr = torch.rand(50, 1, generator=g, dtype=torch.float64) * 10 + 0.1
-    scale_te = torch.rand(20, 1, generator=g, dtype=torch.float64) * 10 + 0.1
-    for t in (None, 0.2):
-        a = knn_predict(train_z, train_y, test_z, k=5, temperature=t)
-        b = knn_predict(train_z * scale_tr, train_y, test_z * scale_te, k=5, temperature=t)
-        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("temperature", [None, 0.1])
@@ -109,33 +97,12 @@ def test_knn_majority_tie_goes_to_smallest_label() -> None:
     assert knn_predict(train_z, train_y, test_z, k=1).tolist() == [3]
 
 
-def test_knn_weighted_vote_can_overrule_majority() -> None:
-    # two far neighbours of label 0 vs one very close neighbour of label 2
-    train_z = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0]], dtype=torch.float64)
-    train_y = torch.tensor([2, 0, 0])
-    test_z = torch.tensor([[1.0, 0.05]], dtype=torch.float64)
-    assert knn_predict(train_z, train_y, test_z, k=3).tolist() == [0]
-    # weights exp(~1/T) vs 2 exp(~0.05/T): label 2 wins for small T, label 0 for large T
-    assert knn_predict(train_z, train_y, test_z, k=3, temperature=0.1).tolist() == [2]
-    assert knn_predict(train_z, train_y, test_z, k=3, temperature=10.0).tolist() == [0]
-
-
 def test_knn_tiny_temperature_does_not_overflow() -> None:
     train_z, train_y, test_z, _ = _data(30, 10, 4, 3, seed=5, dtype=torch.float32)
     got = knn_predict(train_z, train_y, test_z, k=10, temperature=1e-4)
     # with T -> 0 the nearest neighbour dominates the vote
     nearest = knn_predict(train_z, train_y, test_z, k=1)
     assert torch.equal(got, nearest)
-
-
-def test_knn_k_larger_than_train_uses_all() -> None:
-    train_z, train_y, test_z, _ = _data(6, 5, 3, 3, seed=2)
-    a = knn_predict(train_z, train_y, test_z, k=100)
-    b = knn_predict(train_z, train_y, test_z, k=6)
-    assert torch.equal(a, b)
-    # with every training point voting uniformly, every test point gets the training majority class
-    counts = torch.bincount(train_y, minlength=3)
-    assert a.tolist() == [int(counts.argmax())] * 5
 
 
 def test_knn_n_classes_and_labels() -> None:
@@ -163,27 +130,6 @@ def test_knn_rejects_bad_arguments_and_shapes() -> None:
         knn_accuracy(train_z, train_y, test_z, test_y[:2])
     out = knn_predict(train_z, train_y, test_z[:0])  # an empty test set is fine
     assert out.shape == (0,) and out.dtype == torch.int64
-
-
-@pytest.mark.parametrize("temperature", [None, 0.1])
-@pytest.mark.parametrize("k", [1, 5, 20])
-def test_knn_accuracy_perfect_on_separated_clusters(temperature, k: int) -> None:
-    # 4 classes around orthogonal directions, small noise: every neighbour of a point is in its own class
-    g = torch.Generator().manual_seed(0)
-    n_classes, d, per_class = 4, 8, 25
-    centers = torch.eye(d)[:n_classes] * 5.0  # (C, d)
-
-    def sample(m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        y = torch.arange(n_classes).repeat_interleave(m)
-        z = centers[y] + 0.3 * torch.randn(len(y), d, generator=g)
-        return z, y
-
-    train_z, train_y = sample(per_class)
-    test_z, test_y = sample(10)
-    assert knn_accuracy(train_z, train_y, test_z, test_y, k=k, temperature=temperature, chunk=7) == 1.0
-    # and shuffling the test labels makes it fail
-    wrong = (test_y + 1) % n_classes
-    assert knn_accuracy(train_z, train_y, test_z, wrong, k=k, temperature=temperature) == 0.0
 
 
 @pytest.mark.parametrize(
