@@ -294,17 +294,6 @@ def test_phase_diagram_two_panels_missing_cells_and_region(tmp_path, captured):
     assert sum(len(ax.patches) for ax in heat_axes) == 6
 
 
-def test_phase_diagram_without_region_and_string_axes(tmp_path, captured):
-    rows = [{"model": m, "aug": a, "depth": 1, "acc": i / 10} for i, (m, a) in
-            enumerate([("mlp", "weak"), ("mlp", "strong"), ("cnn", "weak")])]
-    P.phase_diagram(rows, x="model", y="aug", value="acc", panel="depth", png=tmp_path / "p.png",
-                    csv=tmp_path / "p.csv")
-    assert_valid_png(tmp_path / "p.png")
-    ax = [a for a in captured[-1].axes if a.images][0]
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["cnn", "mlp"]
-    assert not [q for q in ax.patches if q.get_gid() == P.REGION_GID]
-
-
 def test_phase_diagram_marks_cells_with_a_dead_block(tmp_path, captured):
     rows = [{"bs": b, "aug": a, "depth": 3, "acc": 0.5} for b in (16, 128) for a in (0.0, 1.0)]
     dead = {(16, 1.0, 3)}

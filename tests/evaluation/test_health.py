@@ -21,6 +21,7 @@ from pipeline.evaluation.health import (
     verdict,
     warnings_for,
 )
+from tests.training.small import MLP, digits, small_loop
 
 
 def naive_health(raw: list[list[float]], labels: list[int] | None, other: list[int] | None) -> dict:
@@ -125,21 +126,6 @@ def test_abcs_kernel_health_is_its_kernel_stats_by_loops_and_never_warns(n: int)
     assert dead_blocks(dead) == ["block_1"] and len(warnings_for(dead)) == 1 and "block 1" in warnings_for(dead)[0]
 
 
-def _params(tmp_overrides: list[str]):
-    from pipeline.config.params import load_params
-
-    return load_params("params.yaml", ["train.epochs=2", "train.knn_every=0", "train.batch_size=32",
-                                       "model.backbone=mlp", "model.embed_dim=16", "model.hidden_dim=32",
-                                       *tmp_overrides])
-
-
-def _digits_small():
-    from pipeline.config.data import DataConfig
-    from pipeline.data.sources import load_dataset
-
-    return load_dataset(DataConfig(dataset="digits", root="data/raw", seed=0, limit_train=200, limit_test=100))
-
-
 def kill(head: TransFusionHead) -> None:
     """Make every block dead: all queries ≈ u, all keys ≈ -u, so every QKᵀ entry ≈ -1 and ReLU gives 0."""
     with torch.no_grad():
@@ -156,12 +142,11 @@ def kill(head: TransFusionHead) -> None:
 def test_a_deliberately_dead_block_is_reported_dead_in_training_and_warned_about(tmp_path, monkeypatch) -> None:
     from pipeline.runs.job import Job, WorkerSpec
     from pipeline.runs.train import PretrainResult, TrainedState
-    from pipeline.training.loop import PretrainLoop
     from stages.pretrain import health_warnings, write_outputs
 
-    data = _digits_small()
-    params = _params(["model.depth=2"])
-    loop = PretrainLoop(params, data, torch.device("cpu"))
+    data = digits(200, 100)
+    loop = small_loop("train.epochs=2", *MLP, "model.depth=2", data=data)
+    params = loop.params
     kill(loop.model.head)
     lines = []
     loop.fit(lambda m, ckpt: lines.append(m.as_dict()))
@@ -179,11 +164,9 @@ def test_a_deliberately_dead_block_is_reported_dead_in_training_and_warned_about
 
 
 def test_a_live_block_gets_no_warning_and_per_view_has_no_other_view() -> None:
-    from pipeline.training.loop import PretrainLoop
 
-    data = _digits_small()
-    loop = PretrainLoop(_params(["model.depth=1", "model.qk_init=identity", "model.fusion_scope=per_view"]), data,
-                        torch.device("cpu"))
+    loop = small_loop(*MLP, "model.depth=1", "model.qk_init=identity", "model.fusion_scope=per_view",
+                      data=digits(200, 100))
     h = loop.health()
     assert h["block_1.positive"] > 0.2  # identity init: ReLU of the inputs' cosine, alive from the start
     assert h["block_1.other_view"] is None  # the other view is not in a per-view fused batch: n/a
@@ -216,10 +199,9 @@ def assert_same_numbers(got: dict, want: dict, rel: float, abs: float = 1e-12) -
 def test_health_in_chunks_equals_one_forward(scope: str) -> None:
     """The health batch loaded, augmented and embedded in chunks gives the numbers of one forward (strength 0: the
     chunks draw no augmentation, so both see the same views)."""
-    from pipeline.training.loop import PretrainLoop
 
-    loop = PretrainLoop(_params(["model.depth=2", "augment.strength=0.0", f"model.fusion_scope={scope}"]),
-                        _digits_small(), torch.device("cpu"))
+    loop = small_loop(*MLP, "model.depth=2", "augment.strength=0.0", f"model.fusion_scope={scope}",
+                      data=digits(200, 100))
     whole = loop.health()
     assert whole["block_2.positive"] > 0
     assert_same_numbers(loop.health(chunk=7), whole, rel=1e-6, abs=1e-9)
@@ -229,14 +211,11 @@ def test_health_in_chunks_equals_one_forward(scope: str) -> None:
 def test_health_at_a_large_batch_needs_no_more_memory_than_a_training_step(depth: int) -> None:
     """B = 1024 (2B = 2048 fused rows): the health check's peak stays below one training step's; the whole-matrix
     way (every block's affinity collected, fp64 statistics over all of it) would not."""
-    from pipeline.config.data import DataConfig
-    from pipeline.data.sources import load_dataset
     from pipeline.evaluation.health import attention_weights
-    from pipeline.training.loop import PretrainLoop
     from pipeline.training.measure import peak_bytes
 
-    data = load_dataset(DataConfig(dataset="digits", root="data/raw", seed=0, limit_train=1100, limit_test=100))
-    loop = PretrainLoop(_params([f"model.depth={depth}", "train.batch_size=1024"]), data, torch.device("cpu"))
+    data = digits(1100, 100)
+    loop = small_loop(*MLP, f"model.depth={depth}", "train.batch_size=1024", data=data)
     perm = torch.randperm(len(data.train.y), generator=torch.Generator().manual_seed(0))
 
     def step() -> None:

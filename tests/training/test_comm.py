@@ -106,29 +106,21 @@ def test_buckets_launch_in_index_order_whatever_order_the_hooks_fire(one_rank, s
 
 
 def test_parameters_without_a_gradient_in_the_first_step_are_dropped(one_rank):
+    """The head's bucket waits for the truncated head's unused projection in the first step only (the steps after:
+    test_two_ranks_launch_in_the_same_fixed_order_with_a_truncated_head); a dropped parameter's gradient later is
+    refused, not silently left out of the sum."""
     model = make_model(truncated=True)  # the last block's value projection is never used
     reducer = GradReducer([p for p in model.parameters()], bucket_mb=0.05)
-    names = {id(p): n for n, p in model.named_parameters()}
     x = torch.rand(2 * B, 1, 8, 8, dtype=torch.float64)
 
     def loss() -> torch.Tensor:
         out = model(x)
         return (out.q * out.k).sum()
 
-    for step in range(3):
-        for p in model.parameters():
-            p.grad = None
-        reducer.start()
-        loss().backward()
-        reducer.finish()
-        if step == 0:  # the head's bucket waited for the unused projection until finish()
-            assert sorted(names[id(p)] for p in reducer.unused) == ["head.blocks.1.value.bias",
-                                                                    "head.blocks.1.value.weight"]
-            assert reducer.launched_early < len(reducer.buckets)
-        else:  # dropped: every bucket starts during the backward, in order
-            assert reducer.launched == list(range(len(reducer.buckets))) == list(range(reducer.launched_early))
-    assert all(id(p) not in reducer._bucket_of for p in reducer.unused)  # noqa: SLF001 (white-box)
-    # the graph changes: a dropped parameter gets a gradient -> refused, not silently left out of the sum
+    reducer.start()
+    loss().backward()
+    reducer.finish()
+    assert len(reducer.unused) == 2 and reducer.launched_early < len(reducer.buckets)
     reducer.start()
     value = model.head.blocks[1].value
     with pytest.raises(RuntimeError, match="the step's graph changed"):

@@ -1,13 +1,5 @@
-"""No host sync inside a lazy step: on CUDA the epoch's only sync is the loop's, once per epoch.
-
-Counted on CPU with ``pipeline.training.measure.OpCounter``, a ``TorchDispatchMode`` that sees every aten op of the step
-(forward and backward) and records those that make the host wait for the device on CUDA: reading a value (``item``,
-``bool``, ``float``, ``torch.equal``), an output shape that depends on values (``nonzero``, ``unique*``,
-boolean-mask indexing, ``masked_select``, ``repeat_interleave`` without ``output_size``, ``bincount``) and device ->
-host copies.
-Blind spot: ``.tolist()`` / ``.numpy()`` of a CPU tensor dispatch no op (on CUDA they start with a counted
-device -> host copy), so the pipeline code on the step's path uses neither.
-"""
+"""No host sync inside a lazy step (``measure.OpCounter``: the aten ops that make the host wait on CUDA). Its blind
+spot: ``.tolist()`` / ``.numpy()`` of a CPU tensor dispatch no op, so the step's path uses neither."""
 
 from __future__ import annotations
 
@@ -20,6 +12,7 @@ from pipeline.core.model import build_model
 from pipeline.core.targets import check_layout
 from pipeline.training import measure
 from pipeline.training.step import GlobalBatchStep
+from tests.training.small import digits, small_loop
 
 B, SHAPE = 8, (1, 8, 8)
 LABELS = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])  # supervised: several positives per row
@@ -126,17 +119,11 @@ def test_without_a_layout_the_step_syncs(name, mode):
 # ------------------------------------------------------------------------------------- the loop passes the layout
 @pytest.mark.parametrize("mode,loss", [("self_supervised", "jsd"), ("supervised", "supcon")])
 def test_the_loops_step_has_no_host_sync(mode, loss):
-    from pipeline.config.data import DataConfig
-    from pipeline.config.params import load_params
-    from pipeline.data.sources import load_dataset
     from pipeline.data.split import to_float
-    from pipeline.training.loop import PretrainLoop
-    from tests.conftest import ROOT
 
-    params = load_params(ROOT / "params.yaml", [f"train.mode={mode}", f"loss.name={loss}", "train.batch_size=16",
-                                                 "model.embed_dim=16"])
-    data = load_dataset(DataConfig(dataset="digits", root="data/raw", limit_train=64, limit_test=16))
-    loop = PretrainLoop(params, data, torch.device("cpu"), defer_sync=True)
+    data = digits(64, 16)
+    loop = small_loop(f"train.mode={mode}", f"loss.name={loss}", "train.batch_size=16", "model.embed_dim=16",
+                      data=data, defer_sync=True)
     assert loop.step.layout == layout_of(mode)
     x = to_float(data.train.x[:16])
     ids = torch.arange(16) if mode == "self_supervised" else data.train.y[:16]
@@ -151,15 +138,9 @@ def test_the_loops_health_reads_its_numbers_once(monkeypatch, depth):
     """Rank 0's per-epoch health (other ranks wait at the report meanwhile): no syncing op, and one
     ``read_health`` of every block's numbers (on CPU its ``.cpu().tolist()`` is the counter's blind spot; on a GPU
     it is the one device -> host copy). Before, each slice of rows of each block read 2-3 ``int()``."""
-    from pipeline.config.data import DataConfig
-    from pipeline.config.params import load_params
-    from pipeline.data.sources import load_dataset
     from pipeline.training import loop as loop_module
-    from tests.conftest import ROOT
 
-    params = load_params(ROOT / "params.yaml", ["train.batch_size=16", "model.embed_dim=16", f"model.depth={depth}"])
-    data = load_dataset(DataConfig(dataset="digits", root="data/raw", limit_train=64, limit_test=16))
-    loop = loop_module.PretrainLoop(params, data, torch.device("cpu"))
+    loop = small_loop("train.batch_size=16", "model.embed_dim=16", f"model.depth={depth}", data=digits(64, 16))
     reads = []
     real = loop_module.read_health
     monkeypatch.setattr(loop_module, "read_health", lambda stats: reads.append(len(stats)) or real(stats))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pipeline.training.precision import BF16, FP16, FP32, PRECISIONS, choose
+from tests.training.small import MLP, small_loop
 
 # (GPU, compute capability) -> what `auto` must choose (NVIDIA's table of compute capabilities)
 DEVICES = [
@@ -46,23 +47,15 @@ def test_the_params_key_allows_exactly_the_choices():
 
 
 def _loop(precision: str):
-    from pipeline.config.data import DataConfig
-    from pipeline.config.params import load_params
-    from pipeline.data.sources import load_dataset
-    from pipeline.training.loop import PretrainLoop
-
-    params = load_params("params.yaml", ["train.epochs=2", "train.knn_every=0", "train.batch_size=32",
-                                         "model.backbone=mlp", "model.embed_dim=16", "model.hidden_dim=32",
-                                         "model.depth=1", f"train.precision={precision}"])
-    data = load_dataset(DataConfig(dataset="digits", root="data/raw", seed=0, limit_train=128, limit_test=40))
-    return PretrainLoop(params, data, torch.device("cpu"))
+    return small_loop("train.epochs=2", *MLP, "model.depth=1", f"train.precision={precision}")
 
 
 def test_fp16_trains_through_the_gradient_scaler_and_resumes_with_its_state():
     """The fp16 path (autocast float16, GradScaler) is the same code on the CPU as on a T4: it trains, its loss
     stays near fp32's, the scaler's state is checkpointed and restored."""
-    fp32, fp16 = _loop("fp32"), _loop("fp16")
+    fp32, fp16, auto = _loop("fp32"), _loop("fp16"), _loop("auto")
     assert fp32.scaler is None and "scaler" not in fp32.state_dict()
+    assert auto.precision is FP32 and auto.step.autocast_dtype is None and auto.scaler is None  # on the CPU
     assert fp16.step.autocast_dtype is torch.float16 and fp16.step.scaler is fp16.scaler is not None
     a, b = fp32.train_epoch(), fp16.train_epoch()
     assert b.loss == pytest.approx(a.loss, rel=0.05) and b.loss != a.loss  # really in fp16, and close
@@ -72,11 +65,6 @@ def test_fp16_trains_through_the_gradient_scaler_and_resumes_with_its_state():
     resumed.load_state_dict(state)
     assert resumed.scaler.get_scale() == fp16.scaler.get_scale()
     assert resumed.scaler.state_dict()["_growth_tracker"] == fp16.scaler.state_dict()["_growth_tracker"]
-
-
-def test_fp32_on_the_cpu_is_the_path_without_autocast():
-    loop = _loop("auto")
-    assert loop.precision is FP32 and loop.step.autocast_dtype is None and loop.scaler is None
 
 
 @pytest.mark.parametrize("compatibility,kernel", [("multiplicative", "logits"), ("additive", "paper")])

@@ -1,12 +1,5 @@
-"""The row-sharded head (``TransFusionHead.forward_rows`` through ``GlobalBatchStep``): 2 gloo workers, each computing
-only its rows of every block with the keys and values of all rows gathered, give the loss and every gradient of one
-process running the dense head on the concatenated batch (fp64).
-
-One spawned process group runs a covering set of cases (every head option, every loss in both modes, gradient
-caching, tiles; and ABC's head, ``model.method: abc``, whose step gathers the backbone's embeddings and runs the head
-on all rows on every worker, the loss on each worker's rows), so that the suite pays for one group start; the
-one-process side runs in the test's process.
-"""
+"""The row-sharded head (``forward_rows`` through ``GlobalBatchStep``) on 2 gloo workers equals one process's dense
+head in fp64, for a covering set of cases run in one process group (head options, losses, caching, tiles, ABC)."""
 
 from __future__ import annotations
 
@@ -179,13 +172,6 @@ def test_the_row_path_on_one_process_equals_the_dense_head(case, tile):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
-
-
-def test_embed_over_tiles_equals_the_dense_embed():
-    model = make_model(Case(depth=3))
-    x = torch.rand(9, *SHAPE, dtype=torch.float64)
-    for a, b in zip(model.embed(x), model.embed(x, tile=4), strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
 
 
 def test_rows_that_do_not_split_into_the_views_are_refused():

@@ -1,10 +1,5 @@
-"""Global-batch fusion: 2 gloo workers give the gradients of one process on the concatenated batch.
-
-Every backbone family is checked (torchvision's models by one of them, mobilenet_v3_small), the BatchNorm ones
-(resnet18_cifar, resnet18, torchvision:mobilenet_v3_small) with global BatchNorm
-(``pipeline.core.batchnorm``): same loss, every gradient, and the BN running statistics (identical on both ranks
-and equal to one process's). Controls: without the gather, or with plain per-worker BN, the gradients differ.
-"""
+"""Global-batch fusion: 2 gloo workers give the loss, gradients and global-BatchNorm statistics of one process on the
+concatenated batch, for every backbone family; controls: without the gather, or with per-worker BN, they differ."""
 
 from __future__ import annotations
 
@@ -19,8 +14,9 @@ from pipeline.core.backbones import build_backbone
 from pipeline.core.batchnorm import GlobalBatchNorm, convert_batchnorm
 from pipeline.core.losses import make_loss
 from pipeline.core.model import TransFusion, TransFusionHead
-from pipeline.training.step import GlobalBatchStep, NonFiniteLossError, local_rows
+from pipeline.training.step import GlobalBatchStep, NonFiniteLossError
 from tests.training.ranks import run_ranks
+from tests.training.small import digits, small_loop
 
 B, SHAPE = 8, (1, 8, 8)  # 8 images, two views each
 
@@ -159,12 +155,6 @@ def test_grad_cache_equals_plain_step(loss_name, mode, chunk):
     assert_grads_close(grads_c, grads, rtol=1e-9)
 
 
-def test_local_rows_partition_the_global_batch():
-    rows = [r for rank in range(4) for r in local_rows(rank, 3, 4)]
-    covered = sorted(i for r in rows for i in range(r.start, r.stop))
-    assert covered == list(range(24))
-
-
 def test_non_finite_loss_raises_before_touching_grads():
     model = make_model()
     v1, v2, ids = make_batch("self")
@@ -270,17 +260,8 @@ def test_ranks_seeded_differently_start_identical(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- the loop's deferred sync
-def _loop(defer_sync: bool, backbone: str = "cnn_small"):
-    from pipeline.config.data import DataConfig
-    from pipeline.config.params import load_params
-    from pipeline.data.sources import load_dataset
-    from pipeline.training.loop import PretrainLoop
-    from tests.conftest import ROOT
-
-    params = load_params(ROOT / "params.yaml", ["train.epochs=3", "train.batch_size=32", "train.knn_every=0",
-                                                 f"model.backbone={backbone}", "model.embed_dim=null"])
-    data = load_dataset(DataConfig(dataset="digits", root="data/raw", limit_train=160, limit_test=40))
-    return PretrainLoop(params, data, torch.device("cpu"), defer_sync=defer_sync)
+def _loop(defer_sync: bool):
+    return small_loop("train.epochs=3", "model.embed_dim=null", data=digits(160), defer_sync=defer_sync)
 
 
 @pytest.mark.slow
