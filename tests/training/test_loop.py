@@ -1,16 +1,9 @@
-"""pipeline/training/loop.py: where the training set lives (the data budget), the streamed path's equality, and the
-loop's callbacks.
-
-Within ``train.data_budget_mb`` the training set is put on the device and indexed there; beyond it each worker reads
-only its rows of each global batch from the memory-mapped prepared files. Both paths must train to the same numbers,
-bit for bit, for the same seed.
-"""
+"""pipeline/training/loop.py: the data budget (the training set on the device, or each worker's rows read from the
+memory-mapped files: the same numbers bit for bit), channels-last, tiles, ABC end to end, callbacks, the monitor."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,16 +11,17 @@ import numpy as np
 import psutil
 import pytest
 import torch
-import torch.distributed as dist
 
 from pipeline.config.data import DataConfig
 from pipeline.config.params import load_params
 from pipeline.data.prepared import load_prepared
 from pipeline.data.sources import load_dataset
 from pipeline.training.loop import DATA_BUDGET_SHARE, KNN_BANK, KNN_QUERIES, Callback, PretrainLoop, data_budget
-from tests import gloo
 from tests.conftest import ROOT
 from tests.data.test_datasets import mapped_file
+from tests.evaluation.test_health import assert_same_numbers
+from tests.training.ranks import run_ranks
+from tests.training.small import MLP, digits, small_loop
 
 DIGITS_TRAIN_MIB = 1437 * 64 * 4 / 2**20  # digits' training set: 1437 float32 images of 8 x 8 (0.35 MiB)
 SMALL_BUDGET = "train.data_budget_mb=0.25"  # below it: streamed
@@ -126,31 +120,25 @@ def test_every_rank_reads_the_same_shard_either_way(prepared, mode):
 
 
 # ------------------------------------------------------------------------------- two gloo workers, two paths
-def _two_paths_worker(rank: int, world: int, init_file: str, data_dir: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        histories = {}
-        for name, extra, mmap in (("in_memory", ["train.epochs=2"], False),
-                                  ("streamed", ["train.epochs=2", SMALL_BUDGET], True),
-                                  ("dense", ["train.epochs=5"], False),
-                                  ("tiled", ["train.epochs=5", SMALL_BUDGET, TILING_BUDGET], True)):
-            params = load_params(ROOT / "params.yaml", ["train.batch_size=64", *extra])
-            loop = PretrainLoop(params, load_prepared(data_dir, mmap=mmap), torch.device("cpu"), rank=rank,
-                                world_size=world)
-            assert loop.streaming == mmap
-            assert (loop.head_plan.tile is not None) == (name == "tiled") and loop.head_plan.sharded
-            loop.fit(lambda m, ckpt: None)
-            histories[name] = numbers(loop.history)
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(histories))
-    finally:
-        dist.destroy_process_group()
+def _two_paths_worker(rank: int, world: int, data_dir: str) -> dict:
+    histories = {}
+    for name, extra, mmap in (("in_memory", ["train.epochs=2"], False),
+                              ("streamed", ["train.epochs=2", SMALL_BUDGET], True),
+                              ("dense", ["train.epochs=5"], False),
+                              ("tiled", ["train.epochs=5", SMALL_BUDGET, TILING_BUDGET], True)):
+        params = load_params(ROOT / "params.yaml", ["train.batch_size=64", *extra])
+        loop = PretrainLoop(params, load_prepared(data_dir, mmap=mmap), torch.device("cpu"), rank=rank,
+                            world_size=world)
+        assert loop.streaming == mmap
+        assert (loop.head_plan.tile is not None) == (name == "tiled") and loop.head_plan.sharded
+        loop.fit(lambda m, ckpt: None)
+        histories[name] = numbers(loop.history)
+    return histories
 
 
 @pytest.mark.slow
 def test_two_gloo_workers_streamed_equal_in_memory(prepared, tmp_path):
-    gloo.spawn(_two_paths_worker, (2, str(tmp_path / "init"), str(prepared), str(tmp_path)))
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_ranks(tmp_path, _two_paths_worker, str(prepared))
     for histories in ranks:
         assert histories["streamed"] == histories["in_memory"] and len(histories["streamed"]) == 2
     # the head sharded over both workers and tiled (a budget of 0 MiB), streamed, against the dense head: the same
@@ -165,7 +153,6 @@ def test_two_gloo_workers_streamed_equal_in_memory(prepared, tmp_path):
         assert t["knn_acc"] == pytest.approx(d["knn_acc"], abs=0.03)
     # rank 0 alone runs the kNN monitor and the health; the all-reduced losses are the same on both ranks
     assert [h["loss"] for h in ranks[0]["streamed"]] == [h["loss"] for h in ranks[1]["streamed"]]
-    assert os.path.exists(tmp_path / "rank1.json")
 
 
 @pytest.mark.parametrize("extra", [[], ["model.fusion_scope=per_view"], ["model.head=truncated", "model.depth=2"],
@@ -177,12 +164,9 @@ def test_health_over_tiles_equals_the_dense_health(prepared, extra):
     tiled = PretrainLoop(load_params(ROOT / "params.yaml", [*overrides, TILING_BUDGET]), load_prepared(prepared),
                          torch.device("cpu"))
     assert dense.head_plan.tile is None and tiled.head_plan.tile is not None
-    want, got = dense.health(), tiled.health()
-    assert want.keys() == got.keys() and len(want) == 2 * 5
-    for key, value in want.items():
-        assert (got[key] is None) == (value is None), key
-        if value is not None:
-            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    want = dense.health()
+    assert len(want) == 2 * 5
+    assert_same_numbers(tiled.health(), want, rel=1e-5, abs=1e-7)
 
 
 ABC = ["model.method=abc", "model.qk_init=default", "loss.name=bce", "model.abc.width=16", "model.abc.heads=2",
@@ -244,18 +228,12 @@ class Recorder(Callback):
         self.events.append(("end", metrics.epoch, loop.epoch))
 
 
-def tiny(data, epochs: int) -> PretrainLoop:
-    """A loop of ``epochs`` epochs of 3 steps on 96 digits (mlp backbone: seconds here)."""
-    params = load_params(ROOT / "params.yaml", [f"train.epochs={epochs}", "train.batch_size=32", "train.knn_every=0",
-                                                "model.backbone=mlp", "model.embed_dim=16", "model.hidden_dim=32"])
-    return PretrainLoop(params, data, torch.device("cpu"))
-
-
-DIGITS_96 = DataConfig(dataset="digits", root="unused", limit_train=96, limit_test=40)
+def tiny(data, epochs: int) -> PretrainLoop:  # epochs of 3 steps on 96 digits
+    return small_loop(f"train.epochs={epochs}", *MLP, data=data)
 
 
 def test_a_user_callback_sees_every_step_and_epoch_in_order_from_where_the_run_resumes(one_thread):
-    data = load_dataset(DIGITS_96)
+    data = digits(96)
     loop, events = tiny(data, 2), []
     loop.fit(lambda m, ckpt: events.append(("report", m.epoch, ckpt)), [Recorder(events)])
     steps = [("step", e, s, (32, 1, 8, 8), torch.float32) for e in (1, 2) for s in (1, 2, 3)]
@@ -273,7 +251,7 @@ def test_a_user_callback_sees_every_step_and_epoch_in_order_from_where_the_run_r
 def test_the_inputs_a_callback_returns_are_what_the_step_trains_on(one_thread):
     """A callback zeroing every step's inputs trains as a loop on a training set of zeros does: the same losses, bit for
     bit (the kNN monitor and the health read the real images, so they differ)."""
-    data = load_dataset(DIGITS_96)
+    data = digits(96)
     zeros = replace(data, train=replace(data.train, x=torch.zeros_like(data.train.x)))
     reference, zeroed, plain = tiny(zeros, 1), tiny(data, 1), tiny(data, 1)
     reference.fit(lambda m, ckpt: None)
