@@ -1,9 +1,5 @@
-"""Each section's allowed names (plain literals in pipeline/config/) match the registry of what implements them.
-
-The config holds the names so that a stage depends only on the sections it reads (``prepare`` never on a loss
-name); the implementations keep their own registries. These tests keep the two in step, and check that each name
-really works and that a name outside the list is refused by the implementation too.
-"""
+"""Each section's allowed names (plain literals in pipeline/config/, so a stage depends only on the sections it reads)
+match the registries of what implements them; each name works, and one outside the list is refused there too."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Tests for Omniglot (pipeline/data/omniglot.py, its reader in pipeline/data/sources.py): tiny PNG files written in
-torchvision's on-disk layout (``omniglot-py/images_{background,evaluation}/<Alphabet>/<characterNN>/<id>_<nn>.png``,
-105x105 binary drawings), read through the project's loaders; no network."""
+"""Omniglot (pipeline/data/omniglot.py, its reader in sources.py) on tiny 105x105 PNGs in torchvision's layout
+(``omniglot-py/images_{background,evaluation}/<Alphabet>/<characterNN>/<id>_<nn>.png``); no network."""
 
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ def test_knn_tiny_temperature_does_not_overflow() -> None:
     assert torch.equal(got, nearest)
 
 
-def test_knn_n_classes_and_labels() -> None:
+def test_knn_n_classes_labels_arguments_and_shapes() -> None:
     train_z, train_y, test_z, _ = _data(20, 8, 3, 3, seed=4)
     a = knn_predict(train_z, train_y, test_z, k=3)
     b = knn_predict(train_z, train_y, test_z, k=3, n_classes=10)  # extra empty classes change nothing
@@ -116,9 +116,6 @@ def test_knn_n_classes_and_labels() -> None:
         knn_predict(train_z, train_y.double(), test_z, k=3)
     with pytest.raises(ValueError):
         knn_predict(train_z, train_y - 5, test_z, k=3)
-
-
-def test_knn_rejects_bad_arguments_and_shapes() -> None:
     train_z, train_y, test_z, test_y = _data(10, 4, 3, 2, seed=0)
     for kwargs in ({"k": 0}, {"chunk": 0}, {"temperature": 0.0}, {"temperature": -1.0}):
         with pytest.raises(ValueError):

@@ -67,8 +67,6 @@ def test_csv_cells_we_could_not_compute_are_n_a():
     assert out[1]["fit_seconds"] == 120.0 and out[1]["status"] == "ERROR"
 
 
-
-
 def seeded_study():
     """Two rows over seeds 0-2 (one seed of the second failed), the two controls: a study's records."""
     raw = [record(-2, 0, "raw pixels", (0.7,) * 4, paper="", control="raw_pixels", logreg=0.8)]

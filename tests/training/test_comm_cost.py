@@ -1,9 +1,5 @@
-"""benchmarks/bench_comm.py's cost model: what the gradient buckets can hide on NCCL, where global BN's collectives
-queue behind them on the one communicator.
-
-The trace's FLOPs at each bucket's readiness and at each BatchNorm backward are checked against the model itself:
-the buckets' parameters and the BatchNorm layers counted here by walking the model.
-"""
+"""benchmarks/bench_comm.py's cost model (global BN's collectives queue behind the gradient buckets on NCCL's one
+communicator), its trace checked against the model's own buckets and BatchNorm layers."""
 
 from __future__ import annotations
 
