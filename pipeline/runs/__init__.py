@@ -1,8 +1,8 @@
-"""Runs on Ray and their tracking: pretraining on Ray Train (``train``), the Ray Tune machinery (``tune``) and the
-jobs built on it (``sweep``, ``tables``), connecting to a cluster and waiting for its resources (``cluster``), the
-uses of Ray that no public API offers (``ray_undocumented``), shared storage (``storage``) and MLflow (``tracking``).
-Only what touches Ray or MLflow lives here: the pure rules they follow are on the floors below (the sweep's space,
-run names, resource shapes: ``pipeline.config``).
+"""Runs on Ray and their tracking: a job opened and closed once (``job``) by pretraining on Ray Train (``train``) and
+the Tune jobs (``tune``, and the ``sweep`` and ``tables`` built on it), connecting to a cluster and waiting for its
+resources (``cluster``), MLflow (``tracking``) and every use of Ray or MLflow beyond their public APIs
+(``undocumented``). Only what touches Ray or MLflow lives here: the pure rules they follow are on the floors below
+(the sweep's space, run names, resource shapes: ``pipeline.config``; the staged data: ``pipeline.data.storage``).
 
 The top floor: it may import every other package of ``pipeline``; none of them imports it.
 """

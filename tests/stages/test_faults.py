@@ -214,7 +214,7 @@ def test_killed_driver_rerun_resumes_and_a_killed_worker_restarts(prepared, ray_
     assert sorted(set(steps)) == [1, 2, 3, 4, 5, 6]
 
 
-def test_recover_run_snapshot_picks_the_newest_loadable_checkpoint(tmp_path):
+def test_recover_picks_the_newest_loadable_checkpoint(tmp_path):
     run = tmp_path / "pretrain-x"
     assert recover(str(run)) is None  # nothing there: nothing to recover
     for name, good in (("checkpoint_2026-01-01_00-00-01.000", True), ("checkpoint_2026-01-01_00-00-02.000", True),
