@@ -127,13 +127,14 @@ def main() -> int:
             loop.fit(lambda m, ckpt: None)
             history, fit_seconds = loop.history, time.time() - fit_started
         else:
-            from pipeline.runs.train import cleanup, pretrain
+            from pipeline.runs.job import cleanup
+            from pipeline.runs.train import pretrain
 
             os.chdir(tmp)  # MLflow's sqlite store, Ray's storage and the stage's state folder live here
             params = params.model_copy(update={"ray": params.ray.model_copy(update={"storage_path": str(tmp / "r")})})
             res = pretrain(params, tmp / "data/prepared", tmp, tracking=True)
-            history, fit_started, fit_seconds = res.state["history"], res.fit_started, res.fit_seconds
-            cleanup(params, tmp, res.run_name)
+            history, fit_started, fit_seconds = res.state.history, res.fit_started, res.fit_seconds
+            cleanup(params, tmp, res.job.name)
             os.chdir(ROOT)
         total = time.time() - called
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
