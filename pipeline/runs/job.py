@@ -89,6 +89,11 @@ class Job:
     def run_dir(self) -> str:
         return self.spec.run_dir
 
+    @property
+    def state_dir(self) -> Path:
+        """The driver's own state of the job (its MLflow run id, its trials' record), until :func:`close_job`."""
+        return self.root / STATE_DIR / self.name
+
 
 class SweepError(RuntimeError):
     """A Tune job (the sweep, the tables) did not finish (interrupted, or every trial failed); rerunning the stage
@@ -188,7 +193,7 @@ def mlflow_run(root: Path, name: str, *, stage: str, title: str, logged: Mapping
     children inherit."""
     uri = trk.tracking_uri(root)
     exp = trk.experiment_id(uri, root)
-    id_file = root / STATE_DIR / name / "mlflow_run_id"
+    id_file = root / STATE_DIR / name / "mlflow_run_id"  # Job.state_dir
     if id_file.exists():
         run_id = id_file.read_text().strip()
         trk.resume_run(uri, run_id)

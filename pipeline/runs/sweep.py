@@ -101,7 +101,7 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     concurrent = max_concurrent(s.max_concurrent_trials, shape, job.totals, n)
     announce = (f"[sweep] {job.name}: {n} trials ({s.search}), {s.epochs} epochs each, up to {concurrent} at a time"
                 + (", ASHA early stopping" if s.asha else ""))
-    result = tune_job(job, trainer, space, tracker=SweepTracker(s.epochs, job.run_dir, job.run),
+    result = tune_job(job, trainer, space, tracker=SweepTracker(s.epochs, str(job.state_dir), job.run),
                       concurrent=concurrent, announce=announce, scheduler=scheduler, num_samples=samples,
                       reuse_actors=inline(trial_params(base, {})))
     result.rows = trial_rows(result.outcomes, s.epochs)

@@ -226,7 +226,8 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
                 + (f", controls {', '.join(params.tables.controls)}" if params.tables.controls else "")
                 + f": {len(configs)} trials, up to {concurrent} at a time, {'GPU' if job.gpu else 'CPU'} workers")
     # no scheduler: results need not carry knn_acc (train.knn_every), and one-worker rows may reuse a process
-    result = tune_job(job, trainer, space, tracker=TablesTracker(params.train.epochs, job.run_dir, job.run, unit),
+    tracker = TablesTracker(params.train.epochs, str(job.state_dir), job.run, unit)
+    result = tune_job(job, trainer, space, tracker=tracker,
                       concurrent=concurrent, announce=announce, metric=None,
                       reuse_actors=all(inline(r.params) for r in rows))
     result.rows = collect(result.outcomes, [*control_rows(params), *rows], unit)

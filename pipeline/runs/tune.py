@@ -12,8 +12,8 @@ tables (``pipeline.runs.tables``): a library both use, knowing neither.
 - **Tracking and progress**: :class:`TrialTracker`, the driver-side Tune callback each job subclasses: a line per
   trial event, MLflow from the driver only (a child of the job's run per trial, found again by its tags), so
   trials never contend for the sqlite store. It keeps no state of its own: what the driver needs after the job (each
-  trial's last status, when it trained) it writes to the job's directory (:data:`TRACKER_FILE`), so the copy of it
-  that a restored job unpickles works as the first did.
+  trial's last status, when it trained) it writes to the driver's state of the job (:data:`TRACKER_FILE`), so the
+  copy of it that a restored job unpickles works as the first did.
 - **The job**: :func:`tune_job` runs it, or restores an interrupted one (finished trials kept, unfinished ones
   resumed from their checkpoints, the same MLflow runs continued); :func:`outcomes` turns its results into a typed
   :class:`Outcome` per trial, its epochs read back from its checkpoints.
@@ -22,6 +22,7 @@ tables (``pipeline.runs.tables``): a library both use, knowing neither.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import shutil
@@ -43,9 +44,9 @@ from pipeline.data.storage import (
     clear_status,
     join,
     read_json,
-    write_json,
 )
 from pipeline.evaluation.health import is_health_key
+from pipeline.io import write_json
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import TRIAL_CONSOLE_LEVEL
 from pipeline.runs.job import Job, SweepError, Tracked, TrialFailed, WorkerSpec, close_job, error_reason, fail_job, say
@@ -68,7 +69,7 @@ from pipeline.runs.undocumented import checkpoint_dirs, trial_error
 
 Config = dict[str, object]  # a trial's config: its point, or its row
 Result = dict[str, object]  # one result a trial reported to Tune
-TRACKER_FILE = "transfusion_trials.json"  # the tracker's record of the trials, in the job's directory
+TRACKER_FILE = "trials.json"  # the tracker's record of the trials, in the driver's state of the job (Job.state_dir)
 
 
 # ------------------------------------------------------------------------------------------------- trial
@@ -167,9 +168,10 @@ class TrialTracker(tune.Callback):
     params = its labels), found again by those tags (a restored job's trial continues its child); per-epoch metrics
     with step = epoch; the child ends FINISHED (tag ``stopped_early`` when ASHA cut it) or FAILED (tag ``error``).
 
-    Its fields are settings; what the driver needs after the job goes to :data:`TRACKER_FILE` in ``record_dir``
-    (:meth:`record`). Each job subclasses it: ``PREFIX`` of the progress lines, ``STAGE`` tag of the children,
-    :meth:`labels` (what identifies a trial: its params in MLflow; by default its point).
+    Its fields are settings; what the driver needs after the job goes to :data:`TRACKER_FILE` in ``record_dir``, a
+    folder of the driver's own (:meth:`record`; not the job's directory on the run storage, which Tune syncs from its
+    own copy when it restores a job). Each job subclasses it: ``PREFIX`` of the progress lines, ``STAGE`` tag of the
+    children, :meth:`labels` (what identifies a trial: its params in MLflow; by default its point).
     """
 
     PREFIX: str  # "[sweep]": the job's progress lines
@@ -198,10 +200,9 @@ class TrialTracker(tune.Callback):
     def record(self, update: Callable[[dict[str, dict[str, object]]], None]) -> None:
         """Apply ``update`` to the record of the trials in :data:`TRACKER_FILE` (``{trial id: {"status", "start",
         "end", "epoch"}}`` and ``total``)."""
-        saved = read_json(self.record_dir, TRACKER_FILE) or {}
-        trials = saved.get("trials", {})
+        trials = Record.read(self.record_dir).trials
         update(trials)
-        write_json(self.record_dir, TRACKER_FILE, {"total": self.total, "trials": trials})
+        write_json(Path(self.record_dir, TRACKER_FILE), {"total": self.total, "trials": trials})
 
     def _child(self, trial: tune.experiment.Trial) -> str | None:
         if not self.run:
@@ -248,7 +249,7 @@ class TrialTracker(tune.Callback):
             trk.log_metrics_batch(self.run.uri, child, [result], epoch_metric_names([result]))
 
     def _end(self, trials: list[tune.experiment.Trial], trial: tune.experiment.Trial, status: str) -> None:
-        seen = (read_json(self.record_dir, TRACKER_FILE) or {}).get("trials", {}).get(trial.trial_id, {})
+        seen = Record.read(self.record_dir).trials.get(trial.trial_id, {})
         epoch = int(seen.get("epoch", 0))
         early = status == "FINISHED" and epoch < self.epochs_of(trial)
         reason = error_reason(trial_error(trial)) if status == "FAILED" else ""
@@ -283,7 +284,8 @@ class Record:
 
     @classmethod
     def read(cls, record_dir: str) -> Record:
-        saved = read_json(record_dir, TRACKER_FILE) or {}
+        path = Path(record_dir, TRACKER_FILE)
+        saved = json.loads(path.read_text()) if path.is_file() else {}
         return cls(int(saved.get("total", 0)), dict(saved.get("trials", {})))
 
     def unfinished(self) -> list[str]:
@@ -413,7 +415,7 @@ def tune_job(job: Job, trainable: type, space: Config, *, tracker: TrialTracker,
     logging.getLogger("ray.tune").setLevel(logging.CRITICAL)
     grid = tuner.fit()
     seconds = time.time() - start
-    record = Record.read(path)
+    record = Record.read(str(job.state_dir))
     unfinished = record.unfinished()
     what = "tables job" if job.stage == "tables" else job.stage
     if unfinished or not record.trials:
