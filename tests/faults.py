@@ -139,9 +139,13 @@ class Faults(Callback):
 
 def run_id() -> str:
     """The Tune trial this runs in (its id), or the Ray Train run (its name; a trial's ``trial-<id>``: the id)."""
+    import warnings
+
     from ray import tune
 
-    trial = tune.get_context().get_trial_id()  # None outside a Tune trial
+    with warnings.catch_warnings():  # Ray warns when asked outside a Tune trial, and answers None
+        warnings.simplefilter("ignore")
+        trial = tune.get_context().get_trial_id()
     if trial:
         return trial
     import ray.train
