@@ -167,15 +167,16 @@ def test_a_worker_aborting_mid_epoch_keeps_its_native_dump_in_rays_logs(sandbox)
 
 def test_asha_stopping_a_two_worker_trial_mid_epoch_prints_no_crash_dump(sandbox):
     """Two trials of 2 workers, each a Ray Train run reporting through Tune. The augmented one is slowed (its rank 1
-    sleeps before each step, rank 0 waits in the step's collectives), so it reaches ASHA's first rung second, and is
-    the worse one there (measured: kNN 0.71 vs 0.74 on this data): ASHA stops it while its workers are mid-epoch,
-    inside a collective. The other one diverges at its last epoch: that trial alone fails, with its reason."""
+    sleeps 1 s before each step, rank 0 waits in the step's collectives: 16 s an epoch, more than the two trials'
+    starts can differ by on 2 cores; 0.3 s a step can let it reach the rung first), so it reaches ASHA's first rung
+    second, and is the worse one there (measured: kNN 0.71 vs 0.74 on this data): ASHA stops it while its workers are
+    mid-epoch, inside a collective. The other one diverges at its last epoch: that trial alone fails, with its reason."""
     project, tmp, home = sandbox
     code, lines = stage(project, tmp, home, "sweep", "-S", "model.embed_dim=16", "-S", "ray.num_workers=2",
                         "-S", "sweep.depth=[1]", "-S", "sweep.batch_size=[32]", "-S", "sweep.strength=[0.0,1.0]",
                         "-S", "sweep.epochs=3", "-S", "sweep.asha=true", "-S", "sweep.grace_period=1",
                         "-S", "sweep.cpus_per_worker=0.25",
-                        **faults.environment(slow_rank=(1, 0.3), trial={"augment.strength": 1.0},
+                        **faults.environment(slow_rank=(1, 1.0), trial={"augment.strength": 1.0},
                                              also=[{"nan_at_epoch": 3, "trial": {"augment.strength": 0.0}}]))
     console = "\n".join(lines)
     assert code == 0, console
