@@ -170,7 +170,8 @@ def test_asha_stopping_a_two_worker_trial_mid_epoch_prints_no_crash_dump(sandbox
     sleeps 1 s before each step, rank 0 waits in the step's collectives: 16 s an epoch, more than the two trials'
     starts can differ by on 2 cores; 0.3 s a step can let it reach the rung first), so it reaches ASHA's first rung
     second, and is the worse one there (measured: kNN 0.71 vs 0.74 on this data): ASHA stops it while its workers are
-    mid-epoch, inside a collective. The other one diverges at its last epoch: that trial alone fails, with its reason."""
+    mid-epoch, inside a collective. The other one diverges at its last epoch: that trial alone fails, with its
+    reason."""
     project, tmp, home = sandbox
     code, lines = stage(project, tmp, home, "sweep", "-S", "model.embed_dim=16", "-S", "ray.num_workers=2",
                         "-S", "sweep.depth=[1]", "-S", "sweep.batch_size=[32]", "-S", "sweep.strength=[0.0,1.0]",
