@@ -261,7 +261,8 @@ class TrialTracker(tune.Callback):
         if child:
             # epochs a resumed trial checkpointed before an interruption but never reported to Tune: from the
             # checkpoint's history, so that the run shows every epoch once
-            history = read_json(last_checkpoint_path(trial.last_result, trial) or "", HISTORY_FILE) or []
+            path = last_checkpoint_path(trial.last_result, trial)
+            history = (read_json(path, HISTORY_FILE) if path else None) or []
             trk.log_missing_epochs(self.run.uri, child, history, epoch_metric_names(history))
             trk.end_run(self.run.uri, child, status,
                         tags={"stopped_early": early, **({"error": reason} if reason else {})})
