@@ -61,7 +61,8 @@ def plain_loop(params: Params, data: Dataset, device: torch.device) -> float:
     torch.manual_seed(t.seed)
     model = build_model(params.model, data.input_shape).to(device)
     opt = build_optimizer(t.optimizer, model, lr=t.lr, weight_decay=t.weight_decay, head_lr_scale=t.head_lr_scale)
-    loss_fn = make_loss(params.loss.name, temperature=params.loss.temperature, barlow_lambda=params.loss.barlow_lambda)
+    loss_fn = make_loss(params.loss.name, temperature=params.loss.temperature, barlow_lambda=params.loss.barlow_lambda,
+                        power=params.loss.power)
     augment = BatchAugment(params.augment.preset, params.augment.strength)
     autocast = for_device(t.precision, device).autocast
     x_all, b = data.train.x.to(device), t.batch_size  # (N, ...) stored dtype

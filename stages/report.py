@@ -1,8 +1,8 @@
 """``report`` stage: ``reports/REPORT.md`` from the metrics and figures of the other stages.
 
 Reads params: every section (the report prints them); inputs ``metrics/*.json``, ``plots/evaluate/``, and the
-set-clustering study's ``metrics/sets.json`` (its table beside ABC's published numbers) when it is there; on
-Fashion-MNIST, the recorded self-supervised study's tables (``benchmarks/results/ssl/*/ssl.csv``).
+set-clustering study's ``metrics/sets.json`` (its table beside ABC's published numbers) when it is there; the
+recorded tables jobs on the same data set (``studies/*/tables/``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from pipeline.config.params import Params, load_params
-from pipeline.evaluation import set_report, ssl_report
+from pipeline.evaluation import set_report, tables_report
 from pipeline.evaluation.report import render
 from pipeline.io import write_text
 from stages._common import params_options, runtime_errors
@@ -48,9 +48,8 @@ def report_cmd(params: Params) -> None:
         if study.get("circles"):  # the recorded full-length circles study the sets stage read
             circles = "../plots/sets/circles.png" if Path("plots/sets/circles.png").is_file() else None
             text = text.rstrip("\n") + "\n\n" + set_report.circles_section(study["circles"], figure=circles)
-    if config["params"]["data"]["dataset"] == "fashion_mnist":  # the recorded study on the same data, beside ours
-        study = ssl_report.section(ssl_report.STUDY_DIR)
-        if study:
-            text = text.rstrip("\n") + "\n\n" + study
+    studies = tables_report.studies_section(config["params"]["data"]["dataset"])  # recorded on the same data
+    if studies:
+        text = text.rstrip("\n") + "\n\n" + studies
     write_text(OUT, text)
     click.echo(f"report -> {OUT}")

@@ -115,7 +115,7 @@ def tiny_repro(tmp_path_factory):
 
 def declared_plots(repo: Path) -> list[str]:
     """The ids `dvc plots show` gives the top-level plots of dvc.yaml: the name or path, characters other than word
-    characters and "-" -> _ (``benchmarks/results/ssl/cpu-10k/ssl_knn.png`` -> ``benchmarks_results_ssl_cpu-10k_…``)."""
+    characters and "-" -> _ (``studies/head-cpu-10k-3epochs/plots/tables/curves.png`` -> ``studies_head-cpu-…``)."""
     import re
 
     plots = yaml.safe_load((repo / "dvc.yaml").read_text())["plots"]

@@ -62,6 +62,8 @@ class Params(Section):
                             f"not {self.loss.name}")
         if not bce and self.loss.pos_weight != LossConfig.model_fields["pos_weight"].default:
             problems.append(f"loss.pos_weight: read only by loss.name: bce, not {self.loss.name}; remove it")
+        if self.loss.name != "jsd" and self.loss.power != LossConfig.model_fields["power"].default:
+            problems.append(f"loss.power: read only by loss.name: jsd, not {self.loss.name}; remove it")
         if self.data.dataset == "synthetic" and image_backbone(self.model.backbone):
             problems.append(
                 f"model.backbone: {self.model.backbone} needs images, but data.dataset: synthetic gives "

@@ -68,7 +68,7 @@ import torch
 from torch import Tensor
 
 from pipeline.config.loss import SELF_SUPERVISED_ONLY
-from pipeline.core.targets import check_layout_name, check_temperature, is_two_view, row_range
+from pipeline.core.targets import check_layout_name, check_power, check_temperature, is_two_view, row_range
 from pipeline.core.tiled_losses import EPS, pairwise_loss
 
 BN_EPS = 1e-5  # Barlow Twins standardisation epsilon (as in BatchNorm1d)
@@ -97,18 +97,27 @@ __all__ = [
 
 
 def jsd(
-    q: Tensor, k: Tensor, ids: Tensor, *, rows: slice | None = None, layout: str | None = None, tile: int | None = None
+    q: Tensor,
+    k: Tensor,
+    ids: Tensor,
+    *,
+    rows: slice | None = None,
+    layout: str | None = None,
+    tile: int | None = None,
+    power: float = 2.0,
 ) -> Tensor:
     """TransFusion loss, eqs. (4)-(5) with their logs (Appendix B's JSD-Squared): a scalar.
 
     With A (r, n) the cosine affinity and Y (r, n) the target of eq. (1)::
 
-        P = g(A) = Normalize(A ∘ A)          (eq. 5; P_ij = A_ij^2 / sum_{l != i} A_il^2, P_ii = 0)
+        P = g(A) = Normalize(|A|^p)          (eq. 5 at p = 2; P_ij = |A_ij|^p / sum_{l != i} |A_il|^p, P_ii = 0)
         Ŷ = Y / sum_j Y_ij                   (row-normalised target)
         M = (P + Ŷ) / 2
         L_i = sum_j Ŷ_ij log(Ŷ_ij / M_ij) + P_ij log(P_ij / M_ij)     (0 log 0 = 0)
 
     i.e. ``D(Ŷ_i || M_i) + D(P_i || M_i)`` (twice the Jensen-Shannon divergence), so 0 <= L_i <= 2 log 2.
+    ``power`` p >= 1 is ours: the paper squares (p = 2); a larger p sharpens P as a smaller temperature sharpens a
+    softmax (|a|^p = exp(p log |a|), and p log a ≈ p (a - 1) near a = 1: p plays 1/τ), which JSD otherwise lacks.
     Normalize uses the 1e-10 of Appendix E (see module docstring), the only epsilon. Rows without a positive
     contribute 0. Returns ``sum_{i in rows} L_i / n``.
 
@@ -117,7 +126,8 @@ def jsd(
     one host sync), ``"two_view"`` or ``"labels"`` (no host sync); ``tile``: None (dense) or T columns at a
     time; see the module docstring.
     """
-    return pairwise_loss("jsd", q, k, ids, rows, layout, tile)
+    check_power(power)
+    return pairwise_loss("jsd", q, k, ids, rows, layout, tile, power=power)
 
 
 def jsd_appendix_e(
@@ -364,18 +374,23 @@ LOSSES: dict[str, Callable[..., Tensor]] = {
 LOSS_NAMES: tuple[str, ...] = tuple(LOSSES)
 
 
-def make_loss(name: str, *, temperature: float = 0.1, barlow_lambda: float = 5e-3) -> Callable[..., Tensor]:
+def make_loss(
+    name: str, *, temperature: float = 0.1, barlow_lambda: float = 5e-3, power: float = 2.0
+) -> Callable[..., Tensor]:
     """The loss ``name`` with its hyper-parameters bound: ``f(q, k, ids, *, rows=None, layout=None, tile=None)``.
 
     Only the hyper-parameters the loss takes are bound (``temperature`` for kl_softmax / infonce / supcon /
-    dcl, ``barlow_lambda`` for barlow_twins). Unknown names raise ValueError listing the allowed ones.
+    dcl, ``barlow_lambda`` for barlow_twins, ``power`` for jsd). Unknown names raise ValueError listing the allowed
+    ones.
     """
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; allowed: {', '.join(LOSS_NAMES)}")
     fn = LOSSES[name]
     params = inspect.signature(fn).parameters
-    hyper = {"temperature": temperature, "barlow_lambda": barlow_lambda}
+    hyper = {"temperature": temperature, "barlow_lambda": barlow_lambda, "power": power}
     bound = {key: value for key, value in hyper.items() if key in params}
     if "temperature" in bound:
         check_temperature(temperature)
+    if "power" in bound:
+        check_power(power)
     return functools.partial(fn, **bound)

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pipeline.config.loss import MAX_POWER
+
 __all__ = ["LAYOUTS", "check_layout", "pairwise_cosine", "self_supervised_ids", "target_affinity"]
 
 LAYOUTS: tuple[str, ...] = ("two_view", "labels")  # the ``layout`` hints besides None (module docstring)
@@ -87,6 +89,11 @@ def check_inputs(q: Tensor, k: Tensor, ids: Tensor) -> int:
 def check_temperature(temperature: float) -> None:
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def check_power(power: float) -> None:
+    if not 1 <= power <= MAX_POWER:
+        raise ValueError(f"power must be in [1, {MAX_POWER}], got {power}")
 
 
 def _positive_pairs(ids: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -71,16 +71,18 @@ def pairwise_loss(
     layout: str | None,
     tile: int | None,
     temperature: float | None = None,
+    power: float = 2.0,
 ) -> Tensor:
     """The loss ``kind`` (a scalar) of q, k (n, d) and ids (n,) over ``rows``, as :mod:`pipeline.core.losses`
-    documents; ``temperature`` None: the JSD / KL family, else the softmax family."""
+    documents; ``temperature`` None: the JSD / KL family (``power``: f(a) = |a|^power but for kl_relu), else the
+    softmax family."""
     n = check_inputs(q, k, ids)
     start, stop = row_range(rows, n)
     pos = positives(ids, start, stop, layout, use_tiles(tile, n))
     qn = F.normalize(q[start:stop], dim=1)  # (r, d)
     kn = F.normalize(k, dim=1)  # (n, d)
     if temperature is None:
-        return NormalizedAffinityLoss.apply(qn, kn, pos, start, n, kind, tile)
+        return NormalizedAffinityLoss.apply(qn, kn, pos, start, n, kind, tile, power)
     return SoftmaxAffinityLoss.apply(qn, kn, pos, start, n, kind, tile, temperature)
 
 
@@ -128,9 +130,36 @@ def _affinity(relu: bool, qn: Tensor, kn: Tensor, start: int, c0: int, c1: int) 
     return a.clamp_min_(0.0) if relu else a
 
 
-def _p(relu: bool, a: Tensor, total: Tensor) -> Tensor:
+def _f(relu: bool, power: float, a: Tensor) -> Tensor:
+    """f(A) in place: max(A, 0) (``kl_relu``), else |A|^power (A² at the paper's power 2)."""
+    if relu:
+        return a.clamp_min_(0.0)
+    return a.square_() if power == 2 else a.abs_().pow_(power)
+
+
+def _f_row_sum(relu: bool, power: float, a: Tensor) -> Tensor:
+    """(r,) sum_j f(A_ij) of a block a (r, T), which stays as it is."""
+    if relu:
+        return a.sum(dim=1)
+    if power == 2:
+        return torch.linalg.vector_norm(a, dim=1).square()
+    return torch.linalg.vector_norm(a, ord=power, dim=1).pow(power)
+
+
+def _fprime(relu: bool, power: float, a: Tensor) -> Tensor:
+    """f'(A) / c in place, c = 1 (``kl_relu``) or power: [A > 0] for A >= 0 (clamp_min's gradient), else
+    sign(A) |A|^(power - 1) (A at power 2)."""
+    if relu:
+        return a.sign_()
+    if power == 2:
+        return a
+    sign = torch.sign(a)
+    return a.abs_().pow_(power - 1.0).mul_(sign)
+
+
+def _p(relu: bool, power: float, a: Tensor, total: Tensor) -> Tensor:
     """P_ij = (f(A_ij) + ε) / T_i, in place in ``a``; ``total`` T_i broadcast to ``a``'s shape ((r, 1) or (P,))."""
-    return (a.clamp_min_(0.0) if relu else a.square_()).add_(EPS).div_(total)
+    return _f(relu, power, a).add_(EPS).div_(total)
 
 
 def _g(kind: str, p: Tensor, y: Tensor) -> Tensor:
@@ -169,15 +198,16 @@ def _sum_rows(x: Tensor) -> Tensor:
     return x.sum(dim=1)
 
 
-def _positive_part(kind: str, relu: bool, a: Tensor, t: Tensor, y: Tensor) -> Tensor:
+def _positive_part(kind: str, relu: bool, power: float, a: Tensor, t: Tensor, y: Tensor) -> Tensor:
     """(g - g_neg) / T_i from A at the positives, in place in ``a``; t, y: T_i, Ŷ broadcast to its shape."""
-    return _g(kind, _p(relu, a, t), y).sub_(_LOG2 if kind == "jsd" else 0.0).div_(t)
+    return _g(kind, _p(relu, power, a, t), y).sub_(_LOG2 if kind == "jsd" else 0.0).div_(t)
 
 
 class NormalizedAffinityLoss(torch.autograd.Function):
     """``jsd``, ``jsd_appendix_e``, ``kl_squared`` and ``kl_relu``, over column tiles of ``tile`` (None: one).
 
-    With A = qn knᵀ (r, n), its diagonal (i, start + i) set to 0, f(a) = a² (``kl_relu``: max(a, 0)), ε = 1e-10 and,
+    With A = qn knᵀ (r, n), its diagonal (i, start + i) set to 0, f(a) = |a|^p with p = ``power`` (2, a², for
+    every loss but ``jsd``, where it is an option; ``kl_relu``: max(a, 0)), ε = 1e-10 and,
     for each row i::
 
         S_ij = f(A_ij) + ε  (j != i),  T_i = sum_{j != i} S_ij + δ ε,  P_ij = S_ij / T_i
@@ -205,8 +235,9 @@ class NormalizedAffinityLoss(torch.autograd.Function):
         ∂L/∂A_ij = w_i f'(A_ij) (g_ij - ḡ_i) / T_i     (j != i; 0 on the diagonal)
                  = w_i f'(A_ij) c_i + [j positive] w_i f'(A_ij) (g_ij - g_neg) / T_i,  c_i = (g_neg - ḡ_i) / T_i
 
-    with w_i = ∂out/n (0 for rows without a positive), g_neg the negatives' constant g (log 2 or 0), f'(a) = 2a
-    (``kl_relu``: [a > 0], as clamp_min's gradient), ḡ_i = g_neg (1 - sum_pos P) + sum_pos P g.
+    with w_i = ∂out/n (0 for rows without a positive), g_neg the negatives' constant g (log 2 or 0), f'(a) =
+    p sign(a) |a|^(p-1) (2a at p = 2; ``kl_relu``: [a > 0], as clamp_min's gradient),
+    ḡ_i = g_neg (1 - sum_pos P) + sum_pos P g.
 
     Forward: pass 1 over the tiles, T_i = sum_C sum_{j in C} f(A_ij) + (n - 1 + δ) ε (and, with a
     :class:`~pipeline.core.targets.LabelMask`, |P(i)| = sum_C |P(i) ∩ C|); then, with T and Ŷ known, the (r,) sums
@@ -218,7 +249,7 @@ class NormalizedAffinityLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, qn, kn, pos, start, n, kind, tile):  # noqa: D102
+    def forward(ctx, qn, kn, pos, start, n, kind, tile, power):  # noqa: D102
         relu, r, pairs, tiles = kind == "kl_relu", qn.shape[0], isinstance(pos, Pairs), _tiles(n, tile)
         affinity = functools.partial(_affinity, relu, qn, kn, start)
         row_sum = qn.new_zeros(r)  # (r,) sum_j f(A_ij)
@@ -227,7 +258,7 @@ class NormalizedAffinityLoss(torch.autograd.Function):
         kept = None
         for c0, c1 in tiles:  # pass 1: the row sums (and the pairs' values, or the counts |P(i)|)
             a = affinity(c0, c1)  # (r, T)
-            row_sum += a.sum(dim=1) if relu else torch.linalg.vector_norm(a, dim=1).square()
+            row_sum += _f_row_sum(relu, power, a)
             if pairs:
                 a_pos += pos.take(a, c0)
             else:
@@ -240,13 +271,14 @@ class NormalizedAffinityLoss(torch.autograd.Function):
         corr = None
         if pairs:  # and the pairs' (P,) f'(A) (g - g_neg) / T_i, for backward
             t, y = pos.spread(total), pos.spread(y_hat)  # (P,)
-            sums = _positive_sums(kind, _p(relu, a_pos.clone(), t), y, None, pos.row_sum)  # (3, r)
-            corr = _positive_part(kind, relu, a_pos.clone(), t, y).mul_(a_pos.sign_() if relu else a_pos.mul_(2.0))
+            sums = _positive_sums(kind, _p(relu, power, a_pos.clone(), t), y, None, pos.row_sum)  # (3, r)
+            corr = _positive_part(kind, relu, power, a_pos.clone(), t, y).mul_(
+                _fprime(relu, power, a_pos).mul_(1.0 if relu else power))
             del a_pos, t, y
         else:  # pass 2: the sums over the positives of each tile
             sums = qn.new_zeros(3, r)
             for c0, c1 in tiles:
-                p = _p(relu, kept.clone() if kept is not None else affinity(c0, c1), total[:, None])  # (r, T)
+                p = _p(relu, power, kept.clone() if kept is not None else affinity(c0, c1), total[:, None])  # (r, T)
                 sums += _positive_sums(kind, p, y_hat[:, None], pos.mask(c0, c1).logical_not_(), _sum_rows)
                 del p
         sum_terms, sum_p, sum_pg = sums
@@ -257,21 +289,21 @@ class NormalizedAffinityLoss(torch.autograd.Function):
         per_row = torch.where(has_pos, per_row, torch.zeros_like(per_row))
         coef = torch.where(has_pos, (g_neg - g_bar) / total, torch.zeros_like(total))  # (r,) c_i
         ctx.save_for_backward(qn, kn, total, coef, y_hat, corr, kept)
-        ctx.pos, ctx.start, ctx.n, ctx.kind, ctx.tile = pos, start, n, kind, tile
+        ctx.pos, ctx.start, ctx.n, ctx.kind, ctx.tile, ctx.power = pos, start, n, kind, tile, power
         return per_row.sum() / n
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # noqa: D102
         qn, kn, total, coef, y_hat, corr, kept = ctx.saved_tensors
-        pos, kind, relu = ctx.pos, ctx.kind, ctx.kind == "kl_relu"
+        pos, kind, relu, power = ctx.pos, ctx.kind, ctx.kind == "kl_relu", ctx.power
         w = grad_out / ctx.n
-        w2 = w if relu else 2.0 * w  # with the 2 of f'(a) = 2a, for the factors of A below
+        w2 = w if relu else power * w  # with the c of f'(a) = c f'(a) / c, for the factors below
 
-        def times_fprime(a: Tensor, factor: Tensor) -> Tensor:  # A factor ([A > 0] factor), in place unless kept
-            if relu:  # A >= 0 here: f'(A) = [A > 0] = sign(A)
-                return (torch.sign(a) if a is kept else a.sign_()).mul_(factor)
-            return torch.mul(a, factor) if a is kept else a.mul_(factor)
+        def times_fprime(a: Tensor, factor: Tensor) -> Tensor:  # f'(A) / c factor, in place unless kept
+            if not relu and power == 2:
+                return torch.mul(a, factor) if a is kept else a.mul_(factor)
+            return _fprime(relu, power, a.clone() if a is kept else a).mul_(factor)
 
         def grad_of(c0: int, c1: int) -> Tensor:  # ∂L/∂A_C (r, T)
             a = kept if kept is not None else _affinity(relu, qn, kn, ctx.start, c0, c1)
@@ -280,11 +312,11 @@ class NormalizedAffinityLoss(torch.autograd.Function):
                 pos.add_(grad, corr * w, c0)
                 return grad
             off = pos.mask(c0, c1).logical_not_()  # (r, T) bool
-            part = _positive_part(kind, relu, a.clone(), total[:, None], y_hat[:, None]).masked_fill_(off, 0.0)
+            part = _positive_part(kind, relu, power, a.clone(), total[:, None], y_hat[:, None]).masked_fill_(off, 0.0)
             return times_fprime(a, part.add_(coef[:, None]).mul_(w2))
 
         grad_q, grad_k = _sum_grads(ctx, _tiles(ctx.n, ctx.tile), qn, kn, grad_of)
-        return grad_q, grad_k, None, None, None, None, None
+        return grad_q, grad_k, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -173,10 +173,22 @@ def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: st
         lines += [f"- {'control' if r['control'] else 'table ' + str(r['table'])} **{r['name']}**, seed {seed}: "
                   f"{error}" for r, seed, error in failed]
         lines.append("")
-    lines += ["## Every probe, mean ± sd over seeds", "",
-              "| row | table | seeds | epochs | " + " | ".join(PROBE_NAMES[k] for k in probes)
-              + " | online kNN, last epoch | train min / seed |",
-              "|---|---|---|---|" + "---|" * len(probes) + "---|---|"]
+    lines += ["## Every probe, mean ± sd over seeds", "", *probe_table(lines_), ""]
+    if figure:
+        lines += [f"![online kNN per epoch, mean over seeds]({figure})", ""]
+    lines += ["Rows and their params:", "", "| table | row | params |", "|---|---|---|"]
+    lines += [f"| {r.table} | {r.name} | `{json.dumps(r.params, sort_keys=True)}` |" for r in params.tables.rows]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def probe_table(lines_: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: every probe of every aggregated row (:func:`aggregate`), mean ± sd over its seeds, with its
+    finished seeds, epochs, last online kNN and training minutes a seed."""
+    probes = [k for k in ALL_PROBES if any(line.get(k) is not None for line in lines_)]
+    lines = ["| row | table | seeds | epochs | " + " | ".join(PROBE_NAMES[k] for k in probes)
+             + " | online kNN, last epoch | train min / seed |",
+             "|---|---|---|---|" + "---|" * len(probes) + "---|---|"]
     for r in lines_:
         where = "control" if r["control"] else str(r["table"])
         lines.append(f"| {r['name']} | {where} | {len(r['finished'])}/{len(r['seeds'])} | {r['epochs']} | "
@@ -184,13 +196,7 @@ def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: st
                      + f" | {cell(r, 'knn_acc', 3) if not r['control'] else '-'} | "
                      + (f"{r['train_minutes']:.1f} |" if r["train_minutes"] is not None and not r["control"]
                         else "- |"))
-    lines.append("")
-    if figure:
-        lines += [f"![online kNN per epoch, mean over seeds]({figure})", ""]
-    lines += ["Rows and their params:", "", "| table | row | params |", "|---|---|---|"]
-    lines += [f"| {r.table} | {r.name} | `{json.dumps(r.params, sort_keys=True)}` |" for r in params.tables.rows]
-    lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def curves_figure(curves: list[dict[str, Any]], png: Path) -> None:
@@ -225,3 +231,29 @@ def _our_row(r: dict[str, Any]) -> str:
     hours = NA if r["hours"] is None else fmt_cell(float(r["hours"]))
     return table_row(f"**ours: {r['name']}**", r["train.batch_size"], accs, minutes, hours)
 
+
+
+STUDIES = Path("studies")  # recorded tables jobs: `transfusion tables --out studies/<name>`, one folder each
+
+
+def studies_section(dataset: str, studies: Path = STUDIES, link: str = "../") -> str:
+    """``## Recorded studies on <dataset>``: for each folder of ``studies`` whose job (``tables/results.json``) ran on
+    ``dataset``, its every-probe table (:func:`probe_table`) and its curves figure; "" when there is none. ``link``
+    is the path from the report's folder to the project's root."""
+    parts = []
+    for folder in sorted(p for p in studies.glob("*") if (p / "tables/results.json").is_file()):
+        job = json.loads((folder / "tables/results.json").read_text())
+        if job["dataset"] != dataset:
+            continue
+        data, train = job["params"]["data"], job["params"]["train"]
+        images = f"{data['limit_train']:,}" if data["limit_train"] else "all"
+        lines_ = aggregate(read_records(folder / "tables/results.csv"))
+        parts.append(f"### {folder.name}: {images} training images, {train['epochs']} epochs, batch "
+                     f"{train['batch_size']}\n\n" + "\n".join(probe_table(lines_)))
+        if (folder / "plots/tables/curves.png").is_file():
+            parts.append(f"![online kNN per epoch, {folder.name}]({link}{folder / 'plots/tables/curves.png'})")
+    if not parts:
+        return ""
+    head = (f"## Recorded studies on {dataset}\n\nEach a `transfusion tables --out {studies}/<name>` job "
+            "(docs/results.md has the commands): probes on the test images, mean ± sd over seeds, controls first.")
+    return "\n\n".join([head, *parts]) + "\n"

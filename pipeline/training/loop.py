@@ -170,7 +170,7 @@ class PretrainLoop:
             loss_fn = ABC_LOSSES[params.loss.name](params.loss.pos_weight)
         else:
             loss_fn = make_loss(params.loss.name, temperature=params.loss.temperature,
-                                barlow_lambda=params.loss.barlow_lambda)
+                                barlow_lambda=params.loss.barlow_lambda, power=params.loss.power)
         cuda = device.type == "cuda"
         self.precision = for_device(t.precision, device)  # bf16 / fp16 + scaler / fp32 by device (precision.py)
         self.head_plan = head_plan(params, self.model, world_size, device, self.precision.autocast)

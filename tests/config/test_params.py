@@ -72,6 +72,8 @@ BAD = [
     (["model.backbone=resnet18", "model.embed_dim=null", "train.grad_cache_chunk=64"],
      ["train.grad_cache_chunk", "resnet18", "BatchNorm"]),
     (["loss.temperature=-0.1"], ["loss.temperature", "greater than 0"]),
+    (["loss.power=0.5"], ["loss.power", "greater than or equal to 1"]),
+    (["loss.name=infonce", "loss.power=8"], ["loss.power", "jsd", "not infonce"]),
     (["model.weights=w.pt"], ["model.weights", "resnet18"]),
     (["data.synthetic.noise=2"], ["data.synthetic.noise", "less than or equal to 1"]),
     # method abc (ABC_OK: the keys it needs on this file)

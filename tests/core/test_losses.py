@@ -79,9 +79,9 @@ def ref_target(ids: list[int]) -> list[list[float]]:
     return [[1.0 if (ids[i] == ids[j] and i != j) else 0.0 for j in range(n)] for i in range(n)]
 
 
-def ref_row_loss(name: str, A: list, ids: list[int], i: int, tau: float, log, exp):
+def ref_row_loss(name: str, A: list, ids: list[int], i: int, tau: float, log, exp, power: float = 2.0):
     """Per-row loss of row i (all losses but barlow_twins), written straight from the formulas; A holds 0-dim
-    tensors (with torch's log / exp), so that autograd gives the reference gradients."""
+    tensors (with torch's log / exp), so that autograd gives the reference gradients. ``power``: jsd's."""
     n = len(ids)
     Y = ref_target(ids)
     others = [j for j in range(n) if j != i]
@@ -104,16 +104,15 @@ def ref_row_loss(name: str, A: list, ids: list[int], i: int, tau: float, log, ex
     if npos == 0:
         return 0.0  # documented convention: rows without a positive contribute 0
 
-    if name == "jsd":  # exact eq. (5) normalisation, no epsilon at all
-        tot = sum(A[i][j] ** 2 for j in others)
+    if name == "jsd":  # eq. (5)'s normalisation of |A|^power (2 in eq. 5) with Appendix E's epsilon
+        tot = sum(abs(A[i][j]) ** power + EPS for j in others)
         total = 0.0
         for j in others:
-            p = A[i][j] ** 2 / tot
+            p = (abs(A[i][j]) ** power + EPS) / tot
             m = (p + yhat[j]) / 2
             if yhat[j] > 0:
                 total += yhat[j] * log(yhat[j] / m)
-            if p > 0:
-                total += p * log(p / m)
+            total += p * log(p / m)
         return total
 
     if name in ("kl_relu", "kl_squared"):
@@ -134,7 +133,8 @@ def ref_row_loss(name: str, A: list, ids: list[int], i: int, tau: float, log, ex
     raise AssertionError(name)
 
 
-def ref_loss_torch(name: str, q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, tau: float) -> torch.Tensor:
+def ref_loss_torch(name: str, q: torch.Tensor, k: torch.Tensor, ids: torch.Tensor, tau: float,
+                   power: float = 2.0) -> torch.Tensor:
     """The mean over the rows of :func:`ref_row_loss`, on 0-dim tensors."""
     n = q.shape[0]
     A = [[q[i] @ k[j] / (q[i].norm() * k[j].norm()) for j in range(n)] for i in range(n)]
@@ -146,7 +146,8 @@ def ref_loss_torch(name: str, q: torch.Tensor, k: torch.Tensor, ids: torch.Tenso
         return torch.exp(torch.as_tensor(x, dtype=q.dtype))
 
     idl = ids.tolist()
-    return torch.as_tensor(sum(ref_row_loss(name, A, idl, i, tau, log, exp) for i in range(n)) / n, dtype=q.dtype)
+    rows = [ref_row_loss(name, A, idl, i, tau, log, exp, power) for i in range(n)]
+    return torch.as_tensor(sum(rows) / n, dtype=q.dtype)
 
 
 def ref_barlow(q: torch.Tensor, lam: float) -> float:
@@ -314,8 +315,7 @@ def test_pairwise_cosine_matches_loops(n, d):
 @pytest.mark.parametrize("n,d", SIZES)
 def test_loss_matches_loop_reference(name, kind, tau, lam, n, d):
     """Value and gradient (for an upstream gradient of -2.5) through every layout hint the batch allows in fp64,
-    and in fp32. jsd's loop has no 1e-10 epsilon: ~1e-9 on the value, ~1e-8 on near-zero positive affinities'
-    gradients."""
+    and in fp32."""
     ids = make_ids(kind, n)
     q0, k0 = make_qk(n, d, seed=10 * n + d)
     if name == "barlow_twins":  # the loop's value (its gradient: test_gradcheck)
@@ -326,11 +326,35 @@ def test_loss_matches_loop_reference(name, kind, tau, lam, n, d):
     for layout in layouts_for(name, kind):
         got = values_and_grads(lambda q, k, _, lay=layout: call(name, q, k, ids, tau=tau, lam=lam, layout=lay), q0,
                                k0, weight=-2.5)
-        assert_same(got[: len(want)], want, 1e-6 if name == "jsd" else 1e-8)
+        assert_same(got[: len(want)], want, 1e-8)
     got32 = values_and_grads(lambda q, k, _: call(name, q, k, ids, tau=tau, lam=lam), q0.float(), k0.float(),
                              weight=-2.5)
     assert got32[0].dtype == torch.float32
     assert_same([t.double() for t in got32[: len(want)]], want, 1e-4)
+
+
+@pytest.mark.parametrize("power", [1.0, 3.0, 8.0])
+@pytest.mark.parametrize("kind", ["self", "sup"])
+@pytest.mark.parametrize("n,d", SIZES)
+def test_jsd_power_matches_loop_reference(power, kind, n, d):
+    """jsd's power (ours; 2 is eq. 5, checked above): value and gradient against the loop, through every layout hint,
+    dense and over tiles of 3 columns, on whole batches and row slices (whose losses add up to the whole)."""
+    ids = make_ids(kind, n)
+    q0, k0 = make_qk(n, d, seed=7 * n + d)
+    want = values_and_grads(lambda q, k, _: ref_loss_torch("jsd", q, k, ids, 0.1, power), q0, k0, weight=-2.5)
+    assert want[1].abs().sum() > 0
+    for layout in layouts_for("jsd", kind):
+        for tile in (None, 3):
+            got = values_and_grads(lambda q, k, r, lay=layout, t=tile: jsd(q, k, ids, rows=r, layout=lay, tile=t,
+                                                                        power=power), q0, k0, weight=-2.5)
+            assert_same(got, want, 1e-8)
+            parts = [values_and_grads(lambda q, k, r, lay=layout, t=tile: jsd(q, k, ids, rows=r, layout=lay, tile=t,
+                                                                           power=power), q0, k0, rows=rows,
+                                      weight=-2.5) for rows in (slice(0, n // 2), slice(n // 2, None))]
+            assert_same([a + b for a, b in zip(*parts, strict=True)], want, 1e-8)
+    sharper = jsd(q0, k0, ids, power=power)
+    assert make_loss("jsd", power=power)(q0, k0, ids).item() == pytest.approx(sharper.item(), rel=1e-12)
+    assert sharper.item() != pytest.approx(jsd(q0, k0, ids).item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["self", "sup"])
@@ -445,7 +469,7 @@ def test_exact_zeros(name):
     z = F.one_hot(torch.tensor([0, 1, 2, 3, 0, 1, 2, 2]), 8).double()
     got = values_and_grads(lambda q, k, r: call(name, q, k, ids, rows=r), z, z)
     assert all(torch.isfinite(t).all() for t in got)
-    if name not in ("barlow_twins", "jsd"):  # jsd's loop, without epsilon, is 0 / 0 on row 3 (orthogonal to all)
+    if name != "barlow_twins":
         want = values_and_grads(lambda q, k, _: ref_loss_torch(name, q, k, ids, 0.1), z, z)
         assert_same(got, want, 1e-10)
 
@@ -493,6 +517,9 @@ def test_registry_and_make_loss_errors():
     assert "unknown loss 'triplet'" in str(info.value) and all(name in str(info.value) for name in LOSS_NAMES)
     with pytest.raises(ValueError, match="temperature"):
         make_loss("supcon", temperature=0.0)
+    for power in (0.5, 65.0):
+        with pytest.raises(ValueError, match=r"power must be in \[1, 64"):
+            make_loss("jsd", power=power)
 
 
 @pytest.mark.parametrize("name", sorted(SELF_SUPERVISED_ONLY))

@@ -157,15 +157,15 @@ def test_barlow_twins_ignores_tile():
 # ------------------------------------------------------------------------------------- gradcheck
 @pytest.mark.parametrize("tile", [4, 6, 9])  # narrower than, as wide as and wider than n = 6
 @pytest.mark.parametrize("layout", ["two_view", "labels", None])
-@pytest.mark.parametrize("kind", PAIRWISE)
-def test_gradcheck_of_the_functions(kind, layout, tile):
+@pytest.mark.parametrize("kind,power", [(kind, 2.0) for kind in PAIRWISE] + [("jsd", 1.5), ("jsd", 5.0)])
+def test_gradcheck_of_the_functions(kind, power, layout, tile):
     n, start, stop = 6, 1, 5
     ids = self_supervised_ids(3) if layout == "two_view" or kind == "infonce" else torch.tensor([0, 1, 0, 2, 1, 0])
     pos = positives(ids, start, stop, layout, use_tiles(tile, n))
     q, k = make_qk(seed=8, n=n, d=3)
     q = q[start:stop].detach().requires_grad_()
     if kind in NORMALIZED:
-        fn = lambda a, b: NormalizedAffinityLoss.apply(a, b, pos, start, n, kind, tile)  # noqa: E731
+        fn = lambda a, b: NormalizedAffinityLoss.apply(a, b, pos, start, n, kind, tile, power)  # noqa: E731
     else:
         fn = lambda a, b: SoftmaxAffinityLoss.apply(a, b, pos, start, n, kind, tile, 0.5)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (q, k), eps=1e-6, atol=1e-6)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipeline.config.params import load_params
@@ -16,6 +18,7 @@ from pipeline.evaluation.tables_report import (
     read_curves,
     read_records,
     render,
+    studies_section,
 )
 from pipeline.io import write_csv
 from tests.conftest import ROOT
@@ -119,3 +122,24 @@ def test_the_tables_render_again_from_their_csvs(tmp_path):
     again = read_records(tmp_path / "results.csv")
     assert render(again, p, "GPU-hours", "digits") == render(records, p, "GPU-hours", "digits")
     assert read_curves(tmp_path / "curves.csv") == curves
+
+
+def test_the_report_shows_each_recorded_study_of_its_data_set(tmp_path):
+    """studies/<name>/tables/ as the tables job writes them: the report's section lists those on its data set."""
+    assert studies_section("fashion_mnist", tmp_path) == ""
+    p = params("tables.rows=[{name: InfoNCE, table: 1}, {name: TransFusion 1-Layer, table: 1}]",
+               "data.limit_train=10000")
+    for name, dataset in (("b-study", "fashion_mnist"), ("a-study", "fashion_mnist"), ("other", "digits")):
+        (tmp_path / name / "tables").mkdir(parents=True)
+        write_csv(tmp_path / name / "tables/results.csv", csv_records(seeded_study()), COLUMNS)
+        (tmp_path / name / "tables/results.json").write_text(json.dumps({"dataset": dataset,
+                                                                         "params": p.model_dump()}))
+    (tmp_path / "b-study/plots/tables").mkdir(parents=True)
+    (tmp_path / "b-study/plots/tables/curves.png").write_bytes(b"png")
+    text = studies_section("fashion_mnist", tmp_path, link="../")
+    assert text.startswith("## Recorded studies on fashion_mnist")
+    head = f"### a-study: 10,000 training images, {p.train.epochs} epochs, batch {p.train.batch_size}\n"
+    assert head in text and text.index(head) < text.index("### b-study")
+    assert "other" not in text and text.count("![") == 1
+    assert f"](../{tmp_path / 'b-study/plots/tables/curves.png'})" in text
+    assert text.count("| TransFusion 1-Layer | 1 | 2/3 | 2 | 0.500 ± 0.000 |") == 2
