@@ -27,6 +27,7 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from pipeline.config.names import axis_label
 from pipeline.io import atomic_path, csv_text
 
 DPI = 120
@@ -181,6 +182,39 @@ def phase_diagram(
     save_figure(fig, png, csv, text)
 
 
+# ----------------------------------------------------------------------------------- lr curves
+def lr_curves(rows: Sequence[Mapping], *, x: str, value: str, lines: Sequence[str], png: Path, csv: Path,
+              title: str | None = None) -> None:
+    """``row[value]`` against ``row[x]`` on a log axis (the paper's Figure 5: accuracy against the learning rate): a
+    line per distinct combination of the ``lines`` keys that take more than one value (one line when none does), at
+    each x the mean over its rows (e.g. seeds) with the sample sd as an error bar; rows without a finite value are
+    left out. CSV: one line per (line, x) with columns ``line, x, <value>_mean, <value>_sd, n`` (the given key
+    names), also for a line with no finite value (mean and sd empty, n 0)."""
+    varying = [k for k in lines if len({fmt_value(r.get(k)) for r in rows}) > 1]
+    groups: dict[str, dict[float, list[float]]] = {}
+    for r in sorted(rows, key=lambda r: tuple(sort_key(r.get(k)) for k in varying)):
+        label = ", ".join(f"{axis_label(k)} {fmt_value(r.get(k))}" for k in varying) or fmt_value(r.get(lines[0]))
+        values = groups.setdefault(label, {}).setdefault(as_float(r.get(x)), [])
+        if math.isfinite(as_float(r.get(value))):
+            values.append(as_float(r.get(value)))
+    fig = new_figure(6.4, 4.2)
+    ax = fig.subplots()
+    table: list[tuple[str, ...]] = []
+    for label, by_x in groups.items():
+        xs = sorted(by_x)
+        means = [float(np.mean(by_x[v])) if by_x[v] else math.nan for v in xs]
+        sds = [float(np.std(by_x[v], ddof=1)) if len(by_x[v]) > 1 else 0.0 for v in xs]
+        ax.errorbar(xs, means, yerr=sds, marker="o", capsize=3, label=label)
+        table += [(label, fmt_value(v), "" if math.isnan(m) else fmt_value(m), "" if math.isnan(m) else fmt_value(s),
+                   str(len(by_x[v]))) for v, m, s in zip(xs, means, sds, strict=True)]
+    ax.set_xscale("log")
+    ax.set(xlabel=x, ylabel=f"{value} (mean ± sd over seeds)")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    save_figure(fig, png, csv, csv_text(table, ("line", x, f"{value}_mean", f"{value}_sd", "n")))
+
+
 def as_float(v: Any) -> float:
     """float(v), with None / non-numeric -> NaN."""
     if v is None:
@@ -207,5 +241,5 @@ def sort_key(v: Any) -> tuple[int, float, str]:
     return (1, 0.0, str(v))
 
 
-__all__ = ["DPI", "MARKED_GID", "REGION_GID", "as_float", "color_limits", "fmt_value", "new_figure", "phase_diagram",
-           "phase_grids", "save_figure", "sort_key"]
+__all__ = ["DPI", "MARKED_GID", "REGION_GID", "as_float", "color_limits", "fmt_value", "lr_curves", "new_figure",
+           "phase_diagram", "phase_grids", "save_figure", "sort_key"]

@@ -1,9 +1,11 @@
-"""``sweep`` stage: Ray Tune over depth × batch size × augmentation strength (× lr).
+"""``sweep`` stage: Ray Tune over depth × batch size × augmentation strength (× lr × loss).
 
 Reads params: ``sweep`` plus ``model``, ``loss``, ``augment``, ``train``, ``ray.num_workers`` (the base of every
 trial); input ``data/prepared/``. Writes (atomically, and only when every trial has ended):
 ``sweeps/results.csv`` (a row per trial), ``sweeps/best.json``, ``plots/sweep/`` (``phase.{png,csv}``: final online
-kNN accuracy over batch size × strength, a panel per depth; ``curves.csv``: every trial's per-epoch metrics).
+kNN accuracy over batch size × strength, a panel per depth; ``lr.{png,csv}``: final online kNN accuracy against the
+learning rate, a line per loss (and per depth, batch, strength where they vary), mean ± sd over seeds, the paper's
+Figure 5 when the sweep lists lr and loss values; ``curves.csv``: every trial's per-epoch metrics).
 An interrupted sweep exits 1 without touching the outputs; rerunning it resumes without redoing finished trials.
 """
 
@@ -34,9 +36,11 @@ from stages._common import (
 )
 from stages._job import run_job
 
-COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "train.seed", "view_noise",
+COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "loss.name", "train.seed",
+           "view_noise",
            "knn_acc", "best_knn_acc", "loss", "min_positive", "max_uniform_rows", "dead_blocks", "epochs",
            "stopped_early", "seconds", "workers", "gpu_ids", "status", "error")
+LINES = ("loss.name", "model.depth", "train.batch_size", "augment.strength")  # plots/sweep/lr.png: a line per value
 CURVE_COLUMNS = ("trial_id", "epoch", "loss", "knn_acc", "view_noise", "samples_per_s")
 
 
@@ -52,6 +56,7 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
     from pipeline import plots as P
     for r in rows:
         r.setdefault("train.lr", params.train.lr)
+        r.setdefault("loss.name", params.loss.name)
         r.setdefault("train.seed", params.train.seed)
     rows = sorted(rows, key=lambda r: str(r["trial_id"]))
     best = best_trial(rows)
@@ -65,6 +70,9 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
             region=(lambda x, y, p: (x, y, p) in early) if early else None, region_label="stopped early by ASHA",
             marked=(lambda x, y, p: (x, y, p) in dead) if dead else None,
             marked_label="a dead TransFusion block (< 1 % positive pairs) in a trial of this cell")
+        P.lr_curves(rows, x="train.lr", value="knn_acc", lines=LINES, png=out / "lr.png", csv=out / "lr.csv",
+                    title=f"final online kNN accuracy against the learning rate, {params.sweep.epochs} epochs"
+                    + (f" ({dataset})" if dataset else ""))
         curves = [{"trial_id": r["trial_id"], **h} for r in rows for h in r["history"]]
         write_csv(out / "curves.csv", curves, CURVE_COLUMNS)
     write_csv(sweeps / "results.csv", rows, COLUMNS)
@@ -95,7 +103,7 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     dataset = json.loads((data_dir / "manifest.json").read_text()).get("dataset", "")
     best = write_outputs(params, result.rows, sweeps, plots, dataset)
     close_tune_job(result, [sweeps / "results.csv", sweeps / "best.json", plots / "phase.png", plots / "phase.csv",
-                            plots / "curves.csv"], best)
+                            plots / "lr.png", plots / "lr.csv", plots / "curves.csv"], best)
     failed = sum(r["status"] == "ERROR" for r in result.rows)
     if best:
         click.echo(f"swept {len(result.rows)} trials ({failed} failed) in {result.seconds:.0f} s; best knn_acc "

@@ -33,9 +33,9 @@ def _short(key: str, value: Any) -> str:
 
 
 def axis_label(key: str) -> str:
-    """``model.depth`` -> ``depth``, ``train.batch_size`` -> ``batch``."""
-    last = key.rsplit(".", 1)[-1]
-    return "batch" if last == "batch_size" else last
+    """``model.depth`` -> ``depth``, ``train.batch_size`` -> ``batch``, ``loss.name`` -> ``loss``."""
+    section, _, last = key.rpartition(".")
+    return "batch" if last == "batch_size" else section if last == "name" else last
 
 
 def pretrain_label(flat: Mapping[str, Any], stage: str = "pretrain") -> str:

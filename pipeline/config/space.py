@@ -16,13 +16,13 @@ from pipeline.config.base import ParamsError, set_dotted
 from pipeline.config.params import Params, validate_params
 
 SPACE_KEYS = {"depth": "model.depth", "batch_size": "train.batch_size", "strength": "augment.strength",
-              "lr": "train.lr"}
+              "lr": "train.lr", "loss": "loss.name"}
 SEED_KEY = "train.seed"
 ABC_DEPTH = "model.abc.blocks"  # what the depth axis sets with model.method: abc (point_params)
 
 
 def axes(params: Params) -> dict[str, list[Any]]:
-    """The swept keys and their values, ``{"model.depth": [0, 1], ...}``; lr only if listed.
+    """The swept keys and their values, ``{"model.depth": [0, 1], ...}``; lr and the loss only if listed.
 
     In grid mode ``sweep.num_samples`` > 1 repeats the grid with seeds ``train.seed + 0 .. num_samples - 1``
     (identical repeats would only measure the same run twice).

@@ -1,4 +1,4 @@
-"""The ``sweep`` section: the Ray Tune grid over depth, batch size and augmentation strength.
+"""The ``sweep`` section: the Ray Tune grid over depth, batch size and augmentation strength (and lr, the loss).
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from pipeline.config.base import Section
+from pipeline.config.loss import LossName
 
 
 class SweepConfig(Section):
@@ -18,6 +19,7 @@ class SweepConfig(Section):
     batch_size: list[Annotated[int, Field(ge=2)]] = Field(default_factory=lambda: [32, 256], min_length=1)
     strength: list[Annotated[float, Field(ge=0.0, le=1.0)]] = Field(default_factory=lambda: [0.0, 1.0], min_length=1)
     lr: list[Annotated[float, Field(gt=0.0, le=10.0)]] = Field(default_factory=list)  # empty: keep train.lr
+    loss: list[LossName] = Field(default_factory=list)  # loss.name; empty: keep it (Appendix B's Figure 5: lr x loss)
     search: Literal["grid", "random"] = "grid"
     num_samples: int = Field(1, ge=1)  # grid: seeds per point (train.seed + 0, 1, ...); random: sampled points
     epochs: int = Field(6, ge=1)

@@ -40,6 +40,9 @@ def test_run_names_follow_the_params():
     assert sweep_label(len(grid_points(default)), axes(default)) == "sweep · 8 trials · depth×batch×strength"
     one = load_params(ROOT / "params.yaml", ["sweep.depth=[1]", "sweep.strength=[1.0]", "sweep.batch_size=[50,100]"])
     assert sweep_label(len(grid_points(one)), axes(one)) == "sweep · 2 trials · batch"
+    fig5 = load_params(ROOT / "params.yaml", ["sweep.depth=[1]", "sweep.strength=[0.0]", "sweep.batch_size=[64]",
+                                              "sweep.lr=[0.001,0.01]", "sweep.loss=[jsd,kl_relu,kl_squared]"])
+    assert sweep_label(len(grid_points(fig5)), axes(fig5)) == "sweep · 6 trials · lr×loss"
     assert tables_label([r.table for r in default.tables.rows]) == "tables · 8 rows · table 1: 5, table 2: 3"
     assert tables_label([1, 1], seeds=3) == "tables · 2 rows · table 1: 2 · 3 seeds"
     assert evaluate_label(["svm", "knn50"], [0.1, 1.0]) == "evaluate · 2 probes · labels 10%, 100%"

@@ -344,3 +344,29 @@ def test_failure_mid_write_leaves_nothing_success_replaces(tmp_path, monkeypatch
     assert only_files(old) == ["f.csv", "f.png"]
     assert_valid_png(old / "f.png")
     assert (old / "f.csv").read_text() != "old csv\n"
+
+
+@pytest.mark.parametrize("seeds", [1, 3])
+def test_lr_curves_a_line_per_varying_key_mean_and_sd_over_seeds(tmp_path, captured, seeds):
+    """Figure 5's layout: accuracy against lr (log axis), a line per loss; depth, the same everywhere, names no line."""
+    lrs, losses = (1e-4, 1e-3, 1e-1), ("jsd", "kl_relu")
+    rows = [{"train.lr": lr, "loss.name": loss, "model.depth": 1, "acc": 0.1 * i + 0.05 * j + 0.01 * s}
+            for i, lr in enumerate(lrs) for j, loss in enumerate(losses) for s in range(seeds)]
+    rows.append({"train.lr": 1.0, "loss.name": "jsd", "model.depth": 1, "acc": math.nan})  # a failed trial
+    P.lr_curves(rows, x="train.lr", value="acc", lines=("loss.name", "model.depth"), png=tmp_path / "lr.png",
+                csv=tmp_path / "lr.csv", title="Figure 5")
+    assert_valid_png(tmp_path / "lr.png")
+    header, table = read_csv(tmp_path / "lr.csv")
+    assert header == ["line", "train.lr", "acc_mean", "acc_sd", "n"]
+    accs = [0.01 * s for s in range(seeds)]
+    sd = float(np.std(accs, ddof=1)) if seeds > 1 else 0.0
+    want = [[f"loss {loss}", repr(lr), repr(0.1 * i + 0.05 * j + float(np.mean(accs))), repr(sd), str(seeds)]
+            for j, loss in enumerate(losses) for i, lr in enumerate(lrs)]
+    want.insert(3, ["loss jsd", "1.0", "", "", "0"])
+    assert [line[:2] + [line[4]] for line in table] == [w[:2] + [w[4]] for w in want]
+    for got, w in zip(table, want, strict=True):
+        assert (got[2] == w[2] == "") or (float(got[2]) == pytest.approx(float(w[2])) and
+                                          float(got[3]) == pytest.approx(float(w[3])))
+    ax = captured[-1].axes[0]
+    assert ax.get_xscale() == "log" and [t.get_text() for t in ax.get_legend().get_texts()] == ["loss jsd",
+                                                                                                 "loss kl_relu"]

@@ -37,6 +37,7 @@ def params(*overrides: str):
     ((), 8),
     (("sweep.depth=[0,1,3]",), 12),
     (("sweep.lr=[0.001,0.01]",), 16),
+    (("sweep.lr=[0.001,0.01]", "sweep.loss=[jsd,kl_relu,kl_squared]"), 48),
     (("sweep.num_samples=3",), 24),  # grid: three seeds per point
     (("sweep.search=random", "sweep.num_samples=3"), 8),  # random: the listed values, sampled
 ])
@@ -176,7 +177,9 @@ def test_write_outputs_tables_plot_and_best(tmp_path):
     assert saved["trial_id"] == best["trial_id"] == "t_00001" and saved["knn_acc"] == 0.95
     assert "history" not in saved
     plots = tmp_path / "plots" / "sweep"
-    assert sorted(x.name for x in plots.iterdir()) == ["curves.csv", "phase.csv", "phase.png"]
+    assert sorted(x.name for x in plots.iterdir()) == ["curves.csv", "lr.csv", "lr.png", "phase.csv", "phase.png"]
+    with open(plots / "lr.csv") as f:  # one lr, one loss: one point, a line per depth × batch × strength
+        assert {(r["train.lr"], r["n"]) for r in csv.DictReader(f)} == {(str(p.train.lr), "1"), (str(p.train.lr), "0")}
     assert (plots / "phase.png").read_bytes()[:4] == b"\x89PNG"
     with open(plots / "curves.csv") as f:
         curves = list(csv.DictReader(f))
