@@ -85,8 +85,8 @@ def point_of(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def describe(point: dict[str, Any]) -> str:
-    """``"depth 1, batch_size 32, strength 0.5"`` for progress lines."""
-    return ", ".join(f"{k.split('.')[-1]} {v}" for k, v in point.items())
+    """``"depth 1, batch_size 32, strength 0.5, loss jsd"`` for progress lines."""
+    return ", ".join(f"{k.split('.')[0] if k.endswith('.name') else k.split('.')[-1]} {v}" for k, v in point.items())
 
 
 def sweep_keyed(params: Params) -> dict[str, dict[str, Any]]:
