@@ -37,9 +37,8 @@ from stages._common import (
 from stages._job import run_job
 
 COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "loss.name", "train.seed",
-           "view_noise",
-           "knn_acc", "best_knn_acc", "loss", "min_positive", "max_uniform_rows", "dead_blocks", "epochs",
-           "stopped_early", "seconds", "workers", "gpu_ids", "status", "error")
+           "view_noise", "knn_acc", "best_knn_acc", "loss", "min_positive", "max_uniform_rows", "dead_blocks",
+           "epochs", "stopped_early", "seconds", "workers", "gpu_ids", "status", "error")
 LINES = ("loss.name", "model.depth", "train.batch_size", "augment.strength")  # plots/sweep/lr.png: a line per value
 CURVE_COLUMNS = ("trial_id", "epoch", "loss", "knn_acc", "view_noise", "samples_per_s")
 

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from pipeline.config.base import ParamsError, set_dotted
+from pipeline.config.names import axis_label
 from pipeline.config.params import Params, validate_params
 
 SPACE_KEYS = {"depth": "model.depth", "batch_size": "train.batch_size", "strength": "augment.strength",
@@ -85,8 +86,8 @@ def point_of(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def describe(point: dict[str, Any]) -> str:
-    """``"depth 1, batch_size 32, strength 0.5, loss jsd"`` for progress lines."""
-    return ", ".join(f"{k.split('.')[0] if k.endswith('.name') else k.split('.')[-1]} {v}" for k, v in point.items())
+    """``"depth 1, batch 32, strength 0.5, loss jsd"`` for progress lines (each key by :func:`axis_label`)."""
+    return ", ".join(f"{axis_label(k)} {v}" for k, v in point.items())
 
 
 def sweep_keyed(params: Params) -> dict[str, dict[str, Any]]:

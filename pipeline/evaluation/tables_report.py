@@ -232,7 +232,6 @@ def _our_row(r: dict[str, Any]) -> str:
     return table_row(f"**ours: {r['name']}**", r["train.batch_size"], accs, minutes, hours)
 
 
-
 STUDIES = Path("studies")  # recorded tables jobs: `transfusion tables --out studies/<name>`, one folder each
 
 
