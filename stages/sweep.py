@@ -5,8 +5,9 @@ trial); input ``data/prepared/``. Writes (atomically, and only when every trial 
 ``sweeps/results.csv`` (a row per trial), ``sweeps/best.json``, ``plots/sweep/`` (``phase.{png,csv}``: final online
 kNN accuracy over batch size × strength, a panel per depth; ``lr.{png,csv}``: final online kNN accuracy against the
 learning rate, a line per loss (and per depth, batch, strength where they vary), mean ± sd over seeds, the paper's
-Figure 5 when the sweep lists lr and loss values; ``curves.csv``: every trial's per-epoch metrics).
-An interrupted sweep exits 1 without touching the outputs; rerunning it resumes without redoing finished trials.
+Figure 5 when the sweep lists lr and loss values; ``curves.csv``: every trial's per-epoch metrics); ``--out DIR``
+writes both folders under DIR instead (a recorded study, as ``transfusion tables --out``). An interrupted sweep
+exits 1 without touching the outputs; rerunning it resumes without redoing finished trials.
 """
 
 from __future__ import annotations
@@ -83,9 +84,11 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
 @params_options(load_params)
 @click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
               show_default=True)
+@click.option("--out", "base", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
+              help="Where sweeps/ and plots/sweep/ go (a recorded study's folder).")
 @click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
 @runtime_errors(DatasetError, TrackingError, ClusterError, ValueError, StorageError)
-def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
+def sweep_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool) -> None:
     """Sweep depth, batch size and augmentation strength with Ray Tune (each trial a Ray Train run)."""
     from pipeline.config.space import SPACE_KEYS, check_points
     from pipeline.runs.sweep import run_sweep
@@ -98,7 +101,7 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
         axes = ", ".join(f"sweep.{k} (sets {v})" for k, v in SPACE_KEYS.items())
         raise ParamsUsageError(f"{exc}\n  the point comes from {axes}: change those lists or the base params") from None
     result = run_job(run_sweep, params, data_dir, no_tracking)
-    sweeps, plots = Path("sweeps"), Path("plots/sweep")
+    sweeps, plots = base / "sweeps", base / "plots/sweep"
     dataset = json.loads((data_dir / "manifest.json").read_text()).get("dataset", "")
     best = write_outputs(params, result.rows, sweeps, plots, dataset)
     close_tune_job(result, [sweeps / "results.csv", sweeps / "best.json", plots / "phase.png", plots / "phase.csv",
@@ -107,7 +110,7 @@ def sweep_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     if best:
         click.echo(f"swept {len(result.rows)} trials ({failed} failed) in {result.seconds:.0f} s; best knn_acc "
                    f"{best['knn_acc']:.4f} at depth {best['model.depth']}, batch {best['train.batch_size']}, "
-                   f"strength {best['augment.strength']} -> sweeps/, plots/sweep/")
+                   f"strength {best['augment.strength']} -> {sweeps}/, {plots}/")
     now = time.time()
     click.echo(time_line("sweep", started, time_parts(started, result, now), now))
 

@@ -94,16 +94,18 @@ def test_a_diverged_trial_is_failed_with_its_reason(prepared, ray_session, insta
     """A NaN at epoch 2 of 2 in one of two trials: that trial is ERROR / FAILED with the reason, not stopped early."""
     install_faults(nan_at_epoch=2, trial={"train.batch_size": 32})  # only the batch-32 trial diverges
     result = invoke("sweep", "-S", "model.embed_dim=16", "-S", "sweep.depth=[1]", "-S", "sweep.batch_size=[32,64]",
-                    "-S", "sweep.strength=[1.0]", "-S", "sweep.epochs=2")
+                    "-S", "sweep.strength=[1.0]", "-S", "sweep.epochs=2", "--out", "studies/diverged")
     assert result.exit_code == 0, result.output
     assert "swept 2 trials (1 failed)" in result.output
-    rows = {r["train.batch_size"]: r for r in read_csv(prepared / "sweeps/results.csv")}
+    study = prepared / "studies/diverged"  # --out: a recorded study's folder, the stage's own outputs untouched
+    assert not (prepared / "sweeps").exists() and (study / "plots/sweep/lr.png").is_file()
+    rows = {r["train.batch_size"]: r for r in read_csv(study / "sweeps/results.csv")}
     bad, good = rows["32"], rows["64"]
     assert bad["status"] == "ERROR" and bad["stopped_early"] == "False" and bad["epochs"] == "1"
     reason = bad["error"]  # the worker's status: kind, message, the last epoch that trained
     assert reason.startswith("non_finite: non-finite loss") and reason.endswith("(last good epoch 1)")
     assert good["status"] == "TERMINATED" and good["error"] == "" and good["epochs"] == "2"
-    assert json.loads((prepared / "sweeps/best.json").read_text())["trial_id"] == good["trial_id"]
+    assert json.loads((study / "sweeps/best.json").read_text())["trial_id"] == good["trial_id"]
     assert f"trial {bad['trial_id']} failed: {reason}" in result.output + capsys.readouterr().out
     client, parents, children = sweep_runs(prepared)
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
