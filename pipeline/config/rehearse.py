@@ -9,7 +9,8 @@ control key as the file ships it and changes only the keys of :data:`SIZE_KEYS`,
 - epochs: at least 2 (an epoch inside the run, and the last); with ASHA, ``sweep.epochs`` beyond
   ``sweep.grace_period`` (else ASHA would never stop a trial, and the rehearsal would not rehearse it);
 - grid lengths (``sweep.depth``/``batch_size``/``strength``/``lr``, ``tables.rows``, ``tables.seeds``): a non-empty
-  subset of the shipped values, in their order (never a value the file does not have);
+  subset of the shipped values, in their order (never a value the file does not have); a grid's seeds per point
+  (``sweep.num_samples``): from 1 to the shipped count;
 - ``ray.num_workers``: at most the shipped count and at least ``min(shipped, 2)`` (several workers stay several);
 - CPUs per worker: anything (fractional, so that the workers fit this machine);
 - the storage path; GPUs: ``ray.use_gpu: false`` when the rehearsal declares none, ``ray.backend: gloo`` when it
@@ -48,7 +49,7 @@ SIZE_KEYS: dict[str, str] = {
     "probe.max_train": "data", "probe.tsne_points": "data", "probe.affinity_points": "data",
     "model.backbone": "backbone", "model.weights": "backbone", "model.embed_dim": "width", "model.hidden_dim": "width",
     "train.epochs": "epochs", "sweep.epochs": "epochs",
-    **{k: "grid" for k in GRID_KEYS},
+    **{k: "grid" for k in GRID_KEYS}, "sweep.num_samples": "samples",
     "ray.num_workers": "workers",
     "ray.cpus_per_worker": "cpus", "sweep.cpus_per_worker": "cpus",
     "ray.storage_path": "storage",
@@ -100,9 +101,9 @@ def default_sizes(shipped: dict[str, Any], cpus: int, gpus: int = 0) -> dict[str
     """The sizes a rehearsal uses unless told otherwise, from the shipped file and this machine's ``cpus`` (and the
     ``gpus`` it declares): digits (512 train images), ``cnn_small`` of width 16, the fewest epochs that still pass
     through every control (a periodic checkpoint, an epoch without kNN, ASHA's first rung), the first two values of
-    each grid axis (one strength: the file's strongest, one lr), every row of the file's own tables (of the paper's
-    default rows, the 1-layer TransFusion of each table) with its first ``tables.seeds``, workers cut to at most
-    2 (never below the shipped count's min with 2) of CPUs that let two trials run at once."""
+    each grid axis (one strength: the file's strongest, one lr; one seed a point), every row of the file's own
+    tables (of the paper's default rows, the 1-layer TransFusion of each table) with its first ``tables.seeds``,
+    workers cut to at most 2 (never below the shipped count's min with 2) of CPUs that let two trials run at once."""
     sizes: dict[str, Any] = {
         "data.dataset": "digits", "data.root": "data/raw", "data.limit_train": 512, "data.limit_test": 200,
         "data.image_size": None, "model.backbone": "cnn_small", "model.weights": None, "model.embed_dim": 16,
@@ -125,6 +126,8 @@ def default_sizes(shipped: dict[str, Any], cpus: int, gpus: int = 0) -> dict[str
             sizes[key] = values[:take]
     if get(shipped, "sweep.strength"):
         sizes["sweep.strength"] = [max(get(shipped, "sweep.strength"))]
+    if sweep.get("search", "grid") == "grid" and sweep.get("num_samples"):  # a grid's first seed, as tables.seeds
+        sizes["sweep.num_samples"] = 1
     if get(shipped, "tables.seeds"):  # its first seed (tests/stages/test_tables.py runs two: the mean and spread)
         sizes["tables.seeds"] = list(get(shipped, "tables.seeds"))[:1]
     if not get(shipped, "tables.rows"):
@@ -177,6 +180,8 @@ def violation(shipped: dict[str, Any], key: str, value: Any, gpus: int = 0) -> s
         if not new or any(v not in old for v in new) or sorted(new, key=old.index) != new:
             return (f"{key}: {value!r}; a rehearsal shortens a grid to a non-empty subset of the shipped values "
                     f"{old!r}, in their order")
+    if kind == "samples" and not (isinstance(value, int) and 1 <= value <= int(old or 1)):
+        return f"{key}: {value!r}; a rehearsal runs from 1 to the shipped {int(old or 1)} seeds a grid point"
     if kind == "workers":
         old = int(old or 1)
         if not (isinstance(value, int) and min(old, 2) <= value <= old):

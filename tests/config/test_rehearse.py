@@ -96,6 +96,8 @@ def test_every_key_outside_the_whitelist_is_refused():
     ("sweep.epochs=5", "more epochs than the grace period"),
     ("ray.use_gpu=true", "needs GPUs"),
     ("ray.backend=nccl", "ray.backend"),
+    ("sweep.num_samples=2", "from 1 to the shipped 1 seeds a grid point"),
+    ("sweep.num_samples=0", "from 1 to the shipped 1 seeds"),
 ])
 def test_a_size_beyond_its_rule_is_refused(override, message):
     with pytest.raises(RehearsalError, match=message):
@@ -107,6 +109,13 @@ def test_sizes_within_their_rules_are_applied():
                                                    "model.embed_dim=8", "sweep.cpus_per_worker=0.125"])
     assert (get(p.raw, "sweep.depth"), get(p.raw, "ray.num_workers"), get(p.raw, "sweep.epochs")) == ([0, 9], 4, 11)
     assert get(p.raw, "sweep.grace_period") == 10 and get(p.raw, "sweep.asha") is True  # as shipped
+
+
+def test_a_grid_of_several_seeds_a_point_rehearses_one_unless_told():
+    name = ROOT / "presets/fashion-mnist-figure5.yaml"
+    assert get(read_params_file(name), "sweep.num_samples") == 2
+    assert get(plan(name).raw, "sweep.num_samples") == 1
+    assert get(plan(name, ["sweep.num_samples=2"]).raw, "sweep.num_samples") == 2
 
 
 def test_trials_at_once_are_this_machines_unless_told():
