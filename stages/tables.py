@@ -38,7 +38,7 @@ def write_outputs(base: Path, records: list[dict], curves: list[dict], params: P
     from pipeline.evaluation.tables_report import curves_figure, render
 
     curves_figure(curves, base / FIGURE)
-    write_text(base / REPORT, render(records, params, unit, dataset, figure=f"../{FIGURE}"))
+    write_text(base / REPORT, render(records, params, unit, dataset, figure=f"../{FIGURE}", curves=curves))
     return [base / REPORT, base / FIGURE]
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from pipeline.config.params import Params
 from pipeline.config.probe import PROBES as ALL_PROBES
+from pipeline.evaluation.health import KERNEL, unflat, verdict
 from pipeline.evaluation.report import HEADER, NA, PAPER_TABLES, RULE, fmt_cell, table_row
 from pipeline.plots import new_figure, save_figure
 
@@ -30,6 +31,7 @@ COLUMNS = ("table", "name", "paper", "seed", "control", "trial_id", "train.mode"
            "eval_seconds", "workers", "gpus", "hours", "hours_unit", "probe_cpus", "probe_gpus", "status", "error")
 CURVE_COLUMNS = ("table", "name", "seed", "epoch", "seconds", "loss", "knn_acc")  # then the blocks' health
 AVERAGED = (*ALL_PROBES, "knn_acc", "train_minutes", "hours")  # what aggregate() averages over seeds
+RISE = 0.005  # the online kNN "stops rising" at the first epoch that no later epoch beats by more than this
 TEXT = ("name", "paper", "control", "trial_id", "train.mode", "loss.name", "model.backbone", "hours_unit", "status",
         "error")
 
@@ -127,10 +129,12 @@ def cell(line: dict[str, Any], key: str, digits: int = 4) -> str:
 
 
 def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: str,
-           figure: str | None = None) -> str:
+           figure: str | None = None, curves: list[dict[str, Any]] | None = None) -> str:
     """``reports/TABLES.md``: Tables 1-2 in the paper's layout, each of our rows under the paper's row it reproduces
     (ours in bold, mean ± sd over its seeds; "n/a": not computed) with the controls above them and the cost of each
-    row in ``unit``; then every probe of every row; then ``figure`` (a path from the report's folder), if any."""
+    row in ``unit``; then every probe of every row; then, from ``curves`` (``tables/curves.csv``), when each row's
+    online kNN stopped rising (:func:`rise_table`) and its blocks' health (:func:`health_table`); then ``figure`` (a
+    path from the report's folder), if any."""
     m, t = params.model, params.train
     lines_ = aggregate(records)
     seeds = sorted({s for line in lines_ for s in line["seeds"]})
@@ -174,6 +178,18 @@ def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: st
                   f"{error}" for r, seed, error in failed]
         lines.append("")
     lines += ["## Every probe, mean ± sd over seeds", "", *probe_table(lines_), ""]
+    rise, health = rise_table(curves or []), health_table(curves or [])
+    if rise:
+        lines += ["## When the online kNN stops rising", "",
+                  f"The online kNN of each epoch, mean over seeds; it stops rising at the first epoch that no later "
+                  f"epoch beats by more than {RISE} (at the last epoch: still rising when the run ended).", "",
+                  *rise, ""]
+    if health:
+        lines += ["## Fusion health at the last epoch", "",
+                  "Each TransFusion block's attention on a stratified batch (`pipeline/evaluation/health.py`), mean "
+                  "± sd over seeds: the last block's entropy (1 = uniform) and its share to the image's other view and "
+                  "to the same class; the weakest block's positive query-key pairs and the most uniform block's "
+                  "uniform rows; the seeds with a dead block (< 1 % positive pairs).", "", *health, ""]
     if figure:
         lines += [f"![online kNN per epoch, mean over seeds]({figure})", ""]
     lines += ["Rows and their params:", "", "| table | row | params |", "|---|---|---|"]
@@ -197,6 +213,67 @@ def probe_table(lines_: list[dict[str, Any]]) -> list[str]:
                      + (f"{r['train_minutes']:.1f} |" if r["train_minutes"] is not None and not r["control"]
                         else "- |"))
     return lines
+
+
+def _by_row(curves: list[dict[str, Any]]) -> dict[tuple[Any, str], list[dict[str, Any]]]:
+    """The curve lines of each trained (table, row), in the order the rows first appear."""
+    out: dict[tuple[Any, str], list[dict[str, Any]]] = {}
+    for c in curves:
+        out.setdefault((c["table"], c["name"]), []).append(c)
+    return out
+
+
+def _spread(values: Sequence[float], digits: int = 3) -> str:
+    mean, sd = _mean_sd(values)
+    if mean is None:
+        return NA
+    return f"{mean:.{digits}f}" + (f" ± {sd:.{digits}f}" if len(values) > 1 else "")
+
+
+def rise_table(curves: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: each row's online kNN per epoch (mean over its seeds) read for its budget: at the first epoch,
+    its best (and at which epoch), at the last, and the epoch where it stops rising: the first epoch ``e`` with no
+    later epoch above ``knn(e) + RISE``. [] when no row has an online kNN on 2 epochs or more."""
+    lines = []
+    for (_, name), mine in _by_row(curves).items():
+        epochs = sorted({int(c["epoch"]) for c in mine if c.get("knn_acc") is not None})
+        if len(epochs) < 2:
+            continue
+        knn = [statistics.mean(float(c["knn_acc"]) for c in mine
+                               if int(c["epoch"]) == e and c.get("knn_acc") is not None) for e in epochs]
+        best = max(range(len(knn)), key=lambda i: (knn[i], -i))
+        stops = next(e for i, e in enumerate(epochs) if all(k <= knn[i] + RISE for k in knn[i + 1:]))
+        lines.append(f"| {name} | {epochs[-1]} | {knn[0]:.3f} | {knn[best]:.3f} (epoch {epochs[best]}) | "
+                     f"{knn[-1]:.3f} | {stops if stops < epochs[-1] else f'{stops} (still rising)'} |")
+    return ["| row | epochs | online kNN, epoch 1 | best | last | stops rising at epoch |",
+            "|---|---|---|---|---|---|", *lines] if lines else []
+
+
+def health_table(curves: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: each row with TransFusion blocks, their health at each seed's last epoch (the ``block_*``
+    columns of ``tables/curves.csv``), mean ± sd over the seeds; [] when no row has a block."""
+    lines = []
+    for (_, name), mine in _by_row(curves).items():
+        last: dict[Any, dict[str, Any]] = {}
+        for c in mine:
+            if c["seed"] not in last or int(c["epoch"]) > int(last[c["seed"]]["epoch"]):
+                last[c["seed"]] = c
+        seeds = [{b: h for b, h in unflat(c).items() if b != KERNEL} for c in last.values()]
+        seeds = [h for h in seeds if h and all(v.get("positive") is not None for v in h.values())]
+        if not seeds:
+            continue
+
+        def of_last(key: str, seeds: list[dict[str, dict[str, Any]]] = seeds) -> str:
+            return _spread([float(v) for h in seeds if (v := list(h.values())[-1].get(key)) is not None])
+
+        weakest = _spread([min(float(b["positive"]) for b in h.values()) for h in seeds])
+        uniform = _spread([max(float(b["uniform_rows"]) for b in h.values()) for h in seeds])
+        dead = sum(any(verdict(b) == "dead" for b in h.values()) for h in seeds)
+        lines.append(f"| {name} | {len(seeds[0])} | {of_last('entropy')} | {of_last('other_view')} | "
+                     f"{of_last('same_class')} | {weakest} | {uniform} | {dead}/{len(seeds)} |")
+    return ["| row | blocks | entropy | other view | same class | weakest block: positive pairs | most uniform "
+            "block: uniform rows | seeds with a dead block |", "|---|---|---|---|---|---|---|---|",
+            *lines] if lines else []
 
 
 def curves_figure(curves: list[dict[str, Any]], png: Path) -> None:

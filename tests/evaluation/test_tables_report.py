@@ -143,3 +143,43 @@ def test_the_report_shows_each_recorded_study_of_its_data_set(tmp_path):
     assert "other" not in text and text.count("![") == 1
     assert f"](../{tmp_path / 'b-study/plots/tables/curves.png'})" in text
     assert text.count("| TransFusion 1-Layer | 1 | 2/3 | 2 | 0.500 ± 0.000 |") == 2
+
+
+def curve(name, seed, epoch, knn, **blocks):
+    """A tables/curves.csv line; ``blocks``: ``block_1=(positive, uniform_rows, entropy, same_class, other_view)``."""
+    health = {f"{b}.{k}": v for b, values in blocks.items()
+              for k, v in zip(("positive", "uniform_rows", "entropy", "same_class", "other_view"), values, strict=True)}
+    return {"table": 1, "name": name, "seed": seed, "epoch": epoch, "seconds": 10.0 * epoch, "loss": 1.0,
+            "knn_acc": knn, **health}
+
+
+@pytest.mark.parametrize("knn, best, stops", [
+    ([0.50, 0.60, 0.70], "0.700 (epoch 3)", "3 (still rising)"),  # every epoch beats the last by more than RISE
+    ([0.50, 0.70, 0.704, 0.702], "0.704 (epoch 3)", "2"),  # epochs 3-4 add at most RISE to epoch 2
+    ([0.60, 0.70, 0.65, 0.66], "0.700 (epoch 2)", "2"),  # a fall after the best
+    ([0.70, 0.70, 0.70], "0.700 (epoch 1)", "1"),
+])
+def test_the_online_knn_stops_rising_where_no_later_epoch_beats_it(knn, best, stops):
+    from pipeline.evaluation.tables_report import RISE, rise_table
+
+    assert RISE == 0.005
+    # two seeds whose mean is knn: the row's curve is the mean over its seeds
+    curves = [curve("TF", s, e + 1, k + (0.01 if s else -0.01)) for s in (0, 1) for e, k in enumerate(knn)]
+    header, rule, line = rise_table(curves)
+    assert line == f"| TF | {len(knn)} | {knn[0]:.3f} | {best} | {knn[-1]:.3f} | {stops} |"
+    assert rise_table([curve("TF", 0, 1, 0.5)]) == []  # one epoch says nothing about a budget
+
+
+def test_the_health_table_reads_each_seeds_last_epoch():
+    from pipeline.evaluation.tables_report import health_table
+
+    curves = [curve("TF-2", 0, 1, 0.5, block_1=(0.9, 0.0, 0.5, 0.5, 0.5), block_2=(0.9, 0.0, 0.5, 0.5, 0.5)),
+              curve("TF-2", 0, 2, 0.6, block_1=(0.40, 0.1, 0.80, 0.2, 0.01), block_2=(0.005, 0.9, 0.99, 0.1, 0.02)),
+              curve("TF-2", 1, 2, 0.6, block_1=(0.60, 0.3, 0.70, 0.3, 0.03), block_2=(0.20, 0.1, 0.95, 0.3, None)),
+              curve("no head", 0, 2, 0.6)]
+    header, rule, line = health_table(curves)
+    assert header.count("|") == rule.count("|") == line.count("|") == 9
+    # the last block (block_2) at epoch 2 of seeds 0 and 1; the weakest block's positive pairs per seed: 0.005, 0.20;
+    # the most uniform: 0.9, 0.3; seed 0's block_2 is dead (< 1 %); seed 1's other view unknown: one seed's value
+    assert line == ("| TF-2 | 2 | 0.970 ± 0.028 | 0.020 | 0.200 ± 0.141 | 0.103 ± 0.138 | 0.600 ± 0.424 | 1/2 |")
+    assert health_table([curve("no head", 0, 2, 0.6)]) == []
