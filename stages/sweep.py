@@ -63,7 +63,8 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
     with atomic_dir(plots) as out:
         early = {(r["train.batch_size"], r["augment.strength"], r["model.depth"]) for r in rows if r["stopped_early"]}
         dead = {(r["train.batch_size"], r["augment.strength"], r["model.depth"]) for r in rows if r.get("dead_blocks")}
-        title = f"final online kNN accuracy after {params.sweep.epochs} epochs" + (f" ({dataset})" if dataset else "")
+        epochs = f"{params.sweep.epochs} epoch" + ("s" if params.sweep.epochs != 1 else "")
+        title = f"final online kNN accuracy after {epochs}" + (f" ({dataset})" if dataset else "")
         P.phase_diagram(
             rows, x="train.batch_size", y="augment.strength", value="knn_acc", panel="model.depth",
             png=out / "phase.png", csv=out / "phase.csv", title=title,
@@ -71,7 +72,7 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
             marked=(lambda x, y, p: (x, y, p) in dead) if dead else None,
             marked_label="a dead TransFusion block (< 1 % positive pairs) in a trial of this cell")
         P.lr_curves(rows, x="train.lr", value="knn_acc", lines=LINES, png=out / "lr.png", csv=out / "lr.csv",
-                    title=f"final online kNN accuracy against the learning rate, {params.sweep.epochs} epochs"
+                    title=f"final online kNN accuracy against the learning rate, {epochs}"
                     + (f" ({dataset})" if dataset else ""))
         curves = [{"trial_id": r["trial_id"], **h} for r in rows for h in r["history"]]
         write_csv(out / "curves.csv", curves, CURVE_COLUMNS)
