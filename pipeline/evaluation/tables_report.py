@@ -235,7 +235,7 @@ def rise_table(curves: list[dict[str, Any]]) -> list[str]:
     its best (and at which epoch), at the last, and the epoch where it stops rising: the first epoch ``e`` with no
     later epoch above ``knn(e) + RISE``. [] when no row has an online kNN on 2 epochs or more."""
     lines = []
-    for (_, name), mine in _by_row(curves).items():
+    for (table, name), mine in _by_row(curves).items():
         epochs = sorted({int(c["epoch"]) for c in mine if c.get("knn_acc") is not None})
         if len(epochs) < 2:
             continue
@@ -243,17 +243,17 @@ def rise_table(curves: list[dict[str, Any]]) -> list[str]:
                                if int(c["epoch"]) == e and c.get("knn_acc") is not None) for e in epochs]
         best = max(range(len(knn)), key=lambda i: (knn[i], -i))
         stops = next(e for i, e in enumerate(epochs) if all(k <= knn[i] + RISE for k in knn[i + 1:]))
-        lines.append(f"| {name} | {epochs[-1]} | {knn[0]:.3f} | {knn[best]:.3f} (epoch {epochs[best]}) | "
+        lines.append(f"| {name} | {table} | {epochs[-1]} | {knn[0]:.3f} | {knn[best]:.3f} (epoch {epochs[best]}) | "
                      f"{knn[-1]:.3f} | {stops if stops < epochs[-1] else f'{stops} (still rising)'} |")
-    return ["| row | epochs | online kNN, epoch 1 | best | last | stops rising at epoch |",
-            "|---|---|---|---|---|---|", *lines] if lines else []
+    return ["| row | table | epochs | online kNN, epoch 1 | best | last | stops rising at epoch |",
+            "|---|---|---|---|---|---|---|", *lines] if lines else []
 
 
 def health_table(curves: list[dict[str, Any]]) -> list[str]:
     """Markdown lines: each row with TransFusion blocks, their health at each seed's last epoch (the ``block_*``
     columns of ``tables/curves.csv``), mean ± sd over the seeds; [] when no row has a block."""
     lines = []
-    for (_, name), mine in _by_row(curves).items():
+    for (table, name), mine in _by_row(curves).items():
         last: dict[Any, dict[str, Any]] = {}
         for c in mine:
             if c["seed"] not in last or int(c["epoch"]) > int(last[c["seed"]]["epoch"]):
@@ -269,10 +269,10 @@ def health_table(curves: list[dict[str, Any]]) -> list[str]:
         weakest = _spread([min(float(b["positive"]) for b in h.values()) for h in seeds])
         uniform = _spread([max(float(b["uniform_rows"]) for b in h.values()) for h in seeds])
         dead = sum(any(verdict(b) == "dead" for b in h.values()) for h in seeds)
-        lines.append(f"| {name} | {len(seeds[0])} | {of_last('entropy')} | {of_last('other_view')} | "
+        lines.append(f"| {name} | {table} | {len(seeds[0])} | {of_last('entropy')} | {of_last('other_view')} | "
                      f"{of_last('same_class')} | {weakest} | {uniform} | {dead}/{len(seeds)} |")
-    return ["| row | blocks | entropy | other view | same class | weakest block: positive pairs | most uniform "
-            "block: uniform rows | seeds with a dead block |", "|---|---|---|---|---|---|---|---|",
+    return ["| row | table | blocks | entropy | other view | same class | weakest block: positive pairs | most "
+            "uniform block: uniform rows | seeds with a dead block |", "|---|---|---|---|---|---|---|---|---|",
             *lines] if lines else []
 
 
