@@ -258,8 +258,10 @@ def health_table(curves: list[dict[str, Any]]) -> list[str]:
         for c in mine:
             if c["seed"] not in last or int(c["epoch"]) > int(last[c["seed"]]["epoch"]):
                 last[c["seed"]] = c
-        seeds = [{b: h for b, h in unflat(c).items() if b != KERNEL} for c in last.values()]
-        seeds = [h for h in seeds if h and all(v.get("positive") is not None for v in h.values())]
+        # a block the row does not have is empty in curves.csv (its columns come from the deepest row)
+        seeds = [{b: h for b, h in unflat(c).items() if b != KERNEL and h.get("positive") is not None}
+                 for c in last.values()]
+        seeds = [h for h in seeds if h]
         if not seeds:
             continue
 

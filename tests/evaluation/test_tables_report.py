@@ -183,3 +183,15 @@ def test_the_health_table_reads_each_seeds_last_epoch():
     # the most uniform: 0.9, 0.3; seed 0's block_2 is dead (< 1 %); seed 1's other view unknown: one seed's value
     assert line == ("| TF-2 | 1 | 2 | 0.970 ± 0.028 | 0.020 | 0.200 ± 0.141 | 0.103 ± 0.138 | 0.600 ± 0.424 | 1/2 |")
     assert health_table([curve("no head", 0, 2, 0.6)]) == []
+
+
+def test_the_health_table_reads_a_shallower_row_back_from_the_csv(tmp_path):
+    """curves.csv has the deepest row's block columns: a one-block row's block_2 cells are empty, not a block."""
+    from pipeline.evaluation.tables_report import health_table
+
+    curves = [curve("TF-1", 0, 1, 0.5, block_1=(0.5, 0.0, 0.8, 0.3, 0.02)),
+              curve("TF-2", 0, 1, 0.5, block_1=(0.4, 0.1, 0.9, 0.2, 0.01), block_2=(0.3, 0.2, 0.9, 0.2, 0.01))]
+    write_csv(tmp_path / "curves.csv", curves, curve_columns(curves))
+    back = read_curves(tmp_path / "curves.csv")
+    assert health_table(back) == health_table(curves)
+    assert [line.split(" | ")[:3] for line in health_table(back)[2:]] == [["| TF-1", "1", "1"], ["| TF-2", "1", "2"]]
