@@ -19,7 +19,7 @@ from typing import Any
 
 from pipeline.config.params import Params
 from pipeline.config.probe import PROBES as ALL_PROBES
-from pipeline.evaluation.health import KERNEL, unflat, verdict
+from pipeline.evaluation.health import KERNEL, dead_blocks, unflat
 from pipeline.evaluation.report import HEADER, NA, PAPER_TABLES, RULE, fmt_cell, table_row
 from pipeline.plots import new_figure, save_figure
 
@@ -265,14 +265,14 @@ def health_table(curves: list[dict[str, Any]]) -> list[str]:
         if not seeds:
             continue
 
-        def of_last(key: str, seeds: list[dict[str, dict[str, Any]]] = seeds) -> str:
-            return _spread([float(v) for h in seeds if (v := list(h.values())[-1].get(key)) is not None])
-
+        lasts = [list(h.values())[-1] for h in seeds]  # each seed's last block
+        entropy, other, same = (_spread([float(b[k]) for b in lasts if b.get(k) is not None])
+                                for k in ("entropy", "other_view", "same_class"))
         weakest = _spread([min(float(b["positive"]) for b in h.values()) for h in seeds])
         uniform = _spread([max(float(b["uniform_rows"]) for b in h.values()) for h in seeds])
-        dead = sum(any(verdict(b) == "dead" for b in h.values()) for h in seeds)
-        lines.append(f"| {name} | {table} | {len(seeds[0])} | {of_last('entropy')} | {of_last('other_view')} | "
-                     f"{of_last('same_class')} | {weakest} | {uniform} | {dead}/{len(seeds)} |")
+        dead = sum(bool(dead_blocks(h)) for h in seeds)
+        lines.append(f"| {name} | {table} | {len(seeds[0])} | {entropy} | {other} | {same} | {weakest} | {uniform} | "
+                     f"{dead}/{len(seeds)} |")
     return ["| row | table | blocks | entropy | other view | same class | weakest block: positive pairs | most "
             "uniform block: uniform rows | seeds with a dead block |", "|---|---|---|---|---|---|---|---|---|",
             *lines] if lines else []
@@ -283,10 +283,7 @@ def curves_figure(curves: list[dict[str, Any]], png: Path) -> None:
     one line per row, written atomically to ``png``."""
     fig = new_figure(11, 4)
     axes = fig.subplots(1, 2, sharey=True)
-    keyed: dict[tuple[Any, str], list[dict[str, Any]]] = {}
-    for c in curves:
-        if c.get("knn_acc") is not None:
-            keyed.setdefault((c["table"], c["name"]), []).append(c)
+    keyed = _by_row([c for c in curves if c.get("knn_acc") is not None])
     tables = {t for t, _ in keyed}
     for (table, name), mine in keyed.items():
         epochs = sorted({int(c["epoch"]) for c in mine})
