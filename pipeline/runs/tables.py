@@ -21,13 +21,14 @@ from ray import tune
 from pipeline.config.base import flatten
 from pipeline.config.names import row_label, tables_label
 from pipeline.config.params import Params
-from pipeline.config.ray import TRIAL_CPU
+from pipeline.config.ray import TRIAL_CPU, torch_threads
 from pipeline.config.resources import max_concurrent, trial_shape
 from pipeline.config.space import trial_params
 from pipeline.data.prepared import load_prepared
 from pipeline.evaluation.report import NA, fmt_cell, fmt_minutes
 from pipeline.evaluation.tables_report import ALL_PROBES
 from pipeline.evaluation.tables_rows import Row, control_rows, resolve_rows, seeds_of, trial_configs
+from pipeline.host import use_threads
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import with_worker_cpus
 from pipeline.runs.job import Manifest, Tracked, WorkerSpec, open_job, read_manifest, say
@@ -60,6 +61,7 @@ def probe_row(params: Params, data_dir: str, manifest: Manifest, model_state: di
     from pipeline.data.storage import fetch_prepared
     from pipeline.evaluation.evaluate import probe_frozen
 
+    use_threads(torch_threads(params.ray.cpus_per_worker))  # a control's trial, a Ray task: Ray's OMP_NUM_THREADS
     data = fetch_prepared(data_dir, manifest)
     model = None
     if control != "raw_pixels":

@@ -1,5 +1,5 @@
 """The tables job without a cluster: row validation, resolution, layout of TABLES.md, the CSV's n/a cells, and what
-it shares with the sweep (failure reasons)."""
+it shares with the sweep (failure reasons), the threads a control probes on."""
 
 from __future__ import annotations
 
@@ -130,3 +130,25 @@ def test_bad_seeds_and_controls_name_the_key(override, needle):
     with pytest.raises(ParamsError) as info:
         params(override)
     assert needle in str(info.value)
+
+
+@pytest.mark.slow
+def test_a_controls_probes_run_on_the_threads_of_its_cpus_not_rays_one(prepared, ray_session):
+    """A Ray process of 1.75 CPUs starts with OMP_NUM_THREADS=1 (Ray's whole part); a control's trial trains nothing
+    that would set its threads, so its probes set them: 2, as a row's training does (torch_threads)."""
+    import json
+
+    import torch
+
+    from pipeline.runs.tables import probe_row
+
+    p = params("ray.cpus_per_worker=1.75", "probe.probes=[knn200]")
+    manifest = json.loads((prepared / "data/prepared/manifest.json").read_text())
+
+    @ray_session.remote(num_cpus=1)
+    def control() -> tuple[int, int]:
+        before = torch.get_num_threads()
+        probe_row(p, str(prepared / "data/prepared"), manifest, None, control="random_init")
+        return before, torch.get_num_threads()
+
+    assert ray_session.get(control.remote()) == (1, 2)
