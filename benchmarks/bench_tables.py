@@ -15,7 +15,7 @@ start, MLflow, the staged data), the trials' training and probes as the trials t
 starts, checkpoints, Tune's and MLflow's bookkeeping). A shared 2-core machine drifts by ~10 % between two runs of
 the same work, as much as the overhead itself: ``--repeat N`` runs the pair N times, alternating, and the ratio is the
 fastest job over the fastest single process (as ``timeit`` takes the best of its runs). The default (2 rows x 1 seed
-and the random-init control, 10,000 images, 2 epochs, 2 repeats) takes about 15 minutes on 2 cores.
+and the random-init control, 10,000 images, 2 epochs, 3 repeats) takes about 25 minutes on 2 cores.
 
     python benchmarks/bench_tables.py
     python benchmarks/bench_tables.py --epochs 3 -S 'tables.seeds=[0, 1]'
@@ -98,7 +98,7 @@ def main() -> int:
     ap.add_argument("--root", default="/usr/share/datasets/fashion-mnist", help="Fashion-MNIST's IDX files")
     ap.add_argument("--limit-train", type=int, default=10_000, help="0: all 60,000")
     ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=2, help="runs of each, alternating; the best of each counts")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each, alternating; the best of each counts")
     ap.add_argument("-S", dest="overrides", action="append", default=[], help="more params overrides")
     args = ap.parse_args()
     from pipeline.config.ray import TRIAL_CPU, torch_threads

@@ -25,12 +25,12 @@ from tests.data.test_datasets import mapped_file
 
 
 @pytest.fixture
-def prepared(prepared):  # tests/conftest.py's project: its data/prepared and their manifest
+def staged_input(prepared):  # tests/conftest.py's project: its data/prepared and their manifest
     return prepared / "data" / "prepared", read_json(str(prepared / "data" / "prepared"), MANIFEST)
 
 
-def test_staging_is_content_addressed_linked_and_idempotent(tmp_path, prepared):
-    data_dir, manifest = prepared
+def test_staging_is_content_addressed_linked_and_idempotent(tmp_path, staged_input):
+    data_dir, manifest = staged_input
     storage = str(tmp_path / "shared")
     where = stage_prepared(data_dir, storage)
     assert where == os.path.join(storage, STAGED, data_digest(manifest))
@@ -46,16 +46,16 @@ def test_staging_is_content_addressed_linked_and_idempotent(tmp_path, prepared):
     assert mapped_file(mapped.train.x) == os.path.realpath(os.path.join(where, "train_x.npy"))
 
 
-def test_a_worker_that_cannot_see_the_storage_names_its_node_and_the_path(tmp_path, prepared):
-    _, manifest = prepared
+def test_a_worker_that_cannot_see_the_storage_names_its_node_and_the_path(tmp_path, staged_input):
+    _, manifest = staged_input
     missing = str(tmp_path / "elsewhere" / STAGED / data_digest(manifest))
     where = r"(host|node) .* cannot see the prepared data at .*elsewhere.*ray.storage_path"
     with pytest.raises(DatasetError, match=where):
         fetch_prepared(missing, manifest)
 
 
-def test_another_version_or_a_modified_copy_is_refused(tmp_path, prepared):
-    data_dir, manifest = prepared
+def test_another_version_or_a_modified_copy_is_refused(tmp_path, staged_input):
+    data_dir, manifest = staged_input
     where = stage_prepared(data_dir, str(tmp_path / "shared"))
     other = json.loads(json.dumps(manifest))
     other["files"]["train_x.npy"]["sha256"] = "0" * 64
@@ -71,8 +71,8 @@ def test_another_version_or_a_modified_copy_is_refused(tmp_path, prepared):
         fetch_prepared(where, manifest)
 
 
-def test_remote_storage_uri_is_staged_and_downloaded_once(tmp_path, prepared, monkeypatch):
-    data_dir, manifest = prepared
+def test_remote_storage_uri_is_staged_and_downloaded_once(tmp_path, staged_input, monkeypatch):
+    data_dir, manifest = staged_input
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     storage = (tmp_path / "bucket").as_uri()  # file:// goes through pyarrow's URI file systems, as s3:// does
     where = stage_prepared(data_dir, storage)

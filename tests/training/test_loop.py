@@ -30,7 +30,7 @@ COMPARED = ("epoch", "loss", "lr", "view_noise", "knn_acc")  # an epoch's number
 
 
 @pytest.fixture
-def prepared(prepare_digits) -> Path:  # tests/conftest.py's, all the digits: its data/prepared
+def digits_dir(prepare_digits) -> Path:  # tests/conftest.py's, all the digits: its data/prepared
     return prepare_digits(None) / "data" / "prepared"
 
 
@@ -53,16 +53,16 @@ def test_budget_is_the_param_or_a_share_of_the_devices_memory():
 
 
 @pytest.mark.parametrize("mode", ["self_supervised", "supervised"])
-def test_streamed_training_equals_in_memory_bit_for_bit(prepared, mode):
+def test_streamed_training_equals_in_memory_bit_for_bit(digits_dir, mode):
     overrides = ["train.epochs=3", f"train.mode={mode}", "model.depth=1"]
-    in_memory = PretrainLoop(load_params(ROOT / "params.yaml", overrides), load_prepared(prepared),
+    in_memory = PretrainLoop(load_params(ROOT / "params.yaml", overrides), load_prepared(digits_dir),
                              torch.device("cpu"))
     assert not in_memory.streaming and in_memory.x_dev is in_memory.data.train.x  # the default: today's fast path
     assert SMALL_BUDGET.endswith(str(0.25)) and 0.25 < DIGITS_TRAIN_MIB
     streamed = PretrainLoop(load_params(ROOT / "params.yaml", [*overrides, SMALL_BUDGET]),
-                            load_prepared(prepared, mmap=True), torch.device("cpu"))
+                            load_prepared(digits_dir, mmap=True), torch.device("cpu"))
     assert streamed.streaming and streamed.x_dev is None and not holds_the_training_set(streamed)
-    assert mapped_file(streamed.data.train.x) == str((prepared / "train_x.npy").resolve())  # read from the file
+    assert mapped_file(streamed.data.train.x) == str((digits_dir / "train_x.npy").resolve())  # read from the file
 
     for loop in (in_memory, streamed):
         loop.fit(lambda m, ckpt: None)
@@ -72,7 +72,7 @@ def test_streamed_training_equals_in_memory_bit_for_bit(prepared, mode):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_channels_last_trains_the_same_model(prepared):
+def test_channels_last_trains_the_same_model(digits_dir):
     """``train.memory_format: channels_last``: the image backbone's weights and every input it sees (the steps' views,
     health, the kNN's embeddings) are in channels-last memory, and 2 epochs give the numbers of the contiguous loop
     (the convolutions only sum in another order)."""
@@ -80,7 +80,7 @@ def test_channels_last_trains_the_same_model(prepared):
     runs = {}
     for fmt in ("contiguous", "channels_last"):
         loop = PretrainLoop(load_params(ROOT / "params.yaml", [*overrides, f"train.memory_format={fmt}"]),
-                            load_prepared(prepared), torch.device("cpu"))
+                            load_prepared(digits_dir), torch.device("cpu"))
         # the last convolution: the first one's single input channel is the same memory either way
         conv = [m for m in loop.model.backbone.modules() if isinstance(m, torch.nn.Conv2d)][-1]
         assert conv.weight.is_contiguous(memory_format=torch.channels_last) == (fmt == "channels_last")
@@ -102,21 +102,21 @@ def test_channels_last_leaves_vectors_alone():
 
 
 @pytest.mark.parametrize("mode", ["self_supervised", "supervised"])
-def test_every_rank_reads_the_same_shard_either_way(prepared, mode):
+def test_every_rank_reads_the_same_shard_either_way(digits_dir, mode):
     """With 2 workers each rank's local batch (inputs, ids) is the same from the device copy and streamed."""
     overrides = ["train.batch_size=64", f"train.mode={mode}", "model.depth=1"]
     perm = torch.randperm(1437, generator=torch.Generator().manual_seed(3))
     for rank in range(2):
-        a = PretrainLoop(load_params(ROOT / "params.yaml", overrides), load_prepared(prepared), torch.device("cpu"),
+        a = PretrainLoop(load_params(ROOT / "params.yaml", overrides), load_prepared(digits_dir), torch.device("cpu"),
                          rank=rank, world_size=2)
         b = PretrainLoop(load_params(ROOT / "params.yaml", [*overrides, SMALL_BUDGET]),
-                         load_prepared(prepared, mmap=True), torch.device("cpu"), rank=rank, world_size=2)
+                         load_prepared(digits_dir, mmap=True), torch.device("cpu"), rank=rank, world_size=2)
         assert b.streaming and not a.streaming
         for step in range(a.steps_per_epoch):
             (xa, ida), (xb, idb) = a._local_batch(perm, step), b._local_batch(perm, step)  # noqa: SLF001 (white-box)
             assert xa.shape == (32, 1, 8, 8) and torch.equal(xa, xb) and torch.equal(ida, idb)
             mine = perm[step * 64 + rank * 32 : step * 64 + (rank + 1) * 32]
-            assert torch.equal(xb, load_prepared(prepared).train.x[mine])  # exactly this rank's rows, in order
+            assert torch.equal(xb, load_prepared(digits_dir).train.x[mine])  # exactly this rank's rows, in order
 
 
 # ------------------------------------------------------------------------------- two gloo workers, two paths
@@ -137,8 +137,8 @@ def _two_paths_worker(rank: int, world: int, data_dir: str) -> dict:
 
 
 @pytest.mark.slow
-def test_two_gloo_workers_streamed_equal_in_memory(prepared, tmp_path):
-    ranks = run_ranks(tmp_path, _two_paths_worker, str(prepared))
+def test_two_gloo_workers_streamed_equal_in_memory(digits_dir, tmp_path):
+    ranks = run_ranks(tmp_path, _two_paths_worker, str(digits_dir))
     for histories in ranks:
         assert histories["streamed"] == histories["in_memory"] and len(histories["streamed"]) == 2
     # the head sharded over both workers and tiled (a budget of 0 MiB), streamed, against the dense head: the same
@@ -157,11 +157,11 @@ def test_two_gloo_workers_streamed_equal_in_memory(prepared, tmp_path):
 
 @pytest.mark.parametrize("extra", [[], ["model.fusion_scope=per_view"], ["model.head=truncated", "model.depth=2"],
                                    ["model.activation=softmax"]], ids=str)
-def test_health_over_tiles_equals_the_dense_health(prepared, extra):
+def test_health_over_tiles_equals_the_dense_health(digits_dir, extra):
     """Where training tiles the head, the health check does too (each affinity a row slice at a time): same numbers."""
     overrides = ["train.batch_size=96", "model.depth=2", *extra]
-    dense = PretrainLoop(load_params(ROOT / "params.yaml", overrides), load_prepared(prepared), torch.device("cpu"))
-    tiled = PretrainLoop(load_params(ROOT / "params.yaml", [*overrides, TILING_BUDGET]), load_prepared(prepared),
+    dense = PretrainLoop(load_params(ROOT / "params.yaml", overrides), load_prepared(digits_dir), torch.device("cpu"))
+    tiled = PretrainLoop(load_params(ROOT / "params.yaml", [*overrides, TILING_BUDGET]), load_prepared(digits_dir),
                          torch.device("cpu"))
     assert dense.head_plan.tile is None and tiled.head_plan.tile is not None
     want = dense.health()
