@@ -337,6 +337,14 @@ ABC_LOSSES: dict[str, Callable[..., Callable[..., Tensor]]] = {"bce": bce_loss} 
 METHODS = ("transfusion", "abc")  # what build_model builds (= pipeline.config.model.METHODS)
 
 
+def memory_format(setting: str, input_shape: tuple[int, ...]) -> torch.memory_format:
+    """The layout ``train.memory_format`` gives images (C, H, W) and the model's weights: ``channels_last`` (NHWC, the
+    faster convolutions on CPU and GPU) or ``contiguous``; inputs that are not images are always contiguous. Training
+    and the probes of a trained model use the same."""
+    image = len(input_shape) == 3
+    return torch.channels_last if image and setting == "channels_last" else torch.contiguous_format
+
+
 def build_model(m: ModelConfig, input_shape: tuple[int, ...]) -> TransFusion | ABCModel:
     """Backbone + the head of ``model.method`` as ``model.*`` (a :class:`pipeline.config.model.ModelConfig`)
     describes: a TransFusion head (``transfusion``) or ABC's (``abc``, from ``model.abc``)."""

@@ -28,7 +28,7 @@ from pipeline.config.model import ModelConfig
 from pipeline.config.params import Params
 from pipeline.config.probe import ProbeConfig
 from pipeline.core.clustering import cosine_affinity, spectral_scores, symmetric_affinity
-from pipeline.core.model import ABCModel, Rows, TransFusion, build_model
+from pipeline.core.model import ABCModel, Rows, TransFusion, build_model, memory_format
 from pipeline.core.plan import budget_bytes, plan_head
 from pipeline.data.prepared import load_prepared
 from pipeline.data.split import stratified_subset, to_float
@@ -202,7 +202,7 @@ def probe_frozen(params: Params, data: Dataset, model: TransFusion | ABCModel | 
         z_tr, z_te = (to_float(x).flatten(1).numpy() for x in (data.train.x[idx], data.test.x))
     else:
         device = resolve_device(p.device)
-        model = model.to(device).eval()
+        model = model.to(device, memory_format=memory_format(params.train.memory_format, data.input_shape)).eval()
         batch = params.train.batch_size
         z_tr = layer_embeddings(model, data.train.x[idx], batch, device, p.seed)[0]  # [0]: the backbone
         z_te = layer_embeddings(model, data.test.x, batch, device, p.seed)[0]
@@ -216,7 +216,7 @@ def evaluate(params: Params, data: Dataset, model: TransFusion | ABCModel, train
     """Probe every representation at every label fraction; cluster and sharpness on the test affinity."""
     p = params.probe
     device = resolve_device(p.device)
-    model = model.to(device)
+    model = model.to(device, memory_format=memory_format(params.train.memory_format, data.input_shape))
     train_idx = probe_train_index(p, data.train.y)
     x_tr, y_tr = data.train.x[train_idx], data.train.y[train_idx].numpy()
     x_te, y_te = data.test.x, data.test.y.numpy()

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from pipeline.config.params import Params
 from pipeline.core.batchnorm import convert_batchnorm
 from pipeline.core.losses import make_loss
-from pipeline.core.model import ABC_LOSSES, Rows, build_model
+from pipeline.core.model import ABC_LOSSES, Rows, build_model, memory_format
 from pipeline.core.optim import build_optimizer, warmup_cosine
 from pipeline.core.plan import HeadPlan, budget_bytes, plan_head
 from pipeline.data.augment import BatchAugment, view_noise
@@ -153,9 +153,7 @@ class PretrainLoop:
             raise ValueError(f"train.batch_size ({t.batch_size}) exceeds the training set ({n} samples)")
         self.steps_per_epoch = n // t.batch_size  # drop the last partial batch: the fused batch size is fixed
         torch.manual_seed(t.seed)
-        image = len(data.input_shape) == 3  # (C, H, W)
-        self.memory_format = torch.channels_last if image and t.memory_format == "channels_last" else \
-            torch.contiguous_format
+        self.memory_format = memory_format(t.memory_format, data.input_shape)
         self.model = build_model(params.model, data.input_shape).to(device, memory_format=self.memory_format)
         if world_size > 1:
             convert_batchnorm(self.model)  # global BN: same parameters, buffers and state_dict keys

@@ -154,3 +154,28 @@ def test_probe_frozen_is_run_probes_on_the_capped_split(max_train):
     z_te = layer_embeddings(net, data.test.x, 128, torch.device("cpu"))[0]
     backbone = run_probes(z_tr, y_tr, z_te, y_te, probes=("knn50", "logreg"), fractions=(1.0,), seed=0)
     assert probe_frozen(params, data, net) == ({r.probe: r.accuracy for r in backbone}, len(idx))
+
+
+def test_probes_embed_in_the_trainings_memory_format():
+    """``train.memory_format: channels_last`` (the Fashion-MNIST presets'): a model rebuilt from its state (a tables
+    trial's, the evaluate stage's) is probed in that layout too, as the loop trained it, with the same numbers."""
+    from pipeline.config.params import load_params
+    from pipeline.core.model import build_model
+    from pipeline.data.sources import load_dataset
+    from pipeline.evaluation.evaluate import probe_frozen
+    from tests.conftest import ROOT
+
+    params = load_params(ROOT / "params.yaml", ["data.limit_train=300", "probe.probes=[knn50]"])
+    data = load_dataset(params.data)
+    assert len(data.input_shape) == 3  # images: (C, H, W)
+    torch.manual_seed(0)
+    net = build_model(params.model, data.input_shape).eval()
+    convs = [m.weight for m in net.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs
+    contiguous = probe_frozen(params, data, net)
+    assert all(w.is_contiguous() for w in convs)
+    fmt = params.model_copy(update={"train": params.train.model_copy(update={"memory_format": "channels_last"})})
+    assert probe_frozen(fmt, data, net) == contiguous
+    convs = [m.weight for m in net.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    assert not all(w.is_contiguous() for w in convs)  # (one input channel: both layouts are the same strides)
