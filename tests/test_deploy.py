@@ -150,6 +150,7 @@ def test_the_installed_versions_are_the_pinned_ones():
     assert diff == [], "; ".join(diff)
 
 
+@pytest.mark.slow
 def test_cluster_presets_wait_for_a_cold_start():
     """The first job on a fresh cluster waits for GPU nodes that are still booting: each preset that asks for GPUs
     waits at least a cold start (budget below) for its workers, and the wait goes on while the autoscaler adds nodes

@@ -34,6 +34,7 @@ def run(blocks: list[tuple[int, str]], namespace: dict | None = None) -> dict:
     return namespace
 
 
+@pytest.mark.slow
 def test_the_plain_pytorch_loop_learns(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     namespace = run(PLAIN)

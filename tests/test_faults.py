@@ -25,6 +25,7 @@ def test_without_the_setting_no_callback_is_installed(monkeypatch):
         faults.environment(crash_at=2)
 
 
+@pytest.mark.slow
 def test_the_callback_is_made_in_the_driver_and_reaches_a_process_without_the_tests(monkeypatch, tmp_path):
     """``load_callbacks`` makes ``tests.faults:Faults`` where the stage runs (the plan read from its environment) and
     ships its module by value: a process that cannot import ``tests`` (a Ray worker on another node) still runs it."""

@@ -108,6 +108,7 @@ print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'mlflow', 'dvc', '
 """
 
 
+@pytest.mark.slow
 def test_exports_load_lazily_in_a_fresh_interpreter():
     out = subprocess.run([sys.executable, "-c", LAZY, str(ROOT / "params.yaml")], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)

@@ -44,6 +44,7 @@ def test_a_set_study_rehearses_its_one_job_shrunk_in_size_only(name):
         plan(ROOT / name, ["sets.seeds=[7]"])  # a grid is only shortened
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FILES)
 @pytest.mark.parametrize("gpus", [0, 4])
 def test_default_rehearsal_changes_only_size_keys(name, gpus):
@@ -79,6 +80,7 @@ def test_default_rehearsal_passes_through_every_control(name):
     assert 2 * trial <= 2, "two sweep trials fit 2 CPUs"
 
 
+@pytest.mark.slow
 def test_every_key_outside_the_whitelist_is_refused():
     for key, value in flatten(shipped("presets/cluster-sweep.yaml")).items():
         if key not in SIZE_KEYS and not key.startswith(("tables.", "theory.")):

@@ -377,6 +377,7 @@ def assert_names(msg: str, needles: list[str], **fields) -> None:
 # Fashion-MNIST
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["torchvision", "flat"])
 @pytest.mark.parametrize("gz", [False, True])
 def test_fashion_mnist_values(tmp_path, fmnist_full, gz, layout, no_download):

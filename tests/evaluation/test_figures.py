@@ -346,6 +346,7 @@ def test_failure_mid_write_leaves_nothing_success_replaces(tmp_path, monkeypatch
     assert (old / "f.csv").read_text() != "old csv\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seeds", [1, 3])
 def test_lr_curves_a_line_per_varying_key_mean_and_sd_over_seeds(tmp_path, captured, seeds):
     """Figure 5's layout: accuracy against lr (log axis), a line per loss; depth, the same everywhere, names no line."""

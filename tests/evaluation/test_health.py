@@ -207,6 +207,7 @@ def test_health_in_chunks_equals_one_forward(scope: str) -> None:
     assert_same_numbers(loop.health(chunk=7), whole, rel=1e-6, abs=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth", [1, 3])
 def test_health_at_a_large_batch_needs_no_more_memory_than_a_training_step(depth: int) -> None:
     """B = 1024 (2B = 2048 fused rows): the health check's peak stays below one training step's; the whole-matrix

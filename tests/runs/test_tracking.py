@@ -127,6 +127,7 @@ def mlflow_imports(path: Path) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_only_the_tracking_module_imports_mlflow():
     """Every MLflow call of the library and the stages goes through pipeline/runs/tracking.py (stages/ui.py starts
     ``python -m mlflow server`` as a process, which is no import)."""
@@ -221,6 +222,7 @@ def test_runs_children_metrics_and_endings(tmp_path, monkeypatch):
     assert client.get_run(parent).info.status == "RUNNING"
 
 
+@pytest.mark.slow
 def test_param_keys_mlflow_refuses_are_made_valid(tmp_path):
     """A tables row's name is free text; the parent run's param key made of it must still be one MLflow takes."""
     import mlflow

@@ -73,6 +73,7 @@ def test_ray_trains_and_tunes_errors_carry_what_failure_causes_and_trial_error_r
     assert repr(U.trial_error(Recorded())) == "KeyError('x')"
 
 
+@pytest.mark.slow
 def test_the_mlflow_ui_opens_a_view_saved_as_the_shared_view_tag(tmp_path):
     """The UI's bundle reads the experiment tag ``mlflow.sharedViewState.<key>``; the view saved is that tag."""
     from pathlib import Path

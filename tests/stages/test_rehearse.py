@@ -84,6 +84,7 @@ def jobs_to_rehearse(name: str) -> tuple[str, ...]:
     return ("prepare", "tables") if any(rest(o) == rest(name) for o in same) else jobs
 
 
+@pytest.mark.slow
 def test_a_preset_that_is_anothers_but_for_its_rows_rehearses_its_tables():
     assert PRESETS == ["presets/digits-fusion.yaml", "presets/fashion-mnist-figure5.yaml",
                        "presets/fashion-mnist-head.yaml", "presets/fashion-mnist-regime.yaml",
@@ -107,6 +108,7 @@ def test_shipped_preset_rehearses_end_to_end(name, tmp_path, ray_session):
     check_controls(name, work)
 
 
+@pytest.mark.slow
 def test_a_gpu_preset_on_too_few_declared_gpus_exits_2_before_ray(tmp_path, ray_starts):
     refused = invoke("rehearse", "--params", str(ROOT / ON_DECLARED_GPUS), "--gpus", "1", "--dir",
                      str(tmp_path / "one"), "--jobs", "prepare,pretrain")

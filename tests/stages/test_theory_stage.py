@@ -37,6 +37,7 @@ def check_outputs(plots: Path, metrics: Path, runs: int, report: Path) -> dict:
     return m
 
 
+@pytest.mark.slow
 def test_run_with_a_params_like_object(tmp_path):
     params = SimpleNamespace(theory=SimpleNamespace(**TINY))
     plots, metrics = tmp_path / "plots" / "theory", tmp_path / "metrics" / "theory.json"

@@ -60,6 +60,7 @@ def test_a_taken_port_is_named_with_a_free_one_to_use():
         check_port_free("no-such-host.invalid", 5000)
 
 
+@pytest.mark.slow
 def test_the_command_becomes_the_server_with_its_output_kept(tmp_path):
     """exec, not a child: the same pid runs the server's command, in the server's environment; what was printed
     before, into a pipe (block-buffered), comes out first."""

@@ -52,6 +52,7 @@ def test_budget_is_the_param_or_a_share_of_the_devices_memory():
     assert auto == pytest.approx(DATA_BUDGET_SHARE * available, rel=0.2)  # free memory moves a little meanwhile
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["self_supervised", "supervised"])
 def test_streamed_training_equals_in_memory_bit_for_bit(digits_dir, mode):
     overrides = ["train.epochs=3", f"train.mode={mode}", "model.depth=1"]
@@ -72,6 +73,7 @@ def test_streamed_training_equals_in_memory_bit_for_bit(digits_dir, mode):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_channels_last_trains_the_same_model(digits_dir):
     """``train.memory_format: channels_last``: the image backbone's weights and every input it sees (the steps' views,
     health, the kNN's embeddings) are in channels-last memory, and 2 epochs give the numbers of the contiguous loop
@@ -266,6 +268,7 @@ def test_the_inputs_a_callback_returns_are_what_the_step_trains_on(one_thread):
 
 
 # ------------------------------------------------------------------------------------------- the online kNN monitor
+@pytest.mark.slow
 @pytest.mark.parametrize("limit_train", [256, None])
 def test_the_monitors_cost_is_bounded_whatever_the_training_set(limit_train, one_thread):
     """What a monitored epoch embeds beyond its steps, in eval mode: the kNN's clean bank (min(KNN_BANK, training
