@@ -1,15 +1,6 @@
-"""A job on Ray, as pretraining, the sweep and the tables each run one: opened by :func:`open_job`, closed by
-:func:`close_job` (or :func:`fail_job`).
-
-Opening, cheapest check first: the loop callbacks named in ``$TRANSFUSION_CALLBACKS`` resolve; the run storage can be
-written; the cluster answers and can hold the job's runs (``pipeline.runs.cluster.connect``) and has their resources
-free (``wait_for_workers``); then the job's MLflow run (created once, continued when the job resumes) and the prepared
-data staged on the run storage. The result, a :class:`Job`, carries what its runs need: the :class:`WorkerSpec` every
-worker gets, the job's identity (:func:`job_name`: a stable name from everything that determines its result, so an
-interrupted job resumes and a changed one starts afresh) and its MLflow run.
-
-Closing: the MLflow run gets the job's summary, tags and output files (a pretraining run also its model) and ends
-FINISHED; the job's Ray directories and the driver's state are removed, so that a forced rerun trains afresh.
+"""A job on Ray (pretraining, the sweep, the tables): opened by :func:`open_job` (cheapest checks first), closed by
+:func:`close_job` (or :func:`fail_job`). Its identity (:func:`job_name`) is stable over everything that determines its
+result, so an interrupted job resumes and a changed one starts afresh.
 """
 
 from __future__ import annotations
@@ -24,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.config.base import ParamsError
+from pipeline.config.base import ParamsError, flatten
 from pipeline.config.names import stable_name
 from pipeline.config.params import Params
 from pipeline.data.storage import check_storage, is_uri, join, stage_prepared
@@ -39,12 +30,12 @@ if TYPE_CHECKING:
 STATE_DIR = ".transfusion"  # the driver's own state of a job under the project root (its MLflow run id)
 CALLBACKS_ENV = "TRANSFUSION_CALLBACKS"  # loop callbacks for every run and trial: "module:attr,module:attr"
 Manifest = dict[str, object]  # the prepared data's manifest.json (pipeline.data.prepared)
+TRAINING = ("model", "loss", "augment", "train")  # the sections pretraining reads
 
 
 @dataclass
 class WorkerSpec:
-    """Everything the workers of a Ray run need, shipped by Ray: a pretraining run's, or a Tune job's, whose trials
-    each train on their own ``params`` (the job's base with their point applied) under their own ``name``."""
+    """Everything the workers of a Ray run need, shipped by Ray (a trial's: its own ``params`` and ``name``)."""
 
     params: Params
     data_dir: str  # the prepared data as staged on the run storage (pipeline.data.storage.stage_prepared)
@@ -58,7 +49,7 @@ class WorkerSpec:
 
     @property
     def run_dir(self) -> str:
-        """The Ray run directory on the storage: the workers' status and placement go there."""
+        """The Ray run directory on the storage."""
         return join(self.storage, self.name)
 
 
@@ -91,18 +82,16 @@ class Job:
 
     @property
     def state_dir(self) -> Path:
-        """The driver's own state of the job (its MLflow run id, its trials' record), until :func:`close_job`."""
+        """The driver's own state of the job (its MLflow run id, its trials' record)."""
         return self.root / STATE_DIR / self.name
 
 
 class SweepError(RuntimeError):
-    """A Tune job (the sweep, the tables) did not finish (interrupted, or every trial failed); rerunning the stage
-    resumes it."""
+    """A Tune job did not finish (interrupted, or every trial failed); rerunning the stage resumes it."""
 
 
 class TrialFailed(RuntimeError):
-    """A trial's training ended with an error its worker reported (e.g. a non-finite loss): the message is the
-    one-line reason. Raised from the trial function, so that Tune marks the trial ERROR (MLflow: FAILED)."""
+    """A trial's training ended with an error its worker reported; the message is the one-line reason."""
 
 
 def say(line: str) -> None:
@@ -116,16 +105,19 @@ def read_manifest(data_dir: Path) -> Manifest:
 
 
 def job_name(stage: str, params: Params, manifest: Manifest) -> str:
-    """A job's stable name (``pretrain-<digest>``, ``sweep-…``, ``tables-…``) from everything that determines its
-    result: the sections it reads, the workers, the data. A sweep's trials' base without the swept keys (their base
-    value never reaches a trial): ``pipeline.config.space.sweep_keyed``."""
+    """A job's stable name (``pretrain-<digest>``): its sections (a sweep's: ``sweep_keyed``), workers, data."""
     from pipeline.config.space import sweep_keyed
 
-    sections = {"pretrain": ("model", "loss", "augment", "train"),
-                "tables": ("model", "loss", "augment", "train", "probe", "tables")}
+    sections = {"pretrain": TRAINING, "tables": (*TRAINING, "probe", "tables")}
     keyed = (sweep_keyed(params) if stage == "sweep" else {s: getattr(params, s).model_dump() for s in sections[stage]})
     keyed["ray"] = {"num_workers": params.ray.num_workers}
     return stable_name(stage, keyed, manifest)
+
+
+def flat_sections(params: Params | Mapping[str, object], sections: tuple[str, ...],
+                  keys: tuple[str, ...] = ()) -> dict[str, object]:
+    """The flat params (``{"model.depth": 1}``) of ``sections`` and the ``keys``: what a job's MLflow run logs."""
+    return {k: v for k, v in flatten(params).items() if k.split(".")[0] in sections or k in keys}
 
 
 def storage_location(params: Params, root: Path) -> str:
@@ -135,13 +127,9 @@ def storage_location(params: Params, root: Path) -> str:
 
 
 def load_callbacks(refs: str | None = None) -> list[Callback]:
-    """The loop callbacks named by ``refs`` (default: ``$TRANSFUSION_CALLBACKS``; none when unset): comma-separated
-    ``module:attr``, each a :class:`pipeline.training.loop.Callback` subclass (made without arguments) or instance.
-
-    Made here, in the driver (a callback may read its settings from the driver's environment then), and shipped to the
-    workers inside the :class:`WorkerSpec`; each named module goes by value (cloudpickle), so a Ray worker needs no
-    copy of it, only what it imports. Raises :class:`ParamsError` naming a reference that does not resolve.
-    """
+    """The loop callbacks named by ``refs`` (default ``$TRANSFUSION_CALLBACKS``): ``module:attr,...``, each a
+    ``Callback`` subclass or instance. Made in the driver (it may read its environment) and shipped to the workers,
+    their modules pickled by value, so that a worker needs no copy. Raises :class:`ParamsError` for a bad name."""
     import ray.cloudpickle
 
     refs = os.environ.get(CALLBACKS_ENV, "") if refs is None else refs
@@ -166,10 +154,8 @@ def load_callbacks(refs: str | None = None) -> list[Callback]:
 def open_job(stage: str, params: Params, data_dir: Path, root: Path, *, tracking: bool, title: str,
              logged: Mapping[str, object], worker_params: Params | None = None, cpus_per_worker: float | None = None,
              trial_cpu: float = 0.0, what: str = "pretraining") -> Job:
-    """Open (or resume) the job ``stage`` of ``params`` on the prepared data in ``data_dir``: checks, the cluster,
-    the MLflow run named ``title`` with params ``logged``, the staged data, the workers' spec (their params
-    ``worker_params``, default ``params``). ``cpus_per_worker``, ``trial_cpu``, ``what``: a Tune job's request (the
-    sweep's CPUs per worker, a trial's own CPU, the word in a refusal)."""
+    """Open (or resume) the job ``stage`` on ``data_dir``: its MLflow run ``title`` logs ``logged``, its workers get
+    ``worker_params`` (default ``params``); ``cpus_per_worker``, ``trial_cpu``, ``what``: a Tune job's request."""
     callbacks = load_callbacks()  # a wrong name fails here, before Ray starts
     manifest = read_manifest(data_dir)
     name = job_name(stage, params, manifest)
@@ -187,10 +173,7 @@ def open_job(stage: str, params: Params, data_dir: Path, root: Path, *, tracking
 
 def mlflow_run(root: Path, name: str, *, stage: str, title: str, logged: Mapping[str, object], manifest: Manifest,
                data_dir: Path) -> Tracked:
-    """The MLflow run of the job ``name``, created once and continued (RUNNING again) when it resumes, by the id
-    kept in ``<root>/.transfusion/<name>/``. Named ``title``; tagged ``stage``, ``<stage>: name`` and the identity
-    ``name``; params ``logged``; the prepared data (``manifest``, in ``data_dir``) its dataset input, which a job's
-    children inherit."""
+    """The MLflow run of the job ``name``: created once, continued by the id kept in its state dir when it resumes."""
     uri = trk.tracking_uri(root)
     exp = trk.experiment_id(uri, root)
     id_file = root / STATE_DIR / name / "mlflow_run_id"  # Job.state_dir
@@ -209,9 +192,7 @@ def mlflow_run(root: Path, name: str, *, stage: str, title: str, logged: Mapping
 def close_job(job: Job, files: Iterable[Path], *, metrics: Mapping[str, float] | None = None,
               tags: Mapping[str, object] | None = None, model: torch.nn.Module | None = None,
               runs: Iterable[str] = ()) -> None:
-    """The job's MLflow run gets ``metrics`` (step 0: the job's summary), ``tags``, the existing ``files`` and the
-    ``model`` (MLflow's pytorch flavour), and ends FINISHED; then :func:`cleanup` (``runs``: the Ray Train runs of
-    the job's trials)."""
+    """The job's MLflow run gets ``metrics`` (step 0), ``tags``, ``files``, ``model``, ends FINISHED; then cleanup."""
     if job.run:
         uri, run_id = job.run.uri, job.run.run_id
         if metrics:
@@ -232,9 +213,8 @@ def fail_job(job: Job, status: str = "FAILED") -> None:
 
 
 def cleanup(params: Params, root: Path, name: str, runs: Iterable[str] = ()) -> None:
-    """Forget the finished job ``name`` (its directory on a local run storage, the driver's state) and the Ray Train
-    runs ``runs`` beside it (a job's trials of several workers), so that a forced rerun trains afresh instead of Ray
-    returning the old result."""
+    """Forget the finished job ``name`` and the Ray Train ``runs`` beside it (on a local storage) and the driver's
+    state, so that a forced rerun trains afresh instead of Ray returning the old result."""
     storage = storage_location(params, root)
     if not is_uri(storage):
         for run in (name, *runs):
@@ -243,10 +223,9 @@ def cleanup(params: Params, root: Path, name: str, runs: Iterable[str] = ()) -> 
 
 
 def error_reason(error: BaseException | None) -> str:
-    """One line saying why a run or a trial failed ("" without an error): a :class:`TrialFailed`'s message; a Ray
-    Train failure's failed ranks, each with its own reason (``rank 0: ...; rank 1: ...``); else the innermost error
-    through Ray's wrappers (``pipeline.runs.undocumented.failure_causes``): its first line, after its type unless the
-    error is one of ``pipeline``'s own (a message written for the user)."""
+    """One line saying why a run or a trial failed ("" without an error): a :class:`TrialFailed`'s message; the
+    failed ranks' reasons (``rank 0: ...; rank 1: ...``); else the innermost error's first line, after its type
+    unless it is one of ``pipeline``'s own (written for the user)."""
     if error is None:
         return ""
     seen = error

@@ -1,9 +1,5 @@
-"""Ray Tune sweeps over depth, batch size and augmentation strength (and lr): the paper's claims, tested.
-
-The space and every trial's params come from ``pipeline.config.space`` (pure, checked before any work); here the job
-(:func:`run_sweep`, on ``pipeline.runs.tune``'s machinery: a trial per point, its per-epoch online kNN, loss, view
-noise and health to Tune, ASHA optional, :class:`SweepTracker` for progress and MLflow) and its rows
-(:func:`trial_rows`). An interrupted sweep resumes: finished trials kept, unfinished ones from their checkpoints.
+"""Ray Tune sweeps over depth, batch size and augmentation strength (and lr): the paper's claims, tested. The space
+and every trial's params come from ``pipeline.config.space``; here the job (:func:`run_sweep`) and its rows.
 """
 
 from __future__ import annotations
@@ -16,62 +12,32 @@ from ray import tune
 from pipeline.config.base import flatten
 from pipeline.config.names import sweep_label
 from pipeline.config.params import Params
+from pipeline.config.ray import TRIAL_CPU
 from pipeline.config.resources import max_concurrent, trial_shape
 from pipeline.config.space import axes, base_params, check_points, grid_points, point_of, point_params, trial_params
 from pipeline.data.prepared import load_prepared
 from pipeline.evaluation.health import dead_blocks, unflat
-from pipeline.runs.job import WorkerSpec, open_job, read_manifest, say
-from pipeline.runs.tune import (
-    TRIAL_CPU,
-    JobResult,
-    Outcome,
-    TrialTracker,
-    fit_trial,
-    inline,
-    trainable,
-    trial_placement,
-    tune_job,
-)
+from pipeline.runs.job import TRAINING, WorkerSpec, flat_sections, open_job, read_manifest
+from pipeline.runs.tune import JobResult, Outcome, TrialTracker, fit_trial, inline, trainable, trial_placement, tune_job
 
-# The params.yaml keys a sweep's result depends on: dvc.yaml's sweep stage lists exactly these (a whole section
-# where every key is read). Its own section, and every trial's base (`base_params`) without what that overwrites
-# (train.epochs, knn_every, checkpoint_every; ray.cpus_per_worker) or always sweeps (model.depth, train.batch_size,
-# augment.strength; train.lr only when sweep.lr lists values); of ray only what changes results.
-# tests/test_dvc_deps.py checks it against dvc.yaml and against base_params.
+# The params.yaml keys a sweep's result depends on (dvc.yaml's sweep stage lists them; tests/test_dvc_deps.py checks):
+# its section and the trials' base (`base_params`) without what that overwrites or always sweeps; of ray what counts.
 DVC_PARAMS = ("sweep", "model.method", "model.backbone", "model.embed_dim", "model.hidden_dim", "model.activation",
               "model.block_norm", "model.head", "model.fusion_scope", "model.qk_init", "model.weights", "model.abc",
               "loss", "augment.preset",
               "train.mode", "train.lr", "train.optimizer", "train.weight_decay", "train.warmup_epochs", "train.seed",
               "train.device", "train.grad_cache_chunk", "train.knn_k", "train.head_lr_scale", "train.precision",
-              "train.memory_format",
-              "train.data_budget_mb", "train.head_budget_mb", "ray.num_workers", "ray.use_gpu")
-
-
-def parent_params(params: Params) -> dict[str, object]:
-    """The parent run's params: the sweep's section and the trials' base (model, loss, augment, train)."""
-    return {**flatten(params.sweep, "sweep."),
-            **{k: v for k, v in flatten(base_params(params)).items() if k.split(".")[0] in ("model", "loss", "augment",
-                                                                                            "train")}}
-
-
-def parent_title(params: Params) -> str:
-    """The parent run's name: ``sweep · 8 trials · depth×batch×strength``."""
-    trials = len(grid_points(params)) if params.sweep.search == "grid" else params.sweep.num_samples
-    return sweep_label(trials, axes(params))
+              "train.memory_format", "train.data_budget_mb", "train.head_budget_mb", "ray.num_workers", "ray.use_gpu")
 
 
 # ------------------------------------------------------------------------------------------------- trial
 def _trial(config: dict[str, object], job: WorkerSpec) -> None:
-    """One Tune trial: the pretraining loop on this point of the space.
-
-    ``config`` holds the point (``{"model.depth": 1, ...}``); ``job`` what every trial shares (its params: the base).
-    """
+    """One Tune trial: pretraining on the point in ``config`` (``{"model.depth": 1, ...}``) over the base's params."""
     fit_trial(job, point_params(job.params.model_dump(), point_of(config)))
 
 
 class SweepTracker(TrialTracker):
-    """The sweep's driver-side tracker (``pipeline.runs.tune.TrialTracker``): ``[sweep]`` progress lines, a child run
-    per trial (stage ``sweep-trial``) with its point as params."""
+    """The sweep's driver-side tracker: a child run per trial with its point as params."""
 
     PREFIX = "[sweep]"
     STAGE = "sweep-trial"
@@ -79,24 +45,24 @@ class SweepTracker(TrialTracker):
 
 # ------------------------------------------------------------------------------------------------ driver
 def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = True) -> JobResult:
-    """Run (or resume) the sweep; its ``rows`` are :func:`trial_rows`. Raises ``pipeline.runs.job.SweepError`` if it
-    was interrupted or every trial failed."""
+    """Run (or resume) the sweep (``rows``: :func:`trial_rows`); ``SweepError`` if interrupted or every trial failed."""
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here (mapped: never read whole)
     base = base_params(params)
     check_points(params, read_manifest(data_dir).get("n_train"))
     s = params.sweep
-    job = open_job("sweep", params, data_dir, root, tracking=tracking, title=parent_title(params),
-                   logged=parent_params(params), worker_params=Params.model_validate(base, strict=False),
+    samples = 1 if s.search == "grid" else s.num_samples
+    n = len(grid_points(params)) if s.search == "grid" else samples
+    job = open_job("sweep", params, data_dir, root, tracking=tracking, title=sweep_label(n, axes(params)),
+                   logged={**flatten(s, "sweep."), **flat_sections(base, TRAINING)},
+                   worker_params=Params.model_validate(base, strict=False),
                    cpus_per_worker=s.cpus_per_worker, trial_cpu=TRIAL_CPU, what="a sweep trial")
     sample = tune.grid_search if s.search == "grid" else tune.choice
     space = {k: sample(v) for k, v in axes(params).items()}
-    samples = 1 if s.search == "grid" else s.num_samples
     scheduler = (ASHAScheduler(time_attr="epoch", max_t=s.epochs, grace_period=min(s.grace_period, s.epochs),
                                reduction_factor=2) if s.asha else FIFOScheduler())
     trainer = trainable(_trial, job.spec, trial_placement(trial_params(base, {}), job.gpu))
-    n = len(grid_points(params)) if s.search == "grid" else samples
     shape = trial_shape(params, job.gpu, s.cpus_per_worker, TRIAL_CPU)
     concurrent = max_concurrent(s.max_concurrent_trials, shape, job.totals, n)
     announce = (f"[sweep] {job.name}: {n} trials ({s.search}), {s.epochs} epochs each, up to {concurrent} at a time"
@@ -105,14 +71,12 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
                       concurrent=concurrent, announce=announce, scheduler=scheduler, num_samples=samples,
                       reuse_actors=inline(trial_params(base, {})))
     result.rows = trial_rows(result.outcomes, s.epochs)
-    say(f"[sweep] {result.summary()}")
     return result
 
 
 # ------------------------------------------------------------------------------------------------- outputs
 def trial_rows(trials: list[Outcome], epochs: int) -> list[dict[str, object]]:
-    """One row per trial: its point, its last epoch's metrics and blocks' health, how long it trained, where, and
-    its status (``error``: why it failed, or "")."""
+    """One row per trial: its point, its last epoch's metrics and health, how long it trained, where, its status."""
     rows = []
     for t in trials:
         last = t.history[-1] if t.history else {}
@@ -120,23 +84,16 @@ def trial_rows(trials: list[Outcome], epochs: int) -> list[dict[str, object]]:
         epoch = int(last.get("epoch", 0) or 0)
         knn = [h["knn_acc"] for h in t.history if isinstance(h.get("knn_acc"), float) and not math.isnan(h["knn_acc"])]
         rows.append({
-            "trial_id": t.trial_id,
-            **point_of(t.config),
-            "view_noise": float(last.get("view_noise", math.nan)),
-            "knn_acc": float(last.get("knn_acc", math.nan)),
-            "best_knn_acc": max(knn, default=math.nan),
-            "loss": float(last.get("loss", math.nan)),
+            "trial_id": t.trial_id, **point_of(t.config),
+            "view_noise": float(last.get("view_noise", math.nan)), "knn_acc": float(last.get("knn_acc", math.nan)),
+            "best_knn_acc": max(knn, default=math.nan), "loss": float(last.get("loss", math.nan)),
             "min_positive": min((h.get("positive", math.nan) for h in blocks.values()), default=math.nan),
             "max_uniform_rows": max((h.get("uniform_rows", math.nan) for h in blocks.values()), default=math.nan),
-            "dead_blocks": len(dead_blocks(blocks)),
-            "epochs": epoch,
+            "dead_blocks": len(dead_blocks(blocks)), "epochs": epoch,
             "stopped_early": bool(t.history) and not t.error and epoch < epochs,
-            "seconds": float(sum(h.get("seconds", 0.0) for h in t.history)),
-            "workers": len(t.workers),
+            "seconds": float(sum(h.get("seconds", 0.0) for h in t.history)), "workers": len(t.workers),
             "gpu_ids": " ".join(",".join(w.get("gpu_ids", [])) or "-" for w in t.workers)
             if any(w.get("gpu_ids") for w in t.workers) else "",  # per rank: "0 1"
-            "status": "ERROR" if t.error else "TERMINATED",
-            "error": t.error,
-            "history": t.history,
+            **t.ending(not t.error),
         })
     return rows

@@ -1,11 +1,7 @@
-"""The tables job: every row of ``tables.rows`` once per seed beside the controls, as one Ray Tune job (its plan:
-``pipeline.evaluation.tables_rows``); the paper's Tables 1-2 and the studies (``presets/``) are such jobs.
-
-Each (row, seed) is a trial: :func:`pipeline.runs.tune.fit_trial` (the sweep's Train trial), then ``probe.probes`` on
-the frozen backbone (:func:`probe_where_trained`: in the trial of a one-worker row, else as a Ray task of one worker's
-resources), reported to Tune as its last result with its cost (wall time × GPUs, or × workers on a CPU-only
-cluster). A control only probes. MLflow, from the driver (:class:`TablesTracker`): one parent run, a child per trial.
-:func:`collect` gives a record per (row, seed); ``pipeline.evaluation.tables_report`` renders them.
+"""The tables job (the paper's Tables 1-2, the studies in ``presets/``): every row of ``tables.rows`` once per seed
+beside the controls, as one Ray Tune job (its plan: ``pipeline.evaluation.tables_rows``). Each (row, seed) is a
+trial: the sweep's Train trial, then ``probe.probes`` on the frozen backbone, reported with its cost (wall time ×
+GPUs, or × workers on a CPU-only cluster). A control only probes.
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ from pathlib import Path
 import torch
 from ray import tune
 
-from pipeline.config.base import flatten
 from pipeline.config.names import row_label, tables_label
 from pipeline.config.params import Params
 from pipeline.config.ray import TRIAL_CPU, torch_threads
@@ -31,12 +26,13 @@ from pipeline.evaluation.tables_rows import Row, control_rows, resolve_rows, see
 from pipeline.host import use_threads
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import with_worker_cpus
-from pipeline.runs.job import Manifest, Tracked, WorkerSpec, open_job, read_manifest, say
+from pipeline.runs.job import TRAINING, Manifest, Tracked, WorkerSpec, flat_sections, open_job, read_manifest, say
 from pipeline.runs.tune import (
     Config,
     JobResult,
     Outcome,
     Result,
+    Trial,
     TrialTracker,
     fit_trial,
     inline,
@@ -51,10 +47,8 @@ STAGE = "tables"
 # --------------------------------------------------------------------------------------------------- trial
 def probe_row(params: Params, data_dir: str, manifest: Manifest, model_state: dict[str, torch.Tensor] | None,
               control: str | None = None) -> tuple[dict[str, float], int, dict[str, float]]:
-    """A row's probes on its trained model (``model_state``), or a control's (``raw_pixels``: the pixels;
-    ``random_init``: the model as ``train.seed`` initialises it, as the training loop does), wherever this runs
-    (``pipeline.evaluation.evaluate.probe_frozen``); also returns the Ray resources it ran with (``{"CPU": 3.0,
-    "GPU": 1.0}``)."""
+    """A row's probes on its trained model (``model_state``), or a control's (``raw_pixels``, ``random_init``), and
+    the Ray resources it ran with (``{"CPU": 3.0, "GPU": 1.0}``)."""
     import ray
 
     from pipeline.core.model import build_model
@@ -76,25 +70,21 @@ def probe_row(params: Params, data_dir: str, manifest: Manifest, model_state: di
 
 def probe_where_trained(params: Params, job: WorkerSpec, model_state: dict[str, torch.Tensor] | None,
                         control: str | None = None) -> tuple[dict[str, float], int, dict[str, float]]:
-    """Run :func:`probe_row` where the row's resources are: a one-worker row in its trial, which holds the worker's
-    bundle (its CPUs and GPU); a row of several workers, whose trial function holds only ``TRIAL_CPU`` on the head,
-    as a Ray task with one worker's resources, scheduled like the row's workers (on a GPU node when they train on
-    GPUs) once its Ray Train run has released them."""
+    """Run :func:`probe_row` where the row's resources are: in a one-worker row's trial (it holds the worker's bundle),
+    else as a Ray task of one worker's resources, once the row's Ray Train run has released them."""
     args = (params, job.data_dir, job.manifest, model_state, control)
     if inline(params):
         return probe_row(*args)
     import ray
 
-    # "DEFAULT": outside the trial's placement group (Tune's capture of child tasks would put it there, where only
-    # the trial's own TRIAL_CPU is)
+    # "DEFAULT": outside the trial's placement group, where Tune would put a child task and only TRIAL_CPU is
     task = ray.remote(probe_row).options(num_cpus=params.ray.cpus_per_worker, num_gpus=1 if job.use_gpu else 0,
                                          max_retries=0, scheduling_strategy="DEFAULT")
     return ray.get(task.remote(*args))
 
 
 def _row_trial(config: Config, job: WorkerSpec) -> None:
-    """One (row, seed): the Train trial on the row's params with ``train.seed`` the seed, then the probes, reported to
-    Tune as the last result; a control only probes."""
+    """One (row, seed): the Train trial with ``train.seed`` the seed, then the probes (a control's only)."""
     row = config["row"]
     params = trial_params(job.params.model_dump(), {**row["params"], "train.seed": row["seed"]},
                           source=f"tables row {row['name']!r}")
@@ -115,7 +105,7 @@ def _row_trial(config: Config, job: WorkerSpec) -> None:
 
 
 class TablesTracker(TrialTracker):
-    """The driver-side tracker of rows: a child run per (row, seed), and its probes and hours at its end."""
+    """The driver-side tracker of rows: a child run per (row, seed), with its probes and hours."""
 
     PREFIX = "[tables]"
     STAGE = "tables-row"
@@ -133,21 +123,20 @@ class TablesTracker(TrialTracker):
         """A row's MLflow run name: ``TransFusion 9-Layer (table 1) · seed 0``."""
         return trial_label(config["row"])
 
-    def epochs_of(self, trial: tune.experiment.Trial) -> int:
+    def epochs_of(self, trial: Trial) -> int:
         """A row's epochs; a control's 0 (it trains none, and does not stop early)."""
         row = trial.config["row"]
         return 0 if row["control"] else int(row["params"].get("train.epochs", self.epochs))
 
-    def on_trial_start(self, iteration: int, trials: list[tune.experiment.Trial], trial: tune.experiment.Trial,
-                       **info: object) -> None:
+    def on_trial_start(self, iteration: int, trials: list[Trial], trial: Trial, **info: object) -> None:
         row = trial.config["row"]
         params = ", ".join(f"{k} {v}" for k, v in row["params"].items())
         say(f"{self.PREFIX} {self._done(trials)} done; trial {trial.trial_id} started: {trial_label(row)}"
             + (f" ({params})" if params else ""))
         self._child(trial)
 
-    def on_trial_result(self, iteration: int, trials: list[tune.experiment.Trial], trial: tune.experiment.Trial,
-                        result: Result, **info: object) -> None:
+    def on_trial_result(self, iteration: int, trials: list[Trial], trial: Trial, result: Result,
+                        **info: object) -> None:
         if not result.get("evaluated"):
             return super().on_trial_result(iteration, trials, trial, result, **info)
         probes = {k.removeprefix("probe."): v for k, v in result.items() if k.startswith("probe.")}
@@ -169,8 +158,7 @@ def trial_label(row: Config) -> str:
 
 # -------------------------------------------------------------------------------------------------- driver
 def collect(trials: list[Outcome], rows: list[Row], unit: str) -> list[dict[str, object]]:
-    """One record per (row, seed), controls first, then in the order of ``tables.rows``: its params, accuracies
-    (None: not computed), cost and per-epoch ``history`` (the online kNN curve)."""
+    """One record per (row, seed) in ``tables.rows``' order, controls first: params, accuracies, cost, history."""
     by_index = {r.index: r for r in rows}
     out = []
     for t in trials:
@@ -192,25 +180,19 @@ def collect(trials: list[Outcome], rows: list[Row], unit: str) -> list[dict[str,
             "workers": 0 if row.control else p.ray.num_workers, "gpus": int(m["gpus"]) if done else None,
             "hours": m.get("hours") if done else None, "hours_unit": unit,
             "probe_cpus": m.get("probe_cpus") if done else None, "probe_gpus": m.get("probe_gpus") if done else None,
-            "status": "TERMINATED" if done else "ERROR",
-            "error": t.error or ("" if done else "no evaluation reported"),
-            "history": t.history,
+            **t.ending(done, "" if done else "no evaluation reported"),
         })
     return sorted(out, key=lambda r: (r["index"], r["seed"]))
 
 
 def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = True) -> tuple[JobResult, str]:
-    """Run (or resume) the tables job; returns its result (``rows`` from :func:`collect`) and the hours' unit.
-
-    Raises :class:`ParamsError` for bad rows (before Ray and tracking) and :class:`pipeline.runs.job.SweepError` if the
-    job was interrupted or every row failed.
-    """
+    """Run (or resume) the tables job; returns its result (``rows``: :func:`collect`) and the hours' unit. Raises
+    ``ParamsError`` for bad rows (before Ray) and ``SweepError`` if interrupted or every row failed."""
     params = with_worker_cpus(params, TRIAL_CPU)  # null: this machine's CPUs less the trial's own
     load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here (mapped: never read whole)
     rows = resolve_rows(params, read_manifest(data_dir).get("n_train"))
     seeds = seeds_of(params)
-    logged = {**{k: v for k, v in flatten(params).items() if k.split(".")[0] in ("model", "loss", "augment", "train",
-                                                                                    "probe")},
+    logged = {**flat_sections(params, (*TRAINING, "probe")),
               **{f"tables.{r.table}.{r.name}": json.dumps(r.overrides, sort_keys=True) for r in rows},
               "tables.seeds": json.dumps(seeds), "tables.controls": json.dumps(params.tables.controls)}
     job = open_job(STAGE, params, data_dir, root, tracking=tracking, title=tables_label([r.table for r in rows],
@@ -229,9 +211,7 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
                 + f": {len(configs)} trials, up to {concurrent} at a time, {'GPU' if job.gpu else 'CPU'} workers")
     # no scheduler: results need not carry knn_acc (train.knn_every), and one-worker rows may reuse a process
     tracker = TablesTracker(params.train.epochs, str(job.state_dir), job.run, unit)
-    result = tune_job(job, trainer, space, tracker=tracker,
-                      concurrent=concurrent, announce=announce, metric=None,
+    result = tune_job(job, trainer, space, tracker=tracker, concurrent=concurrent, announce=announce, metric=None,
                       reuse_actors=all(inline(r.params) for r in rows))
     result.rows = collect(result.outcomes, [*control_rows(params), *rows], unit)
-    say(f"[tables] {result.summary()}")
     return result, unit

@@ -1,18 +1,8 @@
-"""MLflow tracking: where the store is, fail-fast reachability, one run per stage.
+"""MLflow tracking, the one module that imports MLflow (tests/runs/test_tracking.py checks it).
 
-Default store: ``sqlite:///<project root>/mlflow.db`` with artifacts in ``<project root>/mlartifacts``,
-both absolute, so Ray workers (whose cwd is under /tmp/ray) and ``dvc exp run --temp`` copies (under
-``.dvc/tmp/exps``) all write to the project's one store. ``MLFLOW_TRACKING_URI`` overrides it (e.g. a
-shared ``mlflow server``). Only the driver's node ever writes: the driver, and Ray Train's controller, which Ray
-places there (:func:`epoch_logger`).
-
-This is the one module that imports MLflow (tests/runs/test_tracking.py checks it): the stages and the sweep/tables
-jobs create, continue, log to and end their runs through the functions below.
-
-Runs are named by what they are (``pipeline.config.names``: ``pretrain · cnn_small · depth 1 · jsd · b128 · s0``);
-the stable identity a job resumes by (``pretrain-<digest>``) is the tag :data:`IDENTITY_TAG`.
-The prepared data is each run's MLflow dataset input (:func:`dataset_input`; a child inherits its parent's). Under
-``dvc exp run`` every new run carries the DVC experiment's name and baseline commit (:func:`dvc_experiment_tags`).
+Default store: ``sqlite:///<project root>/mlflow.db``, artifacts in ``<project root>/mlartifacts``, both absolute,
+so Ray workers (cwd under /tmp/ray) and ``dvc exp run --temp`` copies write to the project's one store;
+``MLFLOW_TRACKING_URI`` overrides it. Only the driver's node writes (the driver, Ray Train's controller).
 """
 
 from __future__ import annotations
@@ -57,10 +47,7 @@ def project_root(start: str | os.PathLike | None = None) -> Path:
 
 
 def tracking_uri(root: Path | None = None) -> str:
-    env = os.environ.get("MLFLOW_TRACKING_URI")
-    if env:
-        return env
-    return f"sqlite:///{(root or project_root()) / 'mlflow.db'}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root or project_root()) / 'mlflow.db'}"
 
 
 def check_reachable(uri: str, timeout: float = 5.0) -> None:
@@ -72,10 +59,8 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
                 if resp.status != 200:
                     raise TrackingError(f"MLflow tracking server {uri} answered {resp.status} on /health")
         except (urllib.error.URLError, OSError) as exc:
-            raise TrackingError(
-                f"MLflow tracking server {uri} is unreachable ({exc}); start it or unset MLFLOW_TRACKING_URI "
-                "to use the project's sqlite store"
-            ) from exc
+            raise TrackingError(f"MLflow tracking server {uri} is unreachable ({exc}); start it or unset "
+                                "MLFLOW_TRACKING_URI to use the project's sqlite store") from exc
     elif uri.startswith("sqlite:///"):
         path = Path(uri.removeprefix("sqlite:///"))
         if not path.parent.is_dir():
@@ -87,8 +72,7 @@ SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
 def _check_sqlite(path: Path, uri: str) -> None:
-    """A store file that is not an SQLite database (or a damaged one) fails here in one paragraph, not deep in
-    SQLAlchemy. A missing or empty file is fine: MLflow creates its tables."""
+    """A store file that is not a sound SQLite database fails here in one paragraph, not deep in SQLAlchemy."""
     if not path.exists() or (path.is_file() and path.stat().st_size == 0):
         return
     fix = (f"move {path} aside (MLflow starts a new store) or point MLFLOW_TRACKING_URI at a working store; "
@@ -118,8 +102,7 @@ def _check_sqlite(path: Path, uri: str) -> None:
 
 
 def _client(uri: str) -> MlflowClient:
-    """An ``MlflowClient`` of ``uri``. Opening a new sqlite store creates its tables, which MLflow and alembic announce
-    line by line at INFO: here that is one line of ours instead."""
+    """An ``MlflowClient`` of ``uri``; a new sqlite store is one line of ours, not MLflow's and alembic's INFO."""
     from mlflow import MlflowClient
 
     path = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
@@ -132,17 +115,14 @@ def _client(uri: str) -> MlflowClient:
 
 
 def experiment_id(uri: str, root: Path | None = None, name: str = EXPERIMENT) -> str:
-    """Get or create the project's experiment; local stores get an absolute artifact location.
-
-    The first call that touches the store: an MLflow or database error becomes a one-paragraph TrackingError."""
+    """Get or create the project's experiment: the first call that touches the store, its errors a TrackingError."""
     try:
         client = _client(uri)
         exp = client.get_experiment_by_name(name)
         if exp is not None:
             return exp.experiment_id
-        location = None
-        if uri.startswith("sqlite:///"):
-            location = ((root or project_root()) / "mlartifacts").as_uri()
+        local = uri.startswith("sqlite:///")
+        location = ((root or project_root()) / "mlartifacts").as_uri() if local else None
         return client.create_experiment(name, artifact_location=location)
     except Exception as exc:  # MlflowException, SQLAlchemy's errors, ...: the store is unusable
         first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
@@ -152,12 +132,16 @@ def experiment_id(uri: str, root: Path | None = None, name: str = EXPERIMENT) ->
 
 def create_run(uri: str, root: Path, name: str, tags: Mapping[str, str], params: Mapping[str, object],
                inputs: Sequence[object] = ()) -> str:
-    """A new run in the project's experiment named ``name``, tagged ``tags`` (and :func:`dvc_experiment_tags`), with
-    its params and dataset ``inputs`` (:func:`dataset_input`); returns its id."""
+    """A new run of the project's experiment named ``name``, with ``tags``, ``params`` and dataset ``inputs``."""
+    return _new_run(_client(uri), experiment_id(uri, root), name, tags, params, inputs)
+
+
+def _new_run(client: MlflowClient, exp_id: str, name: str, tags: Mapping[str, str], params: Mapping[str, object],
+             inputs: Sequence[object]) -> str:
+    """Create the run (tagged also :func:`dvc_experiment_tags`), log its params and inputs; returns its id."""
     from mlflow.entities import Param
 
-    client = _client(uri)
-    run = client.create_run(experiment_id(uri, root), run_name=name, tags={**dvc_experiment_tags(), **tags})
+    run = client.create_run(exp_id, run_name=name, tags={**dvc_experiment_tags(), **tags})
     client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in flat_params(params).items()])
     if inputs:
         client.log_inputs(run.info.run_id, datasets=list(inputs))
@@ -171,23 +155,16 @@ def resume_run(uri: str, run_id: str) -> None:
 
 def child_run(uri: str, experiment_id: str, parent_id: str, name: str, match: Mapping[str, str],
               tags: Mapping[str, str], params: Mapping[str, object]) -> str:
-    """The child of ``parent_id`` tagged ``match`` (e.g. a trial id), found again and set RUNNING, or else created:
-    named ``name``, tagged ``mlflow.parentRunId``, ``match``, ``tags`` (and :func:`dvc_experiment_tags`), with
-    ``params`` and the parent's dataset inputs. Returns its id."""
-    from mlflow.entities import Param
-
+    """The child of ``parent_id`` tagged ``match`` (e.g. a trial id), found again and set RUNNING, or else created
+    named ``name``, tagged ``tags``, with ``params`` and the parent's dataset inputs. Returns its id."""
     client = _client(uri)
-    wanted = {"mlflow.parentRunId": parent_id, **match}
     found = find_child(uri, experiment_id, parent_id, match)
     if found:
         client.update_run(found, status="RUNNING")
         return found
-    run = client.create_run(experiment_id, run_name=name, tags={**dvc_experiment_tags(), **wanted, **tags})
-    client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in flat_params(params).items()])
     inherited = client.get_run(parent_id).inputs
-    if inherited and inherited.dataset_inputs:
-        client.log_inputs(run.info.run_id, datasets=list(inherited.dataset_inputs))
-    return run.info.run_id
+    return _new_run(client, experiment_id, name, {"mlflow.parentRunId": parent_id, **match, **tags}, params,
+                    inherited.dataset_inputs if inherited and inherited.dataset_inputs else ())
 
 
 def find_child(uri: str, experiment_id: str, parent_id: str, match: Mapping[str, str]) -> str | None:
@@ -213,9 +190,7 @@ VIEW_PARAMS = ("model.depth", "loss.name", "train.batch_size", "augment.strength
 
 
 def save_view(uri: str, exp_id: str) -> str:
-    """Save the runs table's view :data:`VIEW_KEY` on the experiment (``pipeline.runs.undocumented.save_shared_view``);
-    returns its URL query (``viewStateShareKey=…``). It shows the Dataset column, the metrics :data:`VIEW_METRICS` and
-    the params :data:`VIEW_PARAMS` beside each run's name, so runs compare without opening them."""
+    """Save the runs table's view :data:`VIEW_KEY` on the experiment; returns the URL query that opens it."""
     from pipeline.runs.undocumented import save_shared_view
 
     columns = ["attributes.`Dataset`", *(f"metrics.`{k}`" for k in VIEW_METRICS),
@@ -224,15 +199,9 @@ def save_view(uri: str, exp_id: str) -> str:
 
 
 def epoch_logger(uri: str, run_id: str):
-    """A Ray Train callback that logs rank 0's per-epoch metrics to ``run_id``.
-
-    It runs in Ray Train's controller, which Ray places on the driver's node: the tracking store only has to be
-    reachable from where the stage was started (a sqlite file on the head's disk is), never from the workers.
-    The controller registers checkpoints in the same loop that calls ``after_report``, so the call must be quick:
-    MLflow is imported and its store opened when the callback arrives in the controller (``__setstate__``, before
-    any worker starts), leaving one small write per epoch. What a killed controller never logged, the driver logs
-    from the checkpoint's history (:func:`log_missing_epochs`).
-    """
+    """A Ray Train callback that logs rank 0's per-epoch metrics to ``run_id`` from the controller (on the driver's
+    node). ``after_report`` runs in the loop that registers checkpoints: MLflow is imported and the store opened on
+    arrival (``__setstate__``), leaving one small write per epoch; the driver logs what a killed controller did not."""
     import ray.train
 
     class EpochLogger(ray.train.UserCallback):
@@ -280,26 +249,18 @@ def git_commit(root: Path) -> str | None:
 
 
 def stage_tags(stage: str, root: Path) -> dict[str, str]:
-    tags = {"stage": stage, "dvc.stage": stage}
     commit = git_commit(root)
-    if commit:
-        tags["mlflow.source.git.commit"] = commit
-    return tags
+    return {"stage": stage, "dvc.stage": stage, **({"mlflow.source.git.commit": commit} if commit else {})}
 
 
 def dvc_experiment_tags(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Under ``dvc exp run``: ``dvc.exp_name`` and ``dvc.exp_baseline`` (the experiment's name and its baseline
-    commit), read from the variables DVC sets for an experiment's stage commands (``DVC_EXP_NAME``,
-    ``DVC_EXP_BASELINE_REV``); ``{}`` outside an experiment."""
+    """Under ``dvc exp run``: the tags ``dvc.exp_name`` and ``dvc.exp_baseline`` from DVC's variables; else ``{}``."""
     env = os.environ if env is None else env
     return {tag: env[var] for var, tag in DVC_EXP_TAGS.items() if env.get(var)}
 
 
 def dataset_input(manifest: Mapping[str, object], source: str | os.PathLike, context: str = "training"):
-    """The prepared data as an MLflow dataset input: named by the manifest's ``dataset``, its digest the first 8 hex
-    digits of ``pipeline.config.names.data_digest``, its source the prepared directory (a local source), its profile
-    the sizes, classes, input shape and the ``data`` params it was prepared with; tagged with ``context`` (training,
-    evaluation)."""
+    """The prepared data as an MLflow dataset input (name, digest, directory, profile), tagged with ``context``."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
     profile = {"train": manifest.get("n_train"), "test": manifest.get("n_test"),
@@ -311,8 +272,7 @@ def dataset_input(manifest: Mapping[str, object], source: str | os.PathLike, con
 
 
 def log_missing_epochs(uri: str, run_id: str, history: list[Mapping[str, object]], keys: tuple[str, ...]) -> int:
-    """Log the epochs of ``history`` (per-epoch metric dicts with ``epoch``) that ``run_id`` lacks, e.g. those an
-    interrupted run checkpointed but never got to log; finite numbers of ``keys`` only. Returns how many epochs."""
+    """Log the epochs of ``history`` that ``run_id`` lacks (checkpointed but never logged); returns how many."""
     client = _client(uri)
     logged = {m.step for m in client.get_metric_history(run_id, "loss")}
     missing = [h for h in history if int(h["epoch"]) not in logged]
@@ -322,8 +282,7 @@ def log_missing_epochs(uri: str, run_id: str, history: list[Mapping[str, object]
 
 def log_metrics_batch(uri: str, run_id: str, rows: list[Mapping[str, object]], keys: tuple[str, ...],
                       client: MlflowClient | None = None) -> None:
-    """Log the finite numbers of ``keys`` of every row (a per-epoch metric dict) with step = the row's ``epoch``, in
-    one batch (through ``client`` when given)."""
+    """Log the finite numbers of ``keys`` of every row with step = its ``epoch``, in one batch."""
     import math
     import time
 
@@ -345,8 +304,7 @@ def log_artifacts(uri: str, run_id: str, files: list[Path]) -> None:
 
 
 def set_tags(run_id: str, tags: Mapping[str, object], root: Path | None = None, *, uri: str | None = None) -> None:
-    """Set ``tags`` (values as strings of at most 5000 characters) on ``run_id`` in ``uri`` (default: the store of
-    ``root``)."""
+    """Set ``tags`` (as strings of at most 5000 characters) on ``run_id`` in ``uri`` (default: ``root``'s store)."""
     client = _client(uri or tracking_uri(root))
     for k, v in tags.items():
         client.set_tag(run_id, k, str(v)[:5000])
@@ -355,16 +313,13 @@ def set_tags(run_id: str, tags: Mapping[str, object], root: Path | None = None, 
 def log_stage_run(stage: str, root: Path, *, params: Mapping[str, object], metrics: Mapping[str, float],
                   files: list[Path], parent: str | None = None, artifact_path: str | None = None,
                   name: str | None = None, inputs: Sequence[object] = ()) -> str:
-    """One finished run named ``name`` (default ``stage``; tags :func:`stage_tags` and :func:`dvc_experiment_tags`,
-    a child of ``parent`` when given) with ``params``, ``metrics``, dataset ``inputs`` and the existing ``files``
-    under ``artifact_path``; returns its id."""
+    """One finished run named ``name`` (default ``stage``; a child of ``parent`` when given) with ``params``,
+    ``metrics``, dataset ``inputs`` and the existing ``files`` (under ``artifact_path``); returns its id."""
     import mlflow
 
     uri = tracking_uri(root)
     mlflow.set_tracking_uri(uri)
-    tags = {**dvc_experiment_tags(), **stage_tags(stage, root)}
-    if parent:
-        tags["mlflow.parentRunId"] = parent
+    tags = {**dvc_experiment_tags(), **stage_tags(stage, root), **({"mlflow.parentRunId": parent} if parent else {})}
     with mlflow.start_run(experiment_id=experiment_id(uri, root), run_name=name or stage, tags=tags) as run:
         mlflow.log_params(flat_params(params))
         mlflow.log_metrics(dict(metrics))
@@ -377,8 +332,7 @@ def log_stage_run(stage: str, root: Path, *, params: Mapping[str, object], metri
 
 
 def log_pytorch_model(uri: str, run_id: str, model: torch.nn.Module, files: list[Path]) -> None:
-    """Continue ``run_id`` to upload ``files`` and the model (``model``, pickled, pinned to this torch), then end it
-    FINISHED."""
+    """Continue ``run_id`` to upload ``files`` and ``model`` (pickled, pinned to this torch), then end it FINISHED."""
     os.environ.setdefault("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
     import mlflow
     import mlflow.pytorch
@@ -406,9 +360,8 @@ def _quiet(logger: str, level: int = logging.ERROR):
 
 @contextlib.contextmanager
 def system_metrics(uri: str | None, run_id: str | None, interval_s: float = 5.0) -> Iterator[None]:
-    """MLflow's system metrics (CPU, memory, GPU) of this node logged to ``run_id`` during the block
-    (``mlflow.start_run(log_system_metrics=True)``); nothing without a run. The run stays RUNNING after the block,
-    for its stage to end it, and ends KILLED when the block is interrupted (a failure ends it FAILED)."""
+    """MLflow's system metrics (CPU, memory, GPU) of this node logged to ``run_id`` during the block; nothing without
+    a run. The run stays RUNNING after it, KILLED when it is interrupted, FAILED when it fails."""
     if not (uri and run_id):
         yield
         return
@@ -434,8 +387,8 @@ def system_metrics(uri: str | None, run_id: str | None, interval_s: float = 5.0)
 
 
 def flat_params(flat: Mapping[str, object]) -> dict[str, str]:
-    """MLflow params are strings of at most 6000 characters, and their keys may hold only alphanumerics and
-    ``_-. :/``: any other character of a key (a tables row named ``JSD (no head)``) becomes ``_``."""
+    """MLflow params: strings of at most 6000 characters, keys of alphanumerics and ``_-. :/`` only (any other
+    character, as in a row named ``JSD (no head)``, becomes ``_``)."""
     return {_PARAM_KEY.sub("_", k): str(v)[:6000] for k, v in flat.items()}
 
 

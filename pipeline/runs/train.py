@@ -1,14 +1,5 @@
-"""Distributed pretraining on Ray Train (V2 ``TorchTrainer``): the workers' loop and the pretraining job.
-
-The driver (:func:`pretrain`) validates and fails fast (data, tracking store), opens the job
-(``pipeline.runs.job.open_job``: named after everything that determines its result, so an interrupted run resumes and
-a changed one starts afresh), launches ``ray.num_workers`` workers running :class:`pipeline.training.loop.PretrainLoop`
-on the global batch (:func:`fit_run`, which the Tune jobs' trials of several workers use too) and returns the final
-checkpoint (:class:`TrainedState`). Rank 0 writes checkpoints (``train.checkpoint_every``) through Ray's checkpoint API
-and reports per-epoch metrics, which Ray Train's controller (on the driver's node) logs to MLflow
-(``pipeline.runs.tracking.epoch_logger``); ``ray.max_failures`` restarts a failed worker group from the last one.
-A worker (:func:`run_worker`) gets its checkpoints from, and reports through, a :class:`Session`: Ray Train's here,
-Tune's in a one-worker trial (``pipeline.runs.tune``).
+"""Distributed pretraining on Ray Train (V2 ``TorchTrainer``): the workers' loop (:func:`run_worker`), a Ray Train
+run of it (:func:`fit_run`, also a Tune trial's of several workers) and the pretraining job (:func:`pretrain`).
 """
 
 from __future__ import annotations
@@ -16,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -25,7 +17,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from pipeline.config.base import ParamsError, flatten
+from pipeline.config.base import ParamsError
 from pipeline.config.names import pretrain_label
 from pipeline.config.params import Params
 from pipeline.config.ray import torch_threads
@@ -44,8 +36,8 @@ from pipeline.evaluation.health import is_health_key
 from pipeline.host import use_threads
 from pipeline.io import load_torch
 from pipeline.runs import tracking as trk
-from pipeline.runs.cluster import TRAIN_CONSOLE_LEVEL, train_logging, with_worker_cpus
-from pipeline.runs.job import Job, WorkerSpec, error_reason, fail_job, open_job, say
+from pipeline.runs.cluster import TRAIN_CONSOLE_LEVEL, with_worker_cpus
+from pipeline.runs.job import TRAINING, Job, WorkerSpec, error_reason, fail_job, flat_sections, open_job, say
 from pipeline.runs.undocumented import checkpoint_dirs, poll_reports_fast, run_torn_down, torn_snapshot
 from pipeline.training.loop import EpochMetrics, PretrainLoop, data_budget
 from pipeline.training.step import NonFiniteLossError
@@ -90,8 +82,7 @@ class TrainedState:
 
 
 def epoch_metric_names(history: Sequence[Mapping[str, object]]) -> tuple[str, ...]:
-    """The per-epoch metrics MLflow gets, of a pretraining run and of a trial: :data:`EPOCH_METRICS` and the blocks'
-    health that the last epoch of ``history`` holds (``block_1.positive``, ...; ABC's kernel: ``kernel.same_class``)."""
+    """The per-epoch metrics MLflow gets: :data:`EPOCH_METRICS` and the health keys of ``history``'s last epoch."""
     return EPOCH_METRICS + tuple(k for k in (history[-1] if history else {}) if is_health_key(k))
 
 
@@ -101,17 +92,13 @@ class PretrainError(RuntimeError):
 
 def node_name() -> str:
     """``node 1a2b3c4d5e6f (host)``: where this worker runs, for its errors."""
-    import socket
-
     import ray
 
     return f"node {ray.get_runtime_context().get_node_id()[:12]} ({socket.gethostname()})"
 
 
 def _placement(rank: int, world: int, device: torch.device) -> list[Worker]:
-    """Where every rank runs (Ray node id, host, pid, device), gathered on all ranks: provenance for the outputs."""
-    import socket
-
+    """Where every rank runs, gathered on all ranks."""
     import ray
 
     me: Worker = {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(),
@@ -124,17 +111,10 @@ def _placement(rank: int, world: int, device: torch.device) -> list[Worker]:
 
 
 def worker_device(use_gpu: bool, backend: str, *, ray_train: bool = True) -> torch.device:
-    """The device a worker trains on: its GPU when it was scheduled on one, CUDA sees it and the backend is a GPU
-    one; the CPU otherwise.
-
-    ``ray.backend: gloo`` trains on the CPU, whether CUDA sees a GPU or not: gloo is the CPU backend, and the step's
-    collectives (global BN's, the embeddings' gathers, the gradient buckets) on CUDA tensors over gloo would each go
-    through the host. Where CUDA sees a GPU that is said once in the log (``ray.backend: auto`` or ``nccl`` trains on
-    it). This is also what lets a worker scheduled on a GPU that CUDA cannot see (a node that declares GPUs it
-    does not have, as the rehearsals of GPU presets do: ``ray start --num-gpus N``) train on the CPU. With another
-    backend that worker is an error, not a silent fall-back to the CPU.
-    ``ray_train``: inside a Ray Train worker (its device from Ray Train), else a one-worker trial (the first GPU).
-    """
+    """The device a worker trains on: its GPU when it was scheduled on one, CUDA sees it and the backend is a GPU one,
+    else the CPU (``ray_train``: a Ray Train worker's, else a one-worker trial's). ``ray.backend: gloo`` trains on the
+    CPU (collectives on CUDA tensors over gloo would each go through the host), also on a GPU that CUDA cannot see (a
+    node that only declares GPUs, as rehearsals do); with another backend that is an error, not a silent fall-back."""
     if not use_gpu:
         return torch.device("cpu")
     if backend == "gloo":
@@ -157,26 +137,19 @@ def worker_device(use_gpu: bool, backend: str, *, ray_train: bool = True) -> tor
 
 
 class Session:
-    """Where a worker's checkpoint comes from and where its per-epoch reports go.
-
-    Two implementations: :class:`TrainSession` (a Ray Train worker, :func:`train_loop_per_worker`) and
-    ``pipeline.runs.tune.TuneSession`` (a one-worker trial that trains inside the Tune trial itself).
-    """
+    """Where a worker's checkpoint comes from and its reports go: :class:`TrainSession` or ``tune.TuneSession``."""
 
     def get_checkpoint(self) -> ray.train.Checkpoint | None:  # Tune's is the same class
         raise NotImplementedError
 
     def report(self, metrics: Epoch, checkpoint_dir: str | None) -> None:
-        """Report one epoch; ``checkpoint_dir`` (a temp directory, the session deletes it after the upload) holds
-        its checkpoint, if any."""
+        """Report one epoch; ``checkpoint_dir`` (a temp directory the session deletes) holds its checkpoint, if any."""
         raise NotImplementedError
 
 
 class TrainSession(Session):
-    """Ray Train's: rank 0's checkpoint is uploaded in the background (``ASYNC``) while the next epoch trains, so
-    that a slow storage (a bucket) does not stall the workers; Ray uploads what is pending before the run ends, so the
-    final checkpoint is always there. The price: a worker that dies during an upload loses that checkpoint, and the
-    run resumes from the one before it."""
+    """Ray Train's: rank 0's checkpoint uploads in the background, so that a slow storage does not stall the
+    workers (a worker that dies during an upload loses that checkpoint: the run resumes from the one before)."""
 
     def get_checkpoint(self) -> ray.train.Checkpoint | None:
         import ray.train
@@ -197,18 +170,14 @@ class TrainSession(Session):
 def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1,
                device: torch.device | None = None) -> PretrainLoop | None:
     """One worker's pretraining: resume from the session's checkpoint (or ``spec.resume_dir``), train the remaining
-    epochs, report each through ``session`` with a checkpoint every ``train.checkpoint_every`` epochs (rank 0).
-
-    Returns the loop, or None when the loss became non-finite: then rank 0 has written the error status
-    (``pipeline.data.storage.STATUS_FILE`` in ``spec.run_dir``) and the last good checkpoint is kept.
-    """
+    epochs, report each through ``session`` (rank 0: with a checkpoint every ``train.checkpoint_every`` epochs).
+    Returns the loop, or None when the loss became non-finite (rank 0 wrote ``STATUS_FILE`` in ``spec.run_dir``)."""
     import ray.train
 
     params = spec.params
     use_threads(torch_threads(params.ray.cpus_per_worker))  # torch's and BLAS's (Ray set OMP_NUM_THREADS)
     device = device or torch.device("cpu")
-    # the copy the driver staged, or a clear error; mapped, not read, when the loop will stream it (beyond the data
-    # budget) or put it on a GPU (no host copy of what the device holds)
+    # mapped, not read, when the loop will stream it (beyond the data budget) or put it on a GPU
     budget = data_budget(params.train.data_budget_mb, device)
     data = fetch_prepared(spec.data_dir, spec.manifest, where=node_name(),
                           mmap=device.type == "cuda" or prepared_nbytes(spec.manifest) > budget)
@@ -252,14 +221,9 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
 
 
 def restore(loop: PretrainLoop, directory: Path) -> None:
-    """Restore ``loop`` from the checkpoint in ``directory`` (its ``STATE_FILE``), each tensor where its owner keeps it.
-
-    Loaded on the host, not on the loop's device: the model's ``load_state_dict`` copies into its (device) tensors,
-    the optimizer's moves its moment buffers to each parameter's device and keeps ``state["step"]`` where it was
-    loaded (torch does, unless the optimizer is capturable or fused), which must be the host: non-capturable Adam
-    reads every parameter's step with ``.item()``, one host sync per parameter and step had it been loaded on a GPU
-    (tests/runs/test_resume.py counts them at 0).
-    """
+    """Restore ``loop`` from the checkpoint in ``directory``, loaded on the host: the model and the optimizer's
+    moments move to their device, but the optimizer keeps ``state["step"]`` where it was loaded, and non-capturable
+    Adam reads it with ``.item()``: on a GPU, a host sync per parameter and step (tests/runs/test_resume.py)."""
     loop.load_state_dict(torch.load(directory / STATE_FILE, map_location="cpu", weights_only=True))
 
 
@@ -278,9 +242,8 @@ def train_loop_per_worker(config: dict[str, WorkerSpec]) -> None:
     import ray.train
     import ray.train.torch
 
-    # Ray Train V2 logs every report at INFO and tees print() twice; keep the console to our progress lines. Its
-    # per-report line ("Reporting training result ...") comes from a logger named after its file's path, which
-    # propagates to the root logger, set to INFO in Ray Train's workers: WARNING and above from it
+    # Ray Train V2 logs every report at INFO, also from a logger named after its file's path that propagates to the
+    # root logger (INFO in its workers): the console keeps our progress lines
     logging.getLogger("ray.train").setLevel(logging.WARNING)
     logging.getLogger().setLevel(logging.WARNING)
     spec: WorkerSpec = config["spec"]
@@ -296,9 +259,7 @@ def train_loop_per_worker(config: dict[str, WorkerSpec]) -> None:
 
 # ---------------------------------------------------------------------------------------------- driver
 def recover(run_dir: str | None) -> str | None:
-    """Make an interrupted run resumable even if Ray's run record was torn by the interruption
-    (``pipeline.runs.undocumented.torn_snapshot`` moves it aside): the newest checkpoint in the local ``run_dir``
-    whose state loads, for the worker to start from. None when nothing needs recovering (or for remote storage)."""
+    """When an interruption tore Ray's run record in a local ``run_dir``: the newest checkpoint that loads, or None."""
     if not run_dir or is_uri(run_dir) or not torn_snapshot(run_dir):
         return None
     for ckpt in checkpoint_dirs(run_dir):
@@ -323,22 +284,15 @@ class PretrainResult:
     fit_seconds: float = 0.0  # its wall time: Ray Train's start and stop, the epochs and their reports
 
 
-PRETRAIN_SECTIONS = ("model", "loss", "augment", "train")  # what pretraining reads (and ray.num_workers, use_gpu)
-
-
 def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = True) -> PretrainResult:
-    """Run (or resume) distributed pretraining; returns the final state.
-
-    Raises :class:`ParamsError` (a request the cluster can never satisfy), :class:`ClusterError` (unreachable
-    cluster, resources never free), :class:`PretrainError` (training failed or diverged).
-    """
+    """Run (or resume) distributed pretraining; returns the final state. Raises ``ParamsError`` (a request the
+    cluster can never satisfy), ``ClusterError`` (unreachable, resources never free), :class:`PretrainError`."""
     params = with_worker_cpus(params)
     data = load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here, before Ray starts
     if params.train.batch_size > len(data.train.y):
         raise ParamsError(f"train.batch_size ({params.train.batch_size}) exceeds the training set "
                           f"({len(data.train.y)} samples in {data_dir}); lower it or prepare more data")
-    flat = {k: v for k, v in flatten(params).items() if k.split(".")[0] in PRETRAIN_SECTIONS
-            or k in ("ray.num_workers", "ray.use_gpu")}
+    flat = flat_sections(params, TRAINING, ("ray.num_workers", "ray.use_gpu"))
     job = open_job("pretrain", params, data_dir, root, tracking=tracking, title=pretrain_label(flat), logged=flat)
     clear_status(job.run_dir)
     job.spec.resume_dir = recover(job.run_dir)
@@ -372,10 +326,8 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
 
 def fit_run(spec: WorkerSpec, callbacks: list[ray.train.UserCallback], keep: int, max_failures: int = 0,
             console_level: str = TRAIN_CONSOLE_LEVEL) -> tuple[TrainedState | None, str | None]:
-    """Ray Train's run of ``spec``'s workers (``spec.params.ray``: how many, their CPUs, the backend) with the Ray Train
-    ``callbacks``, keeping ``keep`` checkpoints, restarting a failed worker group ``max_failures`` times, Ray Train's
-    console at ``console_level`` (a trial's: ``pipeline.runs.cluster.TRIAL_CONSOLE_LEVEL``). Returns
-    the state in its final checkpoint and where that is (None, None without one)."""
+    """Ray Train's run of ``spec``'s workers (``keep`` checkpoints, ``max_failures`` restarts, its console at
+    ``console_level``); returns its final checkpoint's state and path (None, None without one)."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -391,7 +343,7 @@ def fit_run(spec: WorkerSpec, callbacks: list[ray.train.UserCallback], keep: int
         run_config=ray.train.RunConfig(name=spec.name, storage_path=spec.storage, callbacks=callbacks,
                                        failure_config=ray.train.FailureConfig(max_failures=max_failures),
                                        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
-                                       logging_config=train_logging(console_level)),
+                                       logging_config=ray.train.LoggingConfig(log_level=console_level)),
     ).fit()
     if result.checkpoint is None:
         return None, None

@@ -1,23 +1,6 @@
-"""The adapter: every use of Ray or MLflow that their public, documented APIs do not offer, in one place.
-
-Each is checked against the versions in :data:`CHECKED_ON` by tests/runs/test_undocumented.py, which fails, by name,
-when an upgrade moves or changes one; docs/cluster.md says why each is needed. Nothing else in ``pipeline/`` or
-``stages/`` reads Ray's or MLflow's internals.
-
-Ray:
-- :func:`pending_nodes`: the nodes the cluster's autoscaler is adding (v2's cluster status; v1's report in Ray's
-  internal key-value store), so that the bounded wait for workers keeps waiting while a cold cluster boots.
-- :func:`stale_local_record`, :func:`local_gcs_port`: the file ``ray start`` records its cluster in, and the GCS port
-  variable a local Ray starts on (so that Ray's own processes find their cluster beside another local Ray).
-- :func:`torn_snapshot`, :func:`checkpoint_dirs`: Ray Train's run directory (its checkpoint record, written in
-  place, and its checkpoint folders), to resume a run whose record an interruption tore.
-- :func:`poll_reports_fast`: Ray Train's controller poll interval, so that short epochs do not idle the workers.
-- :func:`run_torn_down`, :func:`failure_causes`, :func:`trial_error`: the error text of a run the controller tore
-  down, the failed ranks of a Ray Train error, and the error Tune pickled for a trial.
-- :data:`CONSOLE_SKIP_PATTERNS`: the lines Ray's native code prints that no Ray setting keeps off the console.
-
-MLflow:
-- :func:`save_shared_view`: the runs table's saved view, an experiment tag the UI reads.
+"""The adapter: every use of Ray or MLflow that their public, documented APIs do not offer, in one place (nothing
+else in ``pipeline/`` or ``stages/`` reads their internals). tests/runs/test_undocumented.py checks each against the
+versions in :data:`CHECKED_ON`, failing by name when an upgrade moves one; docs/cluster.md says why each is needed.
 """
 
 from __future__ import annotations
@@ -38,9 +21,7 @@ AUTOSCALER_REPORT_STALE_S = 60.0  # an autoscaler report older than this is a mo
 
 
 def pending_in_report(status: Mapping[str, object], now: float) -> int:
-    """The nodes autoscaler v1 (the cluster launcher's default) is launching or booting, from the status it writes
-    (``asdict`` of its ``AutoscalerSummary`` under ``autoscaler_report``); 0 without a report or with one older than
-    :data:`AUTOSCALER_REPORT_STALE_S`."""
+    """The nodes autoscaler v1 is launching or booting, from its status (``autoscaler_report``); 0 if none or stale."""
     report = status.get("autoscaler_report")
     if not isinstance(report, dict) or now - float(status.get("time", 0.0)) > AUTOSCALER_REPORT_STALE_S:
         return 0
@@ -69,9 +50,8 @@ def autoscaler_v2_pending() -> int | None:
 
 
 def pending_nodes() -> int:
-    """How many nodes the cluster's autoscaler is adding right now (launch requested, or booting and not yet in the
-    cluster): v2's cluster status, else v1's report (:func:`pending_in_report`). 0 for a cluster without an
-    autoscaler (a local Ray, ``ray start`` by hand) or when the autoscaler cannot be asked."""
+    """How many nodes the cluster's autoscaler is adding right now (v2's cluster status, else v1's report), so that
+    the bounded wait for workers goes on while a cold cluster boots; 0 without an autoscaler or an answer."""
     try:
         v2 = autoscaler_v2_pending()
         if v2 is not None:
@@ -87,15 +67,13 @@ GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # read by the ``ray.init`` that starts a l
 
 
 def ray_record_file() -> str:
-    """Where ``ray start`` records the last local cluster it started (``<Ray temp dir>/ray_current_cluster``; the
-    temp dir is ``$RAY_TMPDIR/ray``, ``/tmp/ray`` by default). ``ray.init()`` without an address joins that cluster."""
+    """Where ``ray start`` records the last local cluster it started, which ``ray.init()`` without an address joins."""
     return os.path.join(os.environ.get("RAY_TMPDIR") or "/tmp", "ray", "ray_current_cluster")
 
 
 def stale_local_record(timeout: float = 2.0) -> str | None:
-    """The address of the local cluster Ray recorded (:func:`ray_record_file`) when nothing answers there within
-    ``timeout`` seconds: a Ray killed without ``ray stop`` (a crash, the OOM killer) leaves it behind, and
-    ``ray.init()`` then retries it for minutes. None when there is no record, or it answers."""
+    """The address of the local cluster Ray recorded when nothing answers there within ``timeout`` seconds (a Ray
+    killed without ``ray stop`` leaves it, and ``ray.init()`` retries it for minutes); else None."""
     try:
         with open(ray_record_file()) as f:
             recorded = f.read().strip()
@@ -113,15 +91,9 @@ def stale_local_record(timeout: float = 2.0) -> str | None:
 
 @contextlib.contextmanager
 def local_gcs_port(address: str | None) -> Iterator[dict[str, dict[str, dict[str, str]]]]:
-    """For a local Ray this process starts: its GCS port, chosen here, and that address in the job's processes.
-
-    Ray's own processes look their cluster up when they call Ray's state API without an address (Ray Train's
-    placement-group cleaner does, every second): with ``RAY_ADDRESS`` unset they search the machine, and with a
-    second local Ray running (another stage, a test session, a ``ray start``) that search fails, the cleaner's
-    thread dies with "Found multiple active Ray instances" and its traceback reaches the console. Ray starts its GCS
-    on ``RAY_GCS_SERVER_PORT`` when that is set (read while ``ray.init`` starts it, unset again after); the job's
-    ``runtime_env`` hands every process of this run the address. Nothing changes for a cluster (an address) or
-    when the user set the port. Yields the extra ``ray.init`` arguments."""
+    """For a local Ray this process starts: its GCS port (``RAY_GCS_SERVER_PORT``), chosen here, and that address in
+    the job's processes, whose lookup without one fails beside a second local Ray ("Found multiple active Ray
+    instances": Ray Train's placement-group cleaner dies). Yields extra ``ray.init`` arguments ({} if not ours)."""
     if address not in (None, "local") or GCS_PORT_ENV in os.environ:
         yield {}
         return
@@ -142,9 +114,8 @@ REPORT_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # how often Ray Train's c
 
 
 def torn_snapshot(run_dir: str) -> bool:
-    """Ray Train writes its run record (:data:`SNAPSHOT_FILE`) in place; a driver killed during that write leaves it
-    empty or truncated, and the next ``fit`` of the run then dies in the controller's start-up. When the record in
-    the local ``run_dir`` is unreadable it is moved aside (``.corrupt``) and True returned."""
+    """Ray Train writes its run record in place; a driver killed then leaves it torn, and the next ``fit`` dies in
+    the controller's start-up. An unreadable record in the local ``run_dir`` is moved aside (True)."""
     snapshot = Path(run_dir, SNAPSHOT_FILE)
     if not snapshot.exists():
         return False
@@ -157,8 +128,7 @@ def torn_snapshot(run_dir: str) -> bool:
 
 
 def checkpoint_dirs(run_dir: str) -> list[str]:
-    """The checkpoint folders of a Ray Train run directory (a local path or a URI), newest first; [] where there is
-    none or the directory cannot be read."""
+    """A Ray Train run directory's checkpoint folders (local or a URI), newest first; [] if none or unreadable."""
     from pyarrow import fs as pafs
 
     from pipeline.data.storage import filesystem, join
@@ -174,17 +144,14 @@ def checkpoint_dirs(run_dir: str) -> list[str]:
 
 
 def poll_reports_fast(seconds: float = 0.2) -> None:
-    """Ray Train's controller collects each report when it polls (every 2 s by default) and a worker's next report
-    waits for that: with short epochs that idles the workers. The controller reads the interval from the driver's
-    environment (Ray Train propagates it); a value the user set is kept."""
+    """Ray Train's controller collects reports when it polls (every 2 s) and a worker's next report waits for it,
+    idling the workers of short epochs; it reads the interval from the driver's environment (a user's value kept)."""
     os.environ.setdefault(REPORT_POLL_ENV, str(seconds))
 
 
 # ------------------------------------------------------------------------------------------------ errors
 def run_torn_down(exc: BaseException) -> bool:
-    """``exc`` (a worker's ``ActorDiedError``) says that the run's own synchronization actor died because the run's
-    placement group was removed: the controller tore the run down (a trial stopped by ASHA, an interrupted job), not a
-    failure of this worker."""
+    """``exc`` (a worker's ``ActorDiedError``) says the controller tore the run down (ASHA, Ctrl-C), not a failure."""
     text = str(exc)
     return "SynchronizationActor" in text and "placement group was removed" in text
 
@@ -198,9 +165,8 @@ def failure_causes(exc: BaseException) -> tuple[dict[int, BaseException], BaseEx
 
 
 def trial_error(trial: object) -> BaseException:
-    """The error Tune recorded for a trial: its pickle in the trial's local directory (written before the callbacks
-    run; the copy on the storage comes later), else the storage's; Tune's text of it when it cannot be unpickled
-    here (its last line is the exception)."""
+    """The error Tune recorded for a trial: its local pickle (the storage's copy comes after the callbacks), else the
+    storage's, else the last line of Tune's text of it."""
     import cloudpickle
 
     path = getattr(trial, "pickled_error_file", None)
@@ -219,23 +185,17 @@ def trial_error(trial: object) -> BaseException:
 
 
 # ------------------------------------------------------------------------------------------- the console
-#: What no Ray setting keeps off the console, as the filter Ray's driver applies to each line a worker prints before
-#: it forwards it (``RAY_DEDUP_LOGS_SKIP_REGEX``, set by the ``transfusion`` command). Each pattern is tested with the
-#: line it hides (tests/stages/test_console_filter.py).
+#: What no Ray setting keeps off the console, as the filter Ray's driver applies to each line a worker prints
+#: (``RAY_DEDUP_LOGS_SKIP_REGEX``, set by the ``transfusion`` command; tests/stages/test_console_filter.py).
 CONSOLE_SKIP_PATTERNS = (
-    # Ray's C++ core logs ERROR and above to the process's stderr as well as to its log file ("[date time E pid tid]
-    # core_worker.cc:N: ..."); its only knob, RAY_BACKEND_LOG_LEVEL, would take them out of python-core-worker-*.log too
+    # Ray's C++ core logs ERROR to stderr as well as to its log file; its only knob, RAY_BACKEND_LOG_LEVEL, would take
+    # them out of python-core-worker-*.log too
     r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d+ [DIWE] \d+ \d+\] \S+\.(cc|h):\d+: ",
-    # the raylet, when trials start their worker processes at once (several per CPU): its hint about its start-up
-    # concurrency, whose threshold is the start-up concurrency itself (raising it would start more processes at once)
+    # the raylet's hint when trials start many worker processes at once (its threshold is the start-up concurrency)
     r"^WARNING: \d+ PYTHON worker processes have been started on node",
-    # the native dump of a worker that dies by a signal (ASHA stopping a multi-worker trial kills its workers inside a
-    # collective: ~60 lines each): Ray's failure-signal handler ("*** SIGABRT received at time=... ***", its "@ 0x..."
-    # frames), Python's faulthandler, which Ray enables in every worker ("Fatal Python error: Aborted", "Stack/Thread
-    # ... (most recent call first):", frames '  File "...", line N in f' (a traceback's have ", in"), "Extension
-    # modules: ..."), C++'s "terminate called ..." and Ray's terminate handler's backtrace in glibc's format
-    # ("/lib/libc.so.6(+0x91500) [0x7fe7f0aaf500] symbol"). It stays in the worker's ``worker-*.err``; a run that fails
-    # by it still ends in an error.
+    # the native dump of a worker killed by a signal (ASHA stopping a multi-worker trial: ~60 lines each): Ray's
+    # failure-signal handler, Python's faulthandler (its frames have "line N in", a traceback's ", in"), C++'s
+    # terminate and glibc's backtrace. It stays in the worker's ``worker-*.err``; a failed run still ends in an error.
     r"^\*\*\* SIG[A-Z]+ received at time=", r"^PC: @ +0x[0-9a-f]+ ", r"^ +@ +0x[0-9a-f]+ ",
     r"^Fatal Python error: ", r"^(Stack|(Current thread|Thread) 0x[0-9a-f]+) \(most recent call first\):",
     r"^  File \".*\", line \d+ in ", r"^Extension modules: ", r"^terminate called ", r"^  what\(\): ",
@@ -252,9 +212,8 @@ SHARED_VIEW_TAG = "mlflow.sharedViewState.{key}"  # the experiment tag the UI op
 
 
 def save_shared_view(client: object, experiment_id: str, key: str, columns: list[str]) -> str:
-    """Save the runs table's view ``key`` on the experiment through an ``MlflowClient``: the MLflow UI opens a view
-    shared as the experiment tag ``mlflow.sharedViewState.<key>`` (JSON of the table's state; ``selectedColumns``:
-    the columns beside each run's name). Returns the URL query that opens it."""
+    """Save the runs table's view ``key`` (``selectedColumns``: beside each run's name) as the experiment tag the UI
+    opens, through an ``MlflowClient``; returns the URL query that opens it."""
     client.set_experiment_tag(experiment_id, SHARED_VIEW_TAG.format(key=key),  # type: ignore[attr-defined]
                               json.dumps({"selectedColumns": columns}))
     return f"viewStateShareKey={key}"
