@@ -7,20 +7,20 @@ import yaml
 
 from tests.conftest import ROOT
 
+AWS = yaml.safe_load((ROOT / "deploy/ray-cluster-aws.yaml").read_text())  # the cluster launcher's config
+KUBERAY = {d["kind"]: d for d in yaml.safe_load_all((ROOT / "deploy/kuberay-raycluster.yaml").read_text())}
+
 
 def test_cluster_launcher_config():
-    cfg = yaml.safe_load((ROOT / "deploy/ray-cluster-aws.yaml").read_text())
-    assert cfg["head_node_type"] in cfg["available_node_types"]
-    assert cfg["max_workers"] >= max(t.get("max_workers", 0) for t in cfg["available_node_types"].values())
-    assert any("/mnt/shared" in c for c in cfg["setup_commands"])  # shared storage on every node
-    assert any("pip install" in c and "-e ." in c for c in cfg["setup_commands"])
-    assert cfg["head_start_ray_commands"][-1].startswith("ray start --head")
+    assert AWS["head_node_type"] in AWS["available_node_types"]
+    assert AWS["max_workers"] >= max(t.get("max_workers", 0) for t in AWS["available_node_types"].values())
+    assert any("/mnt/shared" in c for c in AWS["setup_commands"])  # shared storage on every node
+    assert any("pip install" in c and "-e ." in c for c in AWS["setup_commands"])
+    assert AWS["head_start_ray_commands"][-1].startswith("ray start --head")
 
 
 def test_kuberay_cluster_mounts_one_shared_volume_everywhere():
-    docs = list(yaml.safe_load_all((ROOT / "deploy/kuberay-raycluster.yaml").read_text()))
-    pvc = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
-    cluster = next(d for d in docs if d["kind"] == "RayCluster")
+    pvc, cluster = KUBERAY["PersistentVolumeClaim"], KUBERAY["RayCluster"]
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     pods = [cluster["spec"]["headGroupSpec"]["template"]] + [g["template"] for g in cluster["spec"]["workerGroupSpecs"]]
     for pod in pods:
@@ -42,15 +42,12 @@ AWS_VCPUS = {"m6i.xlarge": 4, "g5.xlarge": 4}  # the recipe's instance types (AW
 def _recipe(name):
     """(head's Ray CPUs, head's vCPUs), (GPU node's Ray CPUs, its GPUs, its vCPUs, its maximum count)."""
     if name == "aws":
-        cfg = yaml.safe_load((ROOT / "deploy/ray-cluster-aws.yaml").read_text())
-        types = cfg["available_node_types"]
-        head, gpu = types[cfg["head_node_type"]], types["gpu_worker"]
+        types = AWS["available_node_types"]
+        head, gpu = types[AWS["head_node_type"]], types["gpu_worker"]
         return ((head["resources"]["CPU"], AWS_VCPUS[head["node_config"]["InstanceType"]]),
                 (gpu["resources"]["CPU"], gpu["resources"]["GPU"], AWS_VCPUS[gpu["node_config"]["InstanceType"]],
-                 min(gpu["max_workers"], cfg["max_workers"])))
-    cluster = next(d for d in yaml.safe_load_all((ROOT / "deploy/kuberay-raycluster.yaml").read_text())
-                   if d["kind"] == "RayCluster")
-    head, (gpu,) = cluster["spec"]["headGroupSpec"], cluster["spec"]["workerGroupSpecs"]
+                 min(gpu["max_workers"], AWS["max_workers"])))
+    head, (gpu,) = KUBERAY["RayCluster"]["spec"]["headGroupSpec"], KUBERAY["RayCluster"]["spec"]["workerGroupSpecs"]
 
     def limits(group):
         return group["template"]["spec"]["containers"][0]["resources"]["limits"]
@@ -90,20 +87,19 @@ def test_recipes_leave_ray_a_cpu_on_gpu_nodes(recipe):
 
 # ---------------------------------------------------------------------------------- what a cluster needs to boot
 def test_the_launcher_copies_only_the_code_to_every_node():
-    """`file_mounts` of the project rsyncs `.` to every node: the virtual environment (GBs), the data, the stores and
-    git's objects stay behind (they live on /mnt/shared or are rebuilt there), and .gitignore is honoured."""
+    """`file_mounts` rsyncs `.` to every node: the venv (GBs), data, stores and git's objects stay behind (they live on
+    /mnt/shared or are rebuilt there), and .gitignore is honoured."""
     from fnmatch import fnmatch
 
-    cfg = yaml.safe_load((ROOT / "deploy/ray-cluster-aws.yaml").read_text())
-    assert "." in cfg["file_mounts"].values()
-    excluded = cfg["rsync_exclude"]
+    assert "." in AWS["file_mounts"].values()
+    excluded = AWS["rsync_exclude"]
     heavy = [".venv", "data", "models", "mlflow.db", "mlartifacts", "mlruns", "ray_results", ".git", ".dvc/cache",
              "pipeline/__pycache__", "transfusion_pipeline.egg-info"]
     for path in heavy:
         assert any(fnmatch(path, pattern) for pattern in excluded), path
     for path in ("pipeline", "stages", "params.yaml", "dvc.yaml", "presets", "deploy", "pyproject.toml"):
         assert not any(fnmatch(path, pattern) for pattern in excluded), path  # the code goes
-    assert cfg["rsync_filter"] == [".gitignore"]
+    assert AWS["rsync_filter"] == [".gitignore"]
 
 
 def test_every_node_installs_the_tested_versions():
@@ -116,8 +112,7 @@ def test_every_node_installs_the_tested_versions():
     from deploy.constraints import FILE, read
 
     pins = read(FILE)
-    cfg = yaml.safe_load((ROOT / "deploy/ray-cluster-aws.yaml").read_text())
-    assert any("pip install" in c and "-c deploy/constraints.txt" in c for c in cfg["setup_commands"])
+    assert any("pip install" in c and "-c deploy/constraints.txt" in c for c in AWS["setup_commands"])
     assert "-c deploy/constraints.txt" in (ROOT / ".ci/run").read_text()
     assert "deploy/constraints.txt" in (ROOT / "deploy/kuberay-raycluster.yaml").read_text()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -129,15 +124,12 @@ def test_every_node_installs_the_tested_versions():
     for name in ("ray", "torch", "torchvision", "mlflow", "dvc", "numpy"):
         assert pins[canonicalize_name(name)].count(".") >= 1
     assert all(line.startswith("#") or "==" in line for line in FILE.read_text().splitlines() if line.strip())
-    cluster = next(d for d in yaml.safe_load_all((ROOT / "deploy/kuberay-raycluster.yaml").read_text())
-                   if d["kind"] == "RayCluster")
-    assert cluster["spec"]["rayVersion"] == pins["ray"]  # KubeRay's operator speaks the nodes' Ray
+    assert KUBERAY["RayCluster"]["spec"]["rayVersion"] == pins["ray"]  # KubeRay's operator speaks the nodes' Ray
 
 
 def test_the_installed_versions_are_the_pinned_ones():
-    """CI (`.ci/run`) installs with deploy/constraints.txt: there, the environment the tests run in is exactly the
-    file (`python deploy/constraints.py` rewrites it after a dependency change). Elsewhere, a developer's own
-    environment may differ: skipped, naming the differences."""
+    """Under CI (`.ci/run` installs with it) the environment is exactly deploy/constraints.txt (`python
+    deploy/constraints.py` rewrites it after a dependency change); elsewhere it may differ: skipped, naming them."""
     import os
 
     from deploy.constraints import FILE, closure, read
@@ -152,16 +144,14 @@ def test_the_installed_versions_are_the_pinned_ones():
 
 @pytest.mark.slow
 def test_cluster_presets_wait_for_a_cold_start():
-    """The first job on a fresh cluster waits for GPU nodes that are still booting: each preset that asks for GPUs
-    waits at least a cold start (budget below) for its workers, and the wait goes on while the autoscaler adds nodes
-    (pipeline.runs.cluster.wait_for_workers, tests/stages/test_cluster_errors.py)."""
+    """A preset asking for GPUs waits at least a cold start for its workers, the wait going on while the autoscaler
+    adds nodes (pipeline.runs.cluster.wait_for_workers, tests/stages/test_cluster_errors.py)."""
+    from pipeline.config.base import read_params_file
     from pipeline.config.params import load_params
 
     cold_start_s = sum({  # a g5.xlarge from nothing, as the AWS recipe sets it up
         "instance boot and ssh": 180, "EFS mount": 30, "pip install (torch with CUDA, Ray)": 600, "ray start": 30,
     }.values())
-    from pipeline.config.base import read_params_file
-
     params_files = [p for p in sorted((ROOT / "presets").glob("*.yaml")) if set(read_params_file(p)) != {"sets"}]
     gpu_presets = [p for p in params_files if load_params(p).ray.use_gpu]  # (the set study's file has no Ray jobs)
     assert gpu_presets

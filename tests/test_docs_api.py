@@ -25,12 +25,12 @@ RAY = [b for b in BLOCKS if "TorchTrainer(" in b[1]]
 PLAIN = [b for b in BLOCKS if b not in RAY]
 
 
-def run(blocks: list[tuple[int, str]], namespace: dict | None = None) -> dict:
+def run(blocks: list[tuple[int, str]], page: Path = PAGE) -> dict:
     """Execute the blocks in order in one namespace, as one script would (``__main__``: Ray pickles its functions by
     value); compiled with the page's line numbers."""
-    namespace = {"__name__": "__main__"} if namespace is None else namespace
+    namespace = {"__name__": "__main__"}
     for line, code in blocks:
-        exec(compile("\n" * (line - 1) + code, str(PAGE), "exec"), namespace)  # noqa: S102 - the page's own code
+        exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)  # noqa: S102 - the page's own code
     return namespace
 
 
@@ -77,8 +77,7 @@ def test_the_set_clustering_page_runs_as_written(capsys):
     page = ROOT / "docs" / "sets.md"
     blocks = python_blocks(page.read_text(encoding="utf-8"))
     assert len(blocks) == 1
-    namespace: dict = {"__name__": "__main__"}
-    exec(compile("\n" * (blocks[0][0] - 1) + blocks[0][1], str(page), "exec"), namespace)  # noqa: S102
+    namespace = run(blocks, page)
     labels, k = namespace["labels"], namespace["k"]
     assert labels.shape == (20,) and 1 <= k <= 19 and len(set(labels.tolist())) == k
     assert math.isfinite(namespace["loss"].item())

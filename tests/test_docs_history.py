@@ -8,9 +8,8 @@ and stay. Pure text work: no imports of the project.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.test_docs_links import ROOT, markdown_files
 
 # (what it is, pattern); case-insensitive
 HISTORY = [
@@ -25,10 +24,6 @@ HISTORY = [
     ("a change narrative", r"\b(?:before|after) (?:the|this|that) (?:fix|change|rewrite|refactor)\b|\bwith the change\b"
                            r"|\b(?:fixes|changes) the benchmarks drove\b|\bwas first verified\b"),
 ]
-
-
-def markdown_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def history_references(text: str) -> list[tuple[int, str, str]]:

@@ -127,11 +127,8 @@ def test_stage_params_exist_and_cover_what_the_command_reads(name):
     missing = [k for k in keys if not in_params_yaml(k)]
     assert not missing, f"stage {name}: params {missing} are not in params.yaml"
     module = ROOT.joinpath(*module_of(stage).split(".")).with_suffix(".py")
-    read = set()
-    for node in ast.walk(ast.parse(module.read_text())):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "params"
-                and node.attr in PARAMS_YAML):
-            read.add(node.attr)
+    read = {node.attr for node in ast.walk(ast.parse(module.read_text())) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == "params" and node.attr in PARAMS_YAML}
     if name == "theory":
         read.add("theory")  # getattr(params, "theory")
     uncovered = [s for s in sorted(read) if not any(k == s or k.startswith(s + ".") for k in keys)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import gzip
+import io
 import json
 import os
 import pickle
@@ -65,11 +66,7 @@ class Payload:
 
 # ------------------------------------------------------------------------------------------------ set-up steps
 def params_text(text: str | bytes) -> Setup:
-    def run(p: Path) -> None:
-        target = p / "params.yaml"
-        target.write_bytes(text) if isinstance(text, bytes) else target.write_text(text)
-
-    return run
+    return write_file("params.yaml", text.encode() if isinstance(text, str) else text)
 
 
 def params_edit(old: str, new: str) -> Setup:
@@ -95,14 +92,6 @@ def valid_prepared(p: Path) -> None:
     save_prepared(_uint8_dataset(), p / PREPARED)
 
 
-def rehash(p: Path, name: str) -> None:
-    """Make the manifest agree with a replaced file, so that only the content check can catch it."""
-    mpath = p / PREPARED / "manifest.json"
-    manifest = json.loads(mpath.read_text())
-    manifest["files"][name]["sha256"] = sha256_file(p / PREPARED / name)
-    mpath.write_text(json.dumps(manifest))
-
-
 def prepared_file(name: str, mutate: Callable[[Path, bytes], bytes | None], fix_hash: bool) -> Setup:
     """Rewrite ``data/prepared/<name>`` with ``mutate(project, old bytes)`` (None: delete it)."""
 
@@ -113,23 +102,19 @@ def prepared_file(name: str, mutate: Callable[[Path, bytes], bytes | None], fix_
             path.unlink()
             return
         path.write_bytes(blob)
-        if fix_hash:
-            rehash(p, name)
+        if fix_hash:  # the manifest agrees with the replaced file: only the content check can catch it
+            manifest_edit(lambda m: m["files"][name].update(sha256=sha256_file(path)))(p)
 
     return run
 
 
 def torch_bytes(obj) -> bytes:
-    import io
-
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
 
 
 def npy_bytes(array: np.ndarray, allow_pickle: bool = False) -> bytes:
-    import io
-
     buf = io.BytesIO()
     np.save(buf, array, allow_pickle=allow_pickle)
     return buf.getvalue()
@@ -138,9 +123,7 @@ def npy_bytes(array: np.ndarray, allow_pickle: bool = False) -> bytes:
 def nan_pixels(p: Path, blob: bytes) -> bytes:
     x = np.random.default_rng(0).random((12, 3, 4, 4), dtype=np.float32)
     x[3, 1, 2, 2] = float("nan")
-    manifest = json.loads((p / PREPARED / "manifest.json").read_text())
-    manifest["dtype"] = "float32"
-    (p / PREPARED / "manifest.json").write_text(json.dumps(manifest))
+    manifest_edit(lambda m: m.update(dtype="float32"))(p)
     return npy_bytes(x)
 
 
@@ -184,11 +167,7 @@ def emptied(rel: str) -> Setup:
 
 
 def truncate(rel: str, keep: int) -> Setup:
-    def run(p: Path) -> None:
-        path = p / rel
-        path.write_bytes(path.read_bytes()[:keep])
-
-    return run
+    return write_file(rel, lambda p: (p / rel).read_bytes()[:keep])
 
 
 def pretrained(input_shape: tuple[int, ...] = (3, 4, 4)) -> Setup:
@@ -210,10 +189,7 @@ def cifar(p: Path) -> None:
 
 
 def fmnist(gz: bool = False) -> Setup:
-    def run(p: Path) -> None:
-        write_fmnist(p / RAW, n_train=10, n_test=10, gz=gz)
-
-    return run
+    return lambda p: write_fmnist(p / RAW, n_train=10, n_test=10, gz=gz)
 
 
 def omniglot(p: Path) -> None:
@@ -267,8 +243,7 @@ CASES = [
     Case("file-comments-only", ("prepare",), 2, ("params.yaml", "empty"), (params_text("# nothing\n"),)),
     Case("file-is-a-list", ("check",), 2, ("params.yaml", "mapping of sections", "list"),
          (params_text("- data\n- model\n"),)),
-    Case("file-is-a-scalar", ("check",), 2, ("params.yaml", "mapping of sections", "str"),
-         (params_text("hello\n"),)),
+    Case("file-is-a-scalar", ("check",), 2, ("params.yaml", "mapping of sections", "str"), (params_text("hello\n"),)),
     Case("file-not-utf8", ("check",), 2, ("params.yaml", "UTF-8"), (params_text(b"data:\n  seed: \xff\xfe\n"),)),
     Case("file-python-tag", ("check",), 2, ("params.yaml", "not valid YAML", "python/object"),
          (params_text("data: !!python/object/apply:os.system ['echo pwned']\n"),)),
@@ -344,8 +319,7 @@ CASES = [
     Case("theory-eps-min", ("theory", "-S", "theory.formula_eps_min=0.5"), 2,
          ("theory.formula_eps_min", "1 / (formula_points - 1)")),
     Case("theory-n-small", ("theory", "-S", "theory.n=[4, 32]"), 2, ("theory.n", "2 * n_clusters = 8")),
-    Case("theory-eps-range", ("theory", "-S", "theory.eps=[0.1, 1.5]"), 2,
-         ("theory.eps.1", "less than or equal to 1")),
+    Case("theory-eps-range", ("theory", "-S", "theory.eps=[0.1, 1.5]"), 2, ("theory.eps.1", "less than or equal to 1")),
     Case("theory-duplicate-seeds", ("theory", "-S", "theory.seeds=[0, 0]"), 2, ("theory.seeds", "duplicate")),
     # ---------------------------------------------------------------- -S overrides (exit 2)
     Case("override-no-equals", ("check", "-S", "model.depth"), 2, ("model.depth", "key=value")),
@@ -500,8 +474,7 @@ CASES = [
          (valid_prepared, pretrained(), write_file(f"{MODELS}/config.json", b"{\"params\": "))),
     Case("evaluate-model-for-other-data", ("evaluate", "--no-tracking"), 1,
          ("(1, 8, 8)", "(3, 4, 4)", "data/prepared", "transfusion pretrain"), (valid_prepared, pretrained((1, 8, 8)))),
-    Case("evaluate-no-data", ("evaluate",), 1, ("data/prepared/manifest.json", "transfusion prepare"),
-         (pretrained(),)),
+    Case("evaluate-no-data", ("evaluate",), 1, ("data/prepared/manifest.json", "transfusion prepare"), (pretrained(),)),
 ]
 
 
@@ -569,7 +542,6 @@ def test_odd_batch_is_not_a_conflict(project):
 
 def test_cifar_download_cannot_escape_the_data_root(project, monkeypatch):
     """A downloaded archive is extracted with tarfile's "data" filter: a member escaping data.root is refused."""
-    import io
     import tarfile
 
     import torchvision.datasets.cifar as tv_cifar
@@ -605,28 +577,21 @@ def _calls(path: Path, module: str, names: set[str]) -> list[ast.Call]:
             and isinstance(node.func.value, ast.Name) and node.func.value.id == module]
 
 
-def test_tensor_files_are_only_loaded_weights_only():
-    """Checkpoints, prepared tensors and model weights: every torch.load passes weights_only=True."""
+@pytest.mark.parametrize(("module", "package", "flag", "safe", "at_least"), [
+    # checkpoints, prepared tensors, model weights: io.load_torch, the resnet18 weights, the Ray checkpoint
+    pytest.param("torch", "torch", "weights_only", True, 3, id="torch-weights-only"),
+    # load_prepared's .npy files: an object array is refused, never unpickled
+    pytest.param("np", "numpy", "allow_pickle", False, 1, id="numpy-without-pickles"),
+])
+def test_files_are_only_loaded_with_the_safe_flag(module, package, flag, safe, at_least):
     found = []
     for path in PRODUCT_SOURCES:
-        assert "from torch import load" not in path.read_text(), path
-        for call in _calls(path, "torch", {"load"}):
-            kw = {k.arg: k.value for k in call.keywords}
-            flag = kw.get("weights_only")
-            assert isinstance(flag, ast.Constant) and flag.value is True, f"{path.name}:{call.lineno} torch.load"
+        assert f"from {package} import load" not in path.read_text(), path
+        for call in _calls(path, module, {"load"}):
+            value = {k.arg: k.value for k in call.keywords}.get(flag)
+            assert isinstance(value, ast.Constant) and value.value is safe, f"{path.name}:{call.lineno} {module}.load"
             found.append(f"{path.name}:{call.lineno}")
-    assert len(found) >= 3, found  # io.load_torch, the resnet18 weights, the Ray checkpoint
-
-
-def test_arrays_are_only_loaded_without_pickles():
-    """Prepared arrays: every np.load passes allow_pickle=False (an object array is refused, never unpickled)."""
-    found = []
-    for path in PRODUCT_SOURCES:
-        for call in _calls(path, "np", {"load"}):
-            flag = {k.arg: k.value for k in call.keywords}.get("allow_pickle")
-            assert isinstance(flag, ast.Constant) and flag.value is False, f"{path.name}:{call.lineno} np.load"
-            found.append(f"{path.name}:{call.lineno}")
-    assert found, "load_prepared reads the prepared .npy files with np.load"
+    assert len(found) >= at_least, found
 
 
 def test_no_unsafe_unpickling_or_archive_extraction():

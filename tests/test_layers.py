@@ -50,7 +50,6 @@ LINT_IMPORTS = "import sys; from importlinter.cli import lint_imports_command; s
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    """``python <args>`` in this environment, on the repository."""
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import pickle
 import subprocess
 import sys
@@ -18,8 +19,6 @@ OLD = {model: "pipeline.model", backbones: "pipeline.backbones", batchnorm: "pip
 
 
 def test_each_old_path_is_the_module_that_now_holds_its_code():
-    import importlib
-
     for old, new in legacy.OLD_PATHS.items():
         assert importlib.import_module(old) is importlib.import_module(new), old
     with pytest.raises(ModuleNotFoundError):

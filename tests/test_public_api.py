@@ -6,18 +6,15 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import pipeline
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT
 
 # the API, name -> the module that defines it: changing what users import is a decision, made here too
 API = {
-    **dict.fromkeys(("TransFusionBlock", "TransFusionHead", "HeadOutput", "TransFusion", "build_model",
-                     "ABCModel"),
+    **dict.fromkeys(("TransFusionBlock", "TransFusionHead", "HeadOutput", "TransFusion", "build_model", "ABCModel"),
                     "pipeline.core.model"),
     "fuse_rows": "pipeline.core.attention",
     **dict.fromkeys(("make_loss", "LOSS_NAMES", "jsd", "jsd_appendix_e", "kl_softmax", "kl_relu", "kl_squared",
@@ -29,19 +26,12 @@ API = {
     "Callback": "pipeline.training.loop",
     **dict.fromkeys(("Params", "load_params", "validate_params"), "pipeline.config.params"),
     "ParamsError": "pipeline.config.base",
-    "DataConfig": "pipeline.config.data",
-    "SyntheticConfig": "pipeline.config.data",
-    "ModelConfig": "pipeline.config.model",
-    "LossConfig": "pipeline.config.loss",
-    "AugmentConfig": "pipeline.config.augment",
-    "TrainConfig": "pipeline.config.train",
-    "ProbeConfig": "pipeline.config.probe",
-    "RayConfig": "pipeline.config.ray",
-    "SweepConfig": "pipeline.config.sweep",
-    "TheoryConfig": "pipeline.config.theory",
-    "TablesConfig": "pipeline.config.tables",
-    "AbcConfig": "pipeline.config.model",
-    "SetsConfig": "pipeline.config.sets",
+    **dict.fromkeys(("DataConfig", "SyntheticConfig"), "pipeline.config.data"),
+    **dict.fromkeys(("ModelConfig", "AbcConfig"), "pipeline.config.model"),
+    "LossConfig": "pipeline.config.loss", "AugmentConfig": "pipeline.config.augment",
+    "TrainConfig": "pipeline.config.train", "ProbeConfig": "pipeline.config.probe", "RayConfig": "pipeline.config.ray",
+    "SweepConfig": "pipeline.config.sweep", "TheoryConfig": "pipeline.config.theory",
+    "TablesConfig": "pipeline.config.tables", "SetsConfig": "pipeline.config.sets",
 }
 
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import re
 import shlex
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT
 
 
 def ci_commands(text: str) -> dict[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import colorsys
+import itertools
 import math
 
 import pytest
@@ -49,8 +50,6 @@ def _custom(**kw) -> AugmentPreset:
 
 
 # ---------------------------------------------------------------------------- API, validation, presets
-
-
 def test_presets_match_recipes():
     p, s = PRESETS["paper"], PRESETS["simclr"]
     fields = ("crop_scale_min", "flip_p", "jitter", "jitter_p", "grayscale_p")
@@ -85,8 +84,6 @@ def test_bad_arguments_raise():
 
 
 # ------------------------------------------------------------------- shapes, identity, reproducibility
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("preset", ALL_PRESETS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -118,12 +115,9 @@ def test_strength_zero_and_preset_none_are_bitwise_identity(shape, preset, stren
     assert torch.equal(BatchAugment(preset).apply_params(x, AugmentParams()), x)  # default parameters: identity
 
 
-INPLACE_RECIPES = [
-    "paper",
-    "simclr",
-    _custom(flip_p=0.5),  # flip without crop
-    _custom(jitter=(0.4, 0.4, 0.4, 0.1), jitter_p=0.5, grayscale_p=0.5, noise_std=0.1),  # no resampling
-]
+# "flip": a flip without a crop; "colour": no resampling
+INPLACE_RECIPES = ["paper", "simclr", _custom(flip_p=0.5),
+                   _custom(jitter=(0.4, 0.4, 0.4, 0.1), jitter_p=0.5, grayscale_p=0.5, noise_std=0.1)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -168,9 +162,8 @@ def test_per_sample_parameters_differ(shape, preset):
     one = _data((1, *shape[1:]))
     x = one.expand(8, *shape[1:]).contiguous()  # 8 identical samples
     y = BatchAugment(preset, 1.0)(x, _gen(11))
-    for i in range(8):
-        for j in range(i + 1, 8):
-            assert not torch.allclose(y[i], y[j]), (i, j)
+    for i, j in itertools.combinations(range(8), 2):
+        assert not torch.allclose(y[i], y[j]), (i, j)
 
 
 def test_two_views_layout():
@@ -181,8 +174,6 @@ def test_two_views_layout():
 
 
 # -------------------------------------------------------------------------------- crop + flip geometry
-
-
 @pytest.mark.parametrize("shape", [(4, 1, 8, 8), (3, 3, 32, 32), (2, 3, 12, 20)])
 def test_full_box_is_identity_or_torch_flip(shape):
     x = _data(shape)
@@ -198,19 +189,17 @@ def _ref_crop_flip(img: torch.Tensor, cx: float, cy: float, w: float, h: float, 
     """Slow bilinear sampling of one image at output pixel centres mapped through the box, border-clamped."""
     chans, height, width = img.shape
     out = torch.empty_like(img)
-    for i in range(height):
-        for j in range(width):
-            u, v = (2 * j + 1) / width - 1, (2 * i + 1) / height - 1
-            xn, yn = cx + (-w if flip else w) * u, cy + h * v
-            px = min(max(((xn + 1) * width - 1) / 2, 0.0), width - 1.0)
-            py = min(max(((yn + 1) * height - 1) / 2, 0.0), height - 1.0)
-            x0, y0 = int(math.floor(px)), int(math.floor(py))
-            x1, y1 = min(x0 + 1, width - 1), min(y0 + 1, height - 1)
-            ax, ay = px - x0, py - y0
-            for c in range(chans):
-                top = (1 - ax) * float(img[c, y0, x0]) + ax * float(img[c, y0, x1])
-                bot = (1 - ax) * float(img[c, y1, x0]) + ax * float(img[c, y1, x1])
-                out[c, i, j] = (1 - ay) * top + ay * bot
+    for i, j, c in itertools.product(range(height), range(width), range(chans)):
+        u, v = (2 * j + 1) / width - 1, (2 * i + 1) / height - 1
+        xn, yn = cx + (-w if flip else w) * u, cy + h * v
+        px = min(max(((xn + 1) * width - 1) / 2, 0.0), width - 1.0)
+        py = min(max(((yn + 1) * height - 1) / 2, 0.0), height - 1.0)
+        x0, y0 = int(math.floor(px)), int(math.floor(py))
+        x1, y1 = min(x0 + 1, width - 1), min(y0 + 1, height - 1)
+        ax, ay = px - x0, py - y0
+        top = (1 - ax) * float(img[c, y0, x0]) + ax * float(img[c, y0, x1])
+        bot = (1 - ax) * float(img[c, y1, x0]) + ax * float(img[c, y1, x1])
+        out[c, i, j] = (1 - ay) * top + ay * bot
     return out
 
 
@@ -243,8 +232,6 @@ def test_sampled_boxes_follow_random_resized_crop(scale_min):
 
 
 # ---------------- colour arithmetic vs slow per-sample references (torchvision's definitions), float64
-
-
 def _ref_gray(img: torch.Tensor, i: int, j: int) -> float:
     if img.shape[0] == 1:
         return float(img[0, i, j])
@@ -255,42 +242,29 @@ def _clamp01(v: float) -> float:
     return min(1.0, max(0.0, v))
 
 
-def _ref_brightness(img: torch.Tensor, f: float) -> torch.Tensor:
+def _ref_pixels(img: torch.Tensor, pixel, rgb_only: bool = False) -> torch.Tensor:
+    """``pixel(i, j) -> its channel values`` at every pixel of a (C, H, W) image; ``rgb_only``: grey ones unchanged."""
+    if rgb_only and img.shape[0] == 1:
+        return img.clone()
     out = torch.empty_like(img)
-    for c in range(img.shape[0]):
-        for i in range(img.shape[1]):
-            for j in range(img.shape[2]):
-                out[c, i, j] = _clamp01(f * float(img[c, i, j]))
+    for i, j in itertools.product(range(img.shape[1]), range(img.shape[2])):
+        out[:, i, j] = torch.tensor(pixel(i, j), dtype=img.dtype)
     return out
+
+
+def _ref_brightness(img: torch.Tensor, f: float) -> torch.Tensor:
+    return _ref_pixels(img, lambda i, j: [_clamp01(f * float(v)) for v in img[:, i, j]])
 
 
 def _ref_contrast(img: torch.Tensor, f: float) -> torch.Tensor:
     h, w = img.shape[1:]
     mean = sum(_ref_gray(img, i, j) for i in range(h) for j in range(w)) / (h * w)
-    out = torch.empty_like(img)
-    for c in range(img.shape[0]):
-        for i in range(h):
-            for j in range(w):
-                out[c, i, j] = _clamp01(f * float(img[c, i, j]) + (1 - f) * mean)
-    return out
-
-
-def _ref_rgb_pixels(img: torch.Tensor, pixel) -> torch.Tensor:
-    """``pixel(i, j) -> (r, g, b)`` at every pixel of a (3, H, W) image; a grey (1, H, W) image is unchanged."""
-    if img.shape[0] == 1:
-        return img.clone()
-    out = torch.empty_like(img)
-    for i in range(img.shape[1]):
-        for j in range(img.shape[2]):
-            rgb = pixel(i, j)
-            for c in range(3):
-                out[c, i, j] = rgb[c]
-    return out
+    return _ref_pixels(img, lambda i, j: [_clamp01(f * float(v) + (1 - f) * mean) for v in img[:, i, j]])
 
 
 def _ref_saturation(img: torch.Tensor, f: float) -> torch.Tensor:
-    return _ref_rgb_pixels(img, lambda i, j: [_clamp01(f * float(img[c, i, j]) + (1 - f) * _ref_gray(img, i, j))
-                                              for c in range(3)])
+    return _ref_pixels(img, lambda i, j: [_clamp01(f * float(v) + (1 - f) * _ref_gray(img, i, j))
+                                          for v in img[:, i, j]], rgb_only=True)
 
 
 def _ref_hue(img: torch.Tensor, shift: float) -> torch.Tensor:
@@ -298,7 +272,7 @@ def _ref_hue(img: torch.Tensor, shift: float) -> torch.Tensor:
         h, s, v = colorsys.rgb_to_hsv(*(float(img[c, i, j]) for c in range(3)))
         return colorsys.hsv_to_rgb((h + shift) % 1.0, s, v)
 
-    return _ref_rgb_pixels(img, pixel)
+    return _ref_pixels(img, pixel, rgb_only=True)
 
 
 COLOUR_SHAPES = [(3, 1, 5, 4), (4, 3, 6, 5), (2, 3, 3, 7)]
@@ -361,8 +335,6 @@ def test_image_noise_scaled_by_strength():
 
 
 # ------------------------------------------------------------------------------ vector noise (eq. (8))
-
-
 @pytest.mark.parametrize("preset", ["paper", "simclr"])
 @pytest.mark.parametrize("s", [0.1, 0.5, 1.0])
 @pytest.mark.parametrize("m", [2, 16, 64])
@@ -382,8 +354,6 @@ def test_vector_noise_obeys_eq8(preset, s, m):
 
 
 # ------------------------------------------------------------------------------------------ view noise
-
-
 @pytest.mark.parametrize("shape", [(1, 5), (7, 3), (5, 2, 3, 3)])
 def test_view_noise_matches_naive_loop(shape):
     v1, v2 = _data(shape, seed=1), _data(shape, seed=2)
@@ -402,15 +372,8 @@ def test_view_noise_matches_naive_loop(shape):
 @pytest.mark.parametrize("preset", ["paper", "simclr"])
 @pytest.mark.parametrize("kind", ["rgb", "gray", "vector"])
 def test_view_noise_grows_with_strength(preset, kind):
-    if kind == "rgb":
-        x = _smooth_images(256, 3, 32, seed=0)
-    elif kind == "gray":
-        x = _smooth_images(256, 1, 8, seed=0)
-    else:
-        x = _data((256, 32), seed=0)
-    eps = []
-    for s in (0.0, 0.25, 0.5, 1.0):
-        v = two_views(BatchAugment(preset, s), x, _gen(0))
-        eps.append(view_noise(v[:256], v[256:]))
+    images = {"rgb": (3, 32), "gray": (1, 8)}  # channels, size
+    x = _smooth_images(256, *images[kind], seed=0) if kind in images else _data((256, 32), seed=0)
+    eps = [view_noise(*two_views(BatchAugment(preset, s), x, _gen(0)).chunk(2)) for s in (0.0, 0.25, 0.5, 1.0)]
     assert eps[0] == pytest.approx(0.0, abs=1e-12)
     assert all(b > a for a, b in zip(eps, eps[1:], strict=False)), eps

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import gzip
+import importlib
+import itertools
 import json
 import math
 import pickle
@@ -38,10 +40,7 @@ FILES = sorted(["manifest.json", *PREPARED_FILES])  # what a prepared directory 
 CIFAR_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# fabricated data in the real formats
-
-
+# ---------------------------------------------------------------------------------- fabricated data in the real formats
 def write_cifar(root: Path, per_batch: int = 20, seed: int = 0) -> dict[str, tuple[np.ndarray, list[int]]]:
     """Write ``root/cifar-10-batches-py`` like the official archive: python pickles of dicts."""
     rng = np.random.default_rng(seed)
@@ -51,18 +50,16 @@ def write_cifar(root: Path, per_batch: int = 20, seed: int = 0) -> dict[str, tup
     for k, name in enumerate([f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]):
         data = rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8)
         labels = [int((i + k) % 10) for i in range(per_batch)]
-        entry = {
-            "batch_label": f"fabricated batch {k}",
-            "labels": labels,
-            "data": data,
-            "filenames": [f"img_{k}_{i}.png" for i in range(per_batch)],
-        }
-        with open(folder / name, "wb") as f:
-            pickle.dump(entry, f, protocol=2)
+        pickle_to(folder / name, {"batch_label": f"fabricated batch {k}", "labels": labels, "data": data,
+                                  "filenames": [f"img_{k}_{i}.png" for i in range(per_batch)]})
         written[name] = (data, labels)
-    with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": CIFAR_NAMES, "num_cases_per_batch": per_batch, "num_vis": 3072}, f, protocol=2)
+    pickle_to(folder / "batches.meta", {"label_names": CIFAR_NAMES, "num_cases_per_batch": per_batch, "num_vis": 3072})
     return written
+
+
+def pickle_to(path: Path, obj) -> None:
+    with open(path, "wb") as f:
+        pickle.dump(obj, f, protocol=2)
 
 
 def idx_bytes(arr: np.ndarray, magic: int) -> bytes:
@@ -87,24 +84,19 @@ def write_fmnist(root: Path, n_train: int = 30, n_test: int = 12, gz: bool = Fal
     for prefix, n in (("train", n_train), ("t10k", n_test)):
         images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
         labels = (np.arange(n) % 10).astype(np.uint8)
-        for stem, arr, magic in (
-            (f"{prefix}-images-idx3-ubyte", images, 2051),
-            (f"{prefix}-labels-idx1-ubyte", labels, 2049),
-        ):
-            blob = idx_bytes(arr, magic)
+        for kind, arr, magic in (("images-idx3", images, 2051), ("labels-idx1", labels, 2049)):
+            stem, blob = f"{prefix}-{kind}-ubyte", idx_bytes(arr, magic)
             if gz:
-                (raw / f"{stem}.gz").write_bytes(gzip.compress(blob, compresslevel=0))
-            else:
-                (raw / stem).write_bytes(blob)
+                stem, blob = f"{stem}.gz", gzip.compress(blob, compresslevel=0)
+            (raw / stem).write_bytes(blob)
         out[prefix] = (images, labels)
     return out
 
 
 @pytest.fixture(scope="module")
 def fmnist_full(tmp_path_factory) -> dict:
-    """Fabricated Fashion-MNIST of the real sizes (60,000 / 10,000, a tenth of each class), written once for the
-    module: flat folders ``plain`` and ``gz``, and the arrays; tests point data.root at them (or link them into
-    torchvision's layout), and never write there."""
+    """Fabricated Fashion-MNIST of the real sizes (60,000 / 10,000, a tenth of each class), written once: flat folders
+    ``plain`` and ``gz`` (tests point data.root at them or link them, never write there), and the arrays."""
     base = tmp_path_factory.mktemp("fmnist-full")
     written = write_fmnist(base / "plain", *FMNIST_FULL.values(), flat=True)
     write_fmnist(base / "gz", *FMNIST_FULL.values(), gz=True, flat=True)
@@ -144,10 +136,7 @@ def digits() -> Dataset:
     return load_dataset(DataConfig(dataset="digits", root="unused"))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# helpers
-
-
+# -------------------------------------------------------------------------------------------------------------- helpers
 def test_to_float_matches_loop():
     x = torch.randint(0, 256, (2, 3, 4, 5), dtype=torch.uint8)
     got = to_float(x)
@@ -164,9 +153,7 @@ def test_to_float_matches_loop():
 
 def _reference_quota(labels: list[int], n: int) -> dict[int, int]:
     """Largest-remainder allocation with explicit loops in float64."""
-    counts: dict[int, int] = {}
-    for lab in labels:
-        counts[lab] = counts.get(lab, 0) + 1
+    counts = collections.Counter(labels)
     total = len(labels)
     quota, frac = {}, {}
     for k in sorted(counts):
@@ -187,9 +174,7 @@ def test_stratified_subset_against_reference(total, n, n_classes):
     assert idx.dtype == np.int64 and idx.shape == (min(n, total),)
     assert idx.tolist() == sorted(set(idx.tolist())), "indices must be unique and sorted"
     assert 0 <= int(idx.min()) and int(idx.max()) < total
-    got: dict[int, int] = {}
-    for i in idx.tolist():
-        got[int(y[i])] = got.get(int(y[i]), 0) + 1
+    got = collections.Counter(int(y[i]) for i in idx.tolist())
     ref = _reference_quota(y.tolist(), n)
     assert {k: v for k, v in ref.items() if v} == got
     assert np.array_equal(idx, stratified_subset(y, n, seed=3))
@@ -222,10 +207,7 @@ def test_split_rejects_bad_labels():
         Split(torch.zeros(3, 2), torch.zeros(3, dtype=torch.int32))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# digits
-
-
+# --------------------------------------------------------------------------------------------------------------- digits
 def test_digits_shapes_range_classes(digits):
     from sklearn.datasets import load_digits
 
@@ -242,16 +224,13 @@ def test_digits_shapes_range_classes(digits):
     want = collections.Counter(
         (tuple((ref.images[i] / 16.0).astype(np.float32).ravel().tolist()), int(ref.target[i])) for i in range(n)
     )
-    have = collections.Counter()
-    for split in (digits.train, digits.test):
-        for i in range(len(split)):
-            have[(tuple(split.x[i].ravel().tolist()), int(split.y[i]))] += 1
+    have = collections.Counter(
+        (tuple(x.ravel().tolist()), int(y)) for s in (digits.train, digits.test) for x, y in zip(s.x, s.y, strict=True)
+    )
     assert have == want
     # stratified: each class's test share is within one sample of test_fraction
-    for k in range(10):
-        n_k = int((torch.from_numpy(ref.target) == k).sum())
-        t_k = int((digits.test.y == k).sum())
-        assert abs(t_k - 0.2 * n_k) <= 1.0
+    n_k, t_k = np.bincount(ref.target, minlength=10), torch.bincount(digits.test.y, minlength=10).numpy()
+    assert (np.abs(t_k - 0.2 * n_k) <= 1.0).all(), (t_k, n_k)
 
 
 def test_digits_deterministic_per_seed(digits):
@@ -288,10 +267,7 @@ def test_bad_arguments(request_of):
         load_dataset(request_of(dataset="digits", root=".", limit_train=0))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# CIFAR-10
-
-
+# ------------------------------------------------------------------------------------------------------------- CIFAR-10
 def test_cifar10_round_trips_pixels(tmp_path, no_download):
     written = write_cifar(tmp_path)
     ds = load_dataset(DataConfig(dataset="cifar10", root=str(tmp_path), download=True))  # present: never fetched
@@ -303,11 +279,8 @@ def test_cifar10_round_trips_pixels(tmp_path, no_download):
     assert ds.train.y.tolist() == train_labels and ds.test.y.tolist() == written["test_batch"][1]
     # explicit loops: row = R plane, G plane, B plane, each 32x32 in row-major order
     x = ds.train.x.numpy()
-    for k in (0, 19, 20, 57, 99):
-        for c in range(3):
-            for h in range(32):
-                for w in range(32):
-                    assert x[k, c, h, w] == train_data[k, c * 1024 + h * 32 + w]
+    for k, c, h, w in itertools.product((0, 19, 20, 57, 99), range(3), range(32), range(32)):
+        assert x[k, c, h, w] == train_data[k, c * 1024 + h * 32 + w]
     xt, test_data = ds.test.x.numpy(), written["test_batch"][0]
     for c in range(3):
         assert np.array_equal(xt[:, c], test_data[:, c * 1024 : (c + 1) * 1024].reshape(-1, 32, 32))
@@ -316,17 +289,14 @@ def test_cifar10_round_trips_pixels(tmp_path, no_download):
 @pytest.mark.parametrize("dataset", ["cifar10", "fashion_mnist", "omniglot"])
 def test_download_failure_is_explained(tmp_path, monkeypatch, dataset):
     """Offline: a CIFAR-10 batch corrupt (so re-downloaded), or no Fashion-MNIST or Omniglot file at all."""
-    import torchvision.datasets.cifar as tv_cifar
-    import torchvision.datasets.mnist as tv_mnist
-    import torchvision.datasets.omniglot as tv_omniglot
-
     calls = []
 
     def offline(*a, **k):
         calls.append(a)
         raise URLError("offline")
 
-    module = {"cifar10": tv_cifar, "fashion_mnist": tv_mnist, "omniglot": tv_omniglot}[dataset]
+    name = {"cifar10": "cifar", "fashion_mnist": "mnist", "omniglot": "omniglot"}[dataset]
+    module = importlib.import_module(f"torchvision.datasets.{name}")  # the module whose downloads fail
     monkeypatch.setattr(module, "download_and_extract_archive", offline)
     if dataset == "cifar10":
         write_cifar(tmp_path)
@@ -335,12 +305,7 @@ def test_download_failure_is_explained(tmp_path, monkeypatch, dataset):
         load_dataset(DataConfig(dataset=dataset, root=str(tmp_path), download=True))
     assert calls and "<urlopen error offline>" in str(e.value.__cause__)  # the network's error, kept as the cause
     if dataset == "omniglot":  # the background part alone
-        assert [a[0] for a in calls] == [f"{tv_omniglot.Omniglot.download_url_prefix}/images_background.zip"]
-
-
-def pickle_to(path: Path, obj) -> None:
-    with open(path, "wb") as f:
-        pickle.dump(obj, f, protocol=2)
+        assert [a[0] for a in calls] == [f"{module.Omniglot.download_url_prefix}/images_background.zip"]
 
 
 @pytest.mark.parametrize("damage,needles", [
@@ -373,10 +338,7 @@ def assert_names(msg: str, needles: list[str], **fields) -> None:
             assert needle.format(**fields) in msg, (needle, msg)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Fashion-MNIST
-
-
+# -------------------------------------------------------------------------------------------------------- Fashion-MNIST
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["torchvision", "flat"])
 @pytest.mark.parametrize("gz", [False, True])
@@ -476,10 +438,7 @@ def test_fashion_mnist_damaged_files_are_named(tmp_path, written, damage, needle
     assert_names(str(e.value), needles, root=root, raw=root / RAW)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# image folder
-
-
+# --------------------------------------------------------------------------------------------------------- image folder
 def test_image_folder_shapes_labels_colours(tmp_path):
     colours = write_png_folder(tmp_path)
     ds = load_dataset(DataConfig(dataset="image_folder", root=str(tmp_path), image_size=8, test_fraction=0.4,
@@ -495,10 +454,7 @@ def test_image_folder_shapes_labels_colours(tmp_path):
                 assert split.x[k, c].min() == rgb[c] and split.x[k, c].max() == rgb[c]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# synthetic
-
-
+# ------------------------------------------------------------------------------------------------------------ synthetic
 def test_synthetic_shapes_and_determinism():
     spec = SyntheticConfig(n_samples=300, n_clusters=3, rank=2, dim=16, noise=0.05)
     ds = load_dataset(DataConfig(dataset="synthetic", root="unused", synthetic=spec, seed=4))
@@ -513,10 +469,7 @@ def test_synthetic_shapes_and_determinism():
     assert not torch.equal(other.train.x, ds.train.x)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# prepared data
-
-
+# -------------------------------------------------------------------------------------------------------- prepared data
 def _uint8_dataset(n_train: int = 12, n_test: int = 6) -> Dataset:
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (n_train + n_test, 3, 4, 4), dtype=torch.uint8, generator=gen)
@@ -546,41 +499,28 @@ def test_prepared_round_trip(tmp_path, digits, which):
     assert manifest["files"]["train_x.npy"]["shape"] == list(ds.train.x.shape)
     assert manifest["files"]["test_y.npy"]["shape"] == [len(ds.test)]
     assert all(len(manifest["files"][name]["sha256"]) == 64 for name in PREPARED_FILES)
-    for verify in (True, False):
-        for mmap in (False, True):
-            back = load_prepared(out, verify=verify, mmap=mmap)
-            assert back.name == ds.name and back.classes == ds.classes and back.input_shape == ds.input_shape
-            for a, b in ((back.train, ds.train), (back.test, ds.test)):
-                assert a.x.dtype == b.x.dtype and torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+    for verify, mmap in itertools.product((True, False), (False, True)):
+        back = load_prepared(out, verify=verify, mmap=mmap)
+        assert back.name == ds.name and back.classes == ds.classes and back.input_shape == ds.input_shape
+        for a, b in ((back.train, ds.train), (back.test, ds.test)):
+            assert a.x.dtype == b.x.dtype and torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
     # plain numpy files: the views were written, not their base storage (12 images of the 18)
     saved = np.load(out / "train_x.npy", allow_pickle=False)
     assert saved.shape == tuple(ds.train.x.shape) and np.array_equal(saved, ds.train.x.numpy())
     assert prepared_nbytes(manifest) == ds.train.x.numel() * ds.train.x.element_size()
 
 
-def test_prepared_extra_cannot_override_fields(tmp_path):
-    with pytest.raises(ValueError, match="n_train"):
-        save_prepared(_uint8_dataset(), tmp_path / "p", extra={"n_train": 5})
-    assert not (tmp_path / "p").exists()
-
-
-def flip_a_byte(path: Path) -> None:
-    blob = bytearray(path.read_bytes())
-    blob[len(blob) // 2] ^= 0xFF
-    path.write_bytes(bytes(blob))
-
-
-@pytest.mark.parametrize("damage,match", [
-    *[(lambda out, n=name: flip_a_byte(out / n), rf"{name}.*sha256") for name in PREPARED_FILES],
-])
-def test_load_prepared_refuses_damage(tmp_path, damage, match):
+@pytest.mark.parametrize("name", PREPARED_FILES)
+def test_load_prepared_refuses_damage(tmp_path, name):
     """A flipped byte in any file, read or mapped (no manifest, a missing file, a shape off the manifest, pickled
     objects: tests/test_hostile_input.py's prepared cases)."""
     out = tmp_path / "prepared"
     save_prepared(_uint8_dataset(), out)
-    damage(out)
+    blob = bytearray((out / name).read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (out / name).write_bytes(bytes(blob))
     for mmap in (False, True):
-        with pytest.raises(DatasetError, match=match):
+        with pytest.raises(DatasetError, match=rf"{name}.*sha256"):
             load_prepared(out, verify=True, mmap=mmap)
 
 
@@ -614,20 +554,24 @@ def test_save_prepared_crash_leaves_nothing_half_written(tmp_path, monkeypatch):
     assert len(load_prepared(out).train) == 9
 
 
-def test_save_prepared_refuses_nan(tmp_path):
+def _nan_dataset() -> Dataset:
     x = torch.rand(6, 4)
     x[2, 1] = float("nan")
     y = torch.arange(6) % 2
-    ds = Dataset("synthetic", Split(x[:4], y[:4]), Split(x[4:], y[4:]), ("0", "1"), (4,))
-    with pytest.raises(DatasetError, match="NaN"):
-        save_prepared(ds, tmp_path / "p")
+    return Dataset("synthetic", Split(x[:4], y[:4]), Split(x[4:], y[4:]), ("0", "1"), (4,))
+
+
+@pytest.mark.parametrize("dataset,extra,error,match", [
+    pytest.param(_uint8_dataset, {"n_train": 5}, ValueError, "n_train", id="extra-overrides-a-field"),
+    pytest.param(_nan_dataset, None, DatasetError, "NaN", id="nan"),
+])
+def test_save_prepared_refuses_and_writes_nothing(tmp_path, dataset, extra, error, match):
+    with pytest.raises(error, match=match):
+        save_prepared(dataset(), tmp_path / "p", extra=extra)
     assert not (tmp_path / "p").exists()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the prepared format at scale: block-wise writing, memory maps, row reads
-
-
+# --------------------------------------------- the prepared format at scale: block-wise writing, memory maps, row reads
 def mapped_file(t: torch.Tensor) -> str | None:
     """The file whose memory map holds ``t``'s data (from /proc/self/maps), or None if it is ordinary memory."""
     ptr = t.data_ptr()

@@ -70,10 +70,7 @@ def assert_drawings_of_their_class(x: torch.Tensor, y: torch.Tensor, classes, wr
     return seen
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# one part, as read
-
-
+# ---------------------------------------------------------------------------------------------------- one part, as read
 @pytest.mark.parametrize("background", [True, False])
 def test_read_omniglot_one_part(omniglot, background):
     root, written = omniglot
@@ -86,10 +83,7 @@ def test_read_omniglot_one_part(omniglot, background):
         assert np.array_equal(x[k, 0].numpy(), written[classes[int(y[k])]][k % DRAWINGS])
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# data.dataset: omniglot (the background characters, split by test_fraction)
-
-
+# ------------------------------------------- data.dataset: omniglot (the background characters, split by test_fraction)
 def test_omniglot_background_characters_are_the_classes(omniglot):
     root, written = omniglot
     ds = load_dataset(DataConfig(dataset="omniglot", root=str(root), test_fraction=1 / 3, seed=2))
@@ -134,10 +128,7 @@ def test_omniglot_image_size_resizes_each_drawing(omniglot, size):
         assert torch.equal(small.train.x[k], ref)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# omniglot_sets_split (background characters for training, unseen evaluation characters for testing)
-
-
+# ------------------- omniglot_sets_split (background characters for training, unseen evaluation characters for testing)
 def test_sets_split_has_disjoint_classes(omniglot):
     root, written = omniglot
     train_x, train_y, test_x, test_y = omniglot_sets_split(root)
@@ -164,10 +155,7 @@ def test_sets_split_names_the_missing_part(tmp_path):
         omniglot_sets_split(tmp_path, image_size=0)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# missing and broken files, never a download when the files are there
-
-
+# -------------------------------------------------- missing and broken files, never a download when the files are there
 def test_omniglot_missing_root_and_folder(tmp_path):
     root = tmp_path / "nowhere"
     for call in (lambda: load_dataset(DataConfig(dataset="omniglot", root=str(root))),
@@ -210,10 +198,7 @@ def test_omniglot_present_files_never_download(omniglot, no_download):
     assert len(omniglot_sets_split(root, download=True)[3]) == sum(EVALUATION.values()) * DRAWINGS
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the prepare stage
-
-
+# ---------------------------------------------------------------------------------------------------- the prepare stage
 def test_prepare_stage_writes_omniglot(project):
     write_omniglot(project / "data" / "raw", parts=("background",), drawings=2)
     result = CliRunner().invoke(main, ["prepare", "-S", "data.dataset=omniglot", "-S", "data.test_fraction=0.5",

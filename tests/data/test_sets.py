@@ -3,6 +3,7 @@ element twice, determinism), the class sizes' distribution against an enumeratio
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import numpy as np
@@ -68,9 +69,7 @@ def test_class_sizes_are_uniform_over_the_feasible_compositions() -> None:
     y = _labels([2, 3, 40])
     index = sample_sets(y, 3000, 8, k_range=(3, 3), seed=0)
     counts = torch.stack([(y[index] == c).sum(1) for c in range(3)], dim=1)  # (S, 3)
-    seen = {}
-    for row in counts.tolist():
-        seen[tuple(row)] = seen.get(tuple(row), 0) + 1
+    seen = collections.Counter(map(tuple, counts.tolist()))
     assert set(seen) == set(_compositions([2, 3, 40], 8))
     for n in seen.values():  # 3000 / 6 = 500, sd ~ 20
         assert abs(n - 500) < 100, seen

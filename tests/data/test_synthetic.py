@@ -3,6 +3,7 @@ radii and centres within their ranges, every circle used, determinism by seed.""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -25,12 +26,11 @@ def test_shapes_and_dtypes(n_sets: int, points: int, circles: int) -> None:
 @pytest.mark.parametrize("seed", [0, 3])
 def test_every_point_lies_on_its_circle(seed: int) -> None:
     d = four_circles(40, seed=seed)
-    for s in range(40):
-        for p in range(20):
-            c = int(d.labels[s, p])
-            x, y = (float(v) for v in d.points[s, p])
-            cx, cy = (float(v) for v in d.centres[s, c])
-            assert abs(math.hypot(x - cx, y - cy) - float(d.radii[s, c])) <= 1e-6, (s, p)
+    for s, p in itertools.product(range(40), range(20)):
+        c = int(d.labels[s, p])
+        x, y = (float(v) for v in d.points[s, p])
+        cx, cy = (float(v) for v in d.centres[s, c])
+        assert abs(math.hypot(x - cx, y - cy) - float(d.radii[s, c])) <= 1e-6, (s, p)
 
 
 def test_radii_and_centres_within_their_ranges() -> None:
@@ -52,12 +52,11 @@ def largest_gaps(d) -> list[tuple[float, int]]:
     """(the largest angular gap between neighbouring points of a circle, its m points) for every circle of every set,
     by a loop over sets and circles."""
     out = []
-    for s in range(d.points.shape[0]):
-        for c in range(d.centres.shape[1]):
-            on = d.points[s][d.labels[s] == c].double() - d.centres[s, c].double()  # (m, 2)
-            theta = sorted(math.atan2(float(y), float(x)) % (2 * math.pi) for x, y in on)
-            gaps = [b - a for a, b in zip(theta, theta[1:], strict=False)] + [theta[0] + 2 * math.pi - theta[-1]]
-            out.append((max(gaps), len(theta)))
+    for s, c in itertools.product(range(d.points.shape[0]), range(d.centres.shape[1])):
+        on = d.points[s][d.labels[s] == c].double() - d.centres[s, c].double()  # (m, 2)
+        theta = sorted(math.atan2(float(y), float(x)) % (2 * math.pi) for x, y in on)
+        gaps = [b - a for a, b in zip(theta, theta[1:], strict=False)] + [theta[0] + 2 * math.pi - theta[-1]]
+        out.append((max(gaps), len(theta)))
     return out
 
 

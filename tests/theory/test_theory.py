@@ -18,10 +18,8 @@ from pipeline.theory import measures as T
 
 
 def naive_sharpness(a, labels):
-    """Definition 2 literally: inf over (i, j, p, q) of A_ij / A_pq, for a NON-NEGATIVE matrix.
-
-    Same-cluster pairs exclude i == j; a zero denominator is read as 0+ (x / 0+ = +inf if x > 0, 0 if x = 0).
-    """
+    """Definition 2 literally: inf over (i, j, p, q) of A_ij / A_pq, for a NON-NEGATIVE matrix. Same-cluster pairs
+    exclude i == j; a zero denominator is read as 0+ (x / 0+ = +inf if x > 0, 0 if x = 0)."""
     n = len(labels)
     best = math.inf
     for i, j, p, q in itertools.product(range(n), repeat=4):
@@ -66,10 +64,8 @@ def test_generator_shapes_units_labels_subspaces_and_noise_bound(n, k, r, m, noi
     counts = [int((d.labels == c).sum()) for c in range(k)]
     assert sum(counts) == n and max(counts) - min(counts) <= 1
     b = d.bases.double()
-    for c in range(k):  # orthonormal columns
-        for a in range(r):
-            for e in range(r):
-                assert abs(dot(b[c][:, a], b[c][:, e]) - (1.0 if a == e else 0.0)) < 1e-5
+    for c, a, e in itertools.product(range(k), range(r), range(r)):  # orthonormal columns
+        assert abs(dot(b[c][:, a], b[c][:, e]) - (1.0 if a == e else 0.0)) < 1e-5
     b = b.tolist()
     cos = []
     for i in range(n):
@@ -139,9 +135,7 @@ def test_sharpness_negative_entries_conventions():
     labels = np.array([0, 0, 1, 1])
     a = np.array([[9.0, -0.5, 0.1, 0.25], [2.0, 9.0, 0.2, 0.0], [0.1, 0.2, 9.0, 1.0], [0.0, 0.0, 3.0, 9.0]])
     assert T.sharpness(a, labels) == pytest.approx(-0.5 / 0.25)  # min_same / max_diff, <= 0
-    neg = np.array(
-        [[0.0, -1.0, -2.0, -2.0], [-1.0, 0.0, -2.0, -2.0], [-2.0, -2.0, 0.0, -1.0], [-2.0, -2.0, -1.0, 0.0]]
-    )
+    neg = np.array([[0.0, -1.0, -2.0, -2.0], [-1.0, 0.0, -2.0, -2.0], [-2.0, -2.0, 0.0, -1.0], [-2.0, -2.0, -1.0, 0.0]])
     assert T.sharpness(neg, labels) == -math.inf  # negative inside, non-positive across
     pos = -neg
     pos[labels[:, None] != labels[None, :]] = -3.0
@@ -177,17 +171,9 @@ def test_integrity_two_lines_in_the_plane(theta):
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_integrity_coordinate_axes(k):
     # K coordinate axes in R^{K+1}; u ⊥ e_k must make |u_j| >= ρ for the K-1 other axes: ρ = 1/sqrt(K-1)
-    m = k + 1
-    b = np.zeros((k, m, 1))
-    xs, labels = [], []
-    for c in range(k):
-        b[c, c, 0] = 1.0
-        for s in (1.0, -1.0, 1.0):
-            e = np.zeros(m)
-            e[c] = s
-            xs.append(e)
-            labels.append(c)
-    rho = T.cluster_integrity(np.array(xs), labels, b)
+    axes = np.eye(k + 1)[:k]  # (K, K + 1): U_c = span(e_c)
+    xs = np.repeat(axes, 3, axis=0) * np.tile([1.0, -1.0, 1.0], k)[:, None]  # +e_c, -e_c, +e_c for each cluster
+    rho = T.cluster_integrity(xs, np.repeat(np.arange(k), 3), axes[:, :, None])
     assert rho == pytest.approx(1 / math.sqrt(k - 1), abs=1e-3)
     assert rho <= 1 / math.sqrt(k - 1) + 1e-12  # a lower bound, never above the truth
 
@@ -329,23 +315,19 @@ def test_noise_bounds_hand_values():
         B.noise_bounds(1.2, 0.1)
 
 
-@pytest.mark.parametrize(
-    "rho,eps,n,expected,meaningful",
-    [
-        # ε = 0: δ = 0, Δ = ρ = 1: γ = (1 - 0)² * 2 / (1 * n³ * (1 + 1) * 1) = 1 / n³
-        (1.0, 0.0, 2, 1 / 8, True),
-        (1.0, 0.0, 4, 1 / 64, True),
-        # ε = 0, ρ = 0.8: γ = 0.512² * 2 / (0.64 * 1 * 1.64 * 1) = 0.524288 / 1.0496
-        (0.8, 0.0, 1, 0.524288 / 1.0496, True),
-        # ρ = 1, ε = 0.4: δ = 0.8, Δ = 0.6, n = 1: n²(δ + δ²) = 1.44, Δ³ = 0.216,
-        # num = (0.216 - 1.44)² * 2.8 = 4.1948928; Δ² + 1 + δ = 2.16;
-        # den = 0.36 * 2.16 * (1 + 0.8 * 2.16) = 2.1212928
-        (1.0, 0.4, 1, 4.1948928 / 2.1212928, False),
-        # ρ = 0.6, ε = 1: δ = 1, Δ = -0.8, n = 2: n²(δ + δ²) = 8; num = (-0.512 - 8)² * 3 = 217.362432;
-        # Δ² + 1 + δ = 2.64; den = 0.64 * 8 * 2.64 * (1 + 2.64) = 49.201152
-        (0.6, 1.0, 2, 217.362432 / 49.201152, False),
-    ],
-)
+@pytest.mark.parametrize("rho,eps,n,expected,meaningful", [
+    # ε = 0: δ = 0, Δ = ρ = 1: γ = (1 - 0)² * 2 / (1 * n³ * (1 + 1) * 1) = 1 / n³
+    (1.0, 0.0, 2, 1 / 8, True),
+    (1.0, 0.0, 4, 1 / 64, True),
+    # ε = 0, ρ = 0.8: γ = 0.512² * 2 / (0.64 * 1 * 1.64 * 1) = 0.524288 / 1.0496
+    (0.8, 0.0, 1, 0.524288 / 1.0496, True),
+    # ρ = 1, ε = 0.4: δ = 0.8, Δ = 0.6, n = 1: n²(δ + δ²) = 1.44, Δ³ = 0.216, num = (0.216 - 1.44)² * 2.8 = 4.1948928;
+    # Δ² + 1 + δ = 2.16; den = 0.36 * 2.16 * (1 + 0.8 * 2.16) = 2.1212928
+    (1.0, 0.4, 1, 4.1948928 / 2.1212928, False),
+    # ρ = 0.6, ε = 1: δ = 1, Δ = -0.8, n = 2: n²(δ + δ²) = 8; num = (-0.512 - 8)² * 3 = 217.362432;
+    # Δ² + 1 + δ = 2.64; den = 0.64 * 8 * 2.64 * (1 + 2.64) = 49.201152
+    (0.6, 1.0, 2, 217.362432 / 49.201152, False),
+])
 def test_theorem2_hand_values(rho, eps, n, expected, meaningful):
     t = B.theorem2(rho, eps, n)
     assert float(t.gamma) == pytest.approx(expected, rel=1e-9)
@@ -402,16 +384,14 @@ def test_printed_gamma_region_favours_noise():
 
 @pytest.mark.parametrize("n", [5, 8])
 def test_affinity_contrast_matches_a_loop(n):
-    from pipeline.theory.measures import affinity_contrast
-
     rng = np.random.default_rng(n)
     a = rng.random((n, n))
     y = np.arange(n) % 2
     same = [a[i, j] for i in range(n) for j in range(n) if i != j and y[i] == y[j]]
     diff = [a[i, j] for i in range(n) for j in range(n) if y[i] != y[j]]
-    assert affinity_contrast(a, y) == pytest.approx((sum(same) / len(same)) / (sum(diff) / len(diff)))
+    assert T.affinity_contrast(a, y) == pytest.approx((sum(same) / len(same)) / (sum(diff) / len(diff)))
     block = (y[:, None] == y[None, :]).astype(float)
-    assert affinity_contrast(block, y) == float("inf")
+    assert T.affinity_contrast(block, y) == float("inf")
 
 
 @pytest.mark.parametrize("n", [6, 11, 40])

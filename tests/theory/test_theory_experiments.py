@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import csv
+import itertools
 import json
 import math
 
@@ -80,23 +82,18 @@ def test_formula_table_rows_match_theorem2_cell_by_cell(points, log_points):
     rows = TE.formula_table(grid)
     assert len(rows) == len(grid.n) * len(grid.rho) * len(grid.eps)
     assert all(tuple(r) == TE.FORMULA_COLUMNS for r in rows)
-    k = 0
-    for n in grid.n:
-        for rho in grid.rho:
-            for eps in grid.eps:
-                r = rows[k]
-                k += 1
-                assert (r["n"], r["rho"], r["eps"]) == (n, rho, eps)
-                delta, big, gamma, meaningful = gamma_reference(rho, eps, n)
-                assert r["meaningful"] is meaningful
-                assert r["Delta"] == pytest.approx(big, abs=1e-12)
-                if math.isnan(gamma):
-                    assert math.isnan(r["gamma"])
-                elif math.isinf(gamma) or gamma > 1e12:
-                    assert r["gamma"] > 1e12 or math.isinf(r["gamma"])
-                else:
-                    assert r["gamma"] == pytest.approx(gamma, rel=1e-8)
-                assert r["learnable"] is False  # theory.learnable_region: empty for every n >= 1
+    for r, (n, rho, eps) in zip(rows, itertools.product(grid.n, grid.rho, grid.eps), strict=True):
+        assert (r["n"], r["rho"], r["eps"]) == (n, rho, eps)
+        delta, big, gamma, meaningful = gamma_reference(rho, eps, n)
+        assert r["meaningful"] is meaningful
+        assert r["Delta"] == pytest.approx(big, abs=1e-12)
+        if math.isnan(gamma):
+            assert math.isnan(r["gamma"])
+        elif math.isinf(gamma) or gamma > 1e12:
+            assert r["gamma"] > 1e12 or math.isinf(r["gamma"])
+        else:
+            assert r["gamma"] == pytest.approx(gamma, rel=1e-8)
+        assert r["learnable"] is False  # theory.learnable_region: empty for every n >= 1
     assert any(r["gamma_gt1"] for r in rows) and any(r["meaningful"] for r in rows)
 
 
@@ -118,12 +115,8 @@ def test_theory_grid_uniform_and_validation():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(n=[6]), "2 \\* n_clusters"),
-    (dict(rank=3, dim=6), "n_clusters - 1"),
-    (dict(eps=[1.2]), "eps"),
-    (dict(depth=[0]), "depth"),
-    (dict(steps=0), "steps"),
-    (dict(learned_nmi=0.0), "learned_nmi"),
+    (dict(n=[6]), "2 \\* n_clusters"), (dict(rank=3, dim=6), "n_clusters - 1"), (dict(eps=[1.2]), "eps"),
+    (dict(depth=[0]), "depth"), (dict(steps=0), "steps"), (dict(learned_nmi=0.0), "learned_nmi"),
     (dict(seeds=[1, 1]), "duplicate"),
 ])
 def test_empirical_grid_rules_live_in_the_config(kwargs, match):
@@ -160,13 +153,12 @@ def test_squared_cosine_matches_loops(n, h):
     q, k = torch.randn(n, h, generator=g), torch.randn(n, h, generator=g)
     got = TE.squared_cosine(q, k)
     qd, kd = q.double().tolist(), k.double().tolist()
-    for i in range(n):
-        for j in range(n):
-            dot = sum(a * b for a, b in zip(qd[i], kd[j], strict=True))
-            nq = math.sqrt(sum(a * a for a in qd[i]))
-            nk = math.sqrt(sum(b * b for b in kd[j]))
-            want = 0.0 if i == j else (dot / (nq * nk)) ** 2
-            assert got[i, j] == pytest.approx(want, abs=1e-12)
+    for i, j in itertools.product(range(n), repeat=2):
+        dot = sum(a * b for a, b in zip(qd[i], kd[j], strict=True))
+        nq = math.sqrt(sum(a * a for a in qd[i]))
+        nk = math.sqrt(sum(b * b for b in kd[j]))
+        want = 0.0 if i == j else (dot / (nq * nk)) ** 2
+        assert got[i, j] == pytest.approx(want, abs=1e-12)
 
 
 def test_measure_fields_match_references():
@@ -271,15 +263,9 @@ def test_summarize_counts_match_a_loop(tiny_formula):
                          gamma_gt1=g > 1, meaningful=m, learned=bool(rng.random() < 0.5),
                          contrast_gain=float(rng.choice([0.5, 2.0, 0.001])), nmi=float(rng.random())))
     e = TR.summarize(tiny_formula, rows)["empirical"]
-    both = formula_only = measured_only = neither = 0
-    for r in rows:
-        p, q = r["gamma_gt1"], r["learned"]
-        both += p and q
-        formula_only += p and not q
-        measured_only += q and not p
-        neither += not p and not q
-    assert (e["both"], e["formula_only"], e["measured_only"], e["neither"]) == (both, formula_only, measured_only,
-                                                                              neither)
+    cells = collections.Counter((r["gamma_gt1"], r["learned"]) for r in rows)  # (formula says γ > 1, learned)
+    assert (e["both"], e["formula_only"], e["measured_only"], e["neither"]) == (
+        cells[True, True], cells[True, False], cells[False, True], cells[False, False])
     assert e["runs"] == 40 and e["learned"] == sum(r["learned"] for r in rows)
     assert e["gain_gt1"] == sum(r["contrast_gain"] > 1 for r in rows)
     assert e["meaningful_gain_ge_gamma"] == sum(r["contrast_gain"] >= r["gamma"] for r in rows if r["meaningful"])
@@ -356,19 +342,15 @@ def test_theory_figure_draws_each_formula_category_it_is_given(tmp_path, tiny_fo
 def test_a_small_grid_runs_in_this_process_a_large_one_on_the_pool(monkeypatch):
     """Spawning the pool costs more than a grid of fewer than POOL_MIN_STEPS steps; an explicit ``workers`` wins."""
     import concurrent.futures
+    import contextlib
     import dataclasses
 
     pools = []
 
-    class Pool:  # runs each cell at once, in this process; records the pool's size
+    class Pool(contextlib.nullcontext):  # runs each cell at once, in this process; records the pool's size
         def __init__(self, workers, mp_context=None):
+            super().__init__(self)  # `with` gives the pool itself
             pools.append(workers)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
 
         def submit(self, fn, *args):
             future = concurrent.futures.Future()
