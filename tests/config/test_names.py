@@ -4,18 +4,10 @@ and jobs resume by."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-from pipeline.config.names import (
-    data_digest,
-    evaluate_label,
-    pretrain_label,
-    stable_name,
-    sweep_label,
-    tables_label,
-)
+from pipeline.config.names import data_digest, evaluate_label, pretrain_label, stable_name, sweep_label, tables_label
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = {"dataset": "digits", "files": {"train.pt": {"sha256": "a" * 64}, "test.pt": {"sha256": "b" * 64}}}
 
 

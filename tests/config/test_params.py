@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
 
 from pipeline.config.base import ParamsError, apply_overrides, flatten, parse_override
 from pipeline.config.params import Params, load_params, validate_params
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import ROOT
 
 
 def default_raw() -> dict:

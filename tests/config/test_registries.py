@@ -3,6 +3,8 @@ match the registries of what implements them; each name works, and one outside t
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -98,8 +100,6 @@ def test_abc_names_are_what_abc_implements():
 
 
 def test_usable_cpus_is_this_process_affinity():
-    import os
-
     n = usable_cpus()
     assert 1 <= n <= (os.cpu_count() or n)
     if hasattr(os, "sched_getaffinity"):

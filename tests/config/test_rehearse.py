@@ -5,11 +5,13 @@ value, overrides of control keys are refused naming the key, and the default siz
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from pipeline.config.base import flatten, read_params_file
 from pipeline.config.params import validate_params
 from pipeline.config.rehearse import GRID_KEYS, SIZE_KEYS, RehearsalError, get, plan, with_default_rows
-from tests.conftest import ROOT
+from pipeline.host import usable_cpus
+from tests.conftest import ROOT, invoke
 
 SHIPPED = ["params.yaml", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "presets").glob("*.yaml"))]
 SETS_FILES = [f for f in SHIPPED if set(read_params_file(ROOT / f)) == {"sets"}]  # the set-clustering study's files
@@ -134,8 +136,6 @@ def test_trials_at_once_are_this_machines_unless_told():
 
 
 def test_the_command_refuses_a_control_key_before_any_work(tmp_path, monkeypatch, ray_starts):
-    from tests.conftest import invoke
-
     monkeypatch.chdir(tmp_path)
     result = invoke("rehearse", "--params", str(ROOT / "presets/paper-tables.yaml"), "-S", "train.knn_every=1")
     assert result.exit_code == 2
@@ -148,11 +148,6 @@ def test_the_command_refuses_a_control_key_before_any_work(tmp_path, monkeypatch
 def test_resume_needs_the_same_rehearsal_in_its_directory(tmp_path, monkeypatch, ray_starts):
     """``--resume`` keeps --dir only for a rehearsal of the same params (file, sizes, declared GPUs): else exit 2
     before any work, the directory untouched."""
-    import yaml
-
-    from pipeline.host import usable_cpus
-    from tests.conftest import invoke
-
     monkeypatch.chdir(tmp_path)
     shipped, work = str(ROOT / "presets/cluster-sweep.yaml"), tmp_path / "work"
     result = invoke("rehearse", "--params", shipped, "--dir", str(work), "--resume")

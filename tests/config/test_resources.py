@@ -26,11 +26,10 @@ def test_places_one_run_bundle_by_bundle(nodes, shape, fits):
     assert places(nodes, shape) is fits
 
 
-def test_bad_shapes_are_refused():
+@pytest.mark.parametrize("workers, cpus", [(0, 1.0), (1, 0.0)], ids=["no-worker", "no-cpu"])
+def test_bad_shapes_are_refused(workers, cpus):
     with pytest.raises(ValueError):
-        TrialShape(0, 1.0)
-    with pytest.raises(ValueError):
-        TrialShape(1, 0.0)
+        TrialShape(workers, cpus)
 
 
 # ---------------------------------------------------------------------------------------------- infeasible

@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.config import data, ray, sweep, tables, theory
 from pipeline.config.base import ParamsError, load_section
-from pipeline.config.params import Params
+from pipeline.config.params import Params, load_params
 from tests.conftest import ROOT
 
 SECTIONS = {"data": data.DataConfig, "ray": ray.RayConfig, "sweep": sweep.SweepConfig, "theory": theory.TheoryConfig}
@@ -16,8 +16,6 @@ SECTIONS = {"data": data.DataConfig, "ray": ray.RayConfig, "sweep": sweep.SweepC
 def test_a_section_alone_is_the_whole_files_section(name):
     alone = load_section(ROOT / "params.yaml", name, SECTIONS[name])
     assert type(alone) is SECTIONS[name] and Params.model_fields[name].annotation is SECTIONS[name]
-    from pipeline.config.params import load_params
-
     assert alone == getattr(load_params(ROOT / "params.yaml"), name)
 
 
@@ -37,8 +35,6 @@ def test_other_sections_are_not_read_but_every_override_must_be_well_formed(tmp_
     (tmp_path / "p.yaml").write_text(text)
     assert load_section(tmp_path / "p.yaml", "data", data.DataConfig).dataset == "digits"
     with pytest.raises(ParamsError, match="model.depth"):
-        from pipeline.config.params import load_params
-
         load_params(tmp_path / "p.yaml")
     (tmp_path / "q.yaml").write_text("model: {}\n")
     with pytest.raises(ParamsError, match="data: required section is missing"):

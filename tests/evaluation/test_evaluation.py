@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
+from pipeline.config.model import ModelConfig
+from pipeline.config.params import load_params
 from pipeline.core.backbones import build_backbone
-from pipeline.core.model import TransFusion, TransFusionHead
-from pipeline.evaluation.evaluate import layer_affinities, layer_embeddings
+from pipeline.core.clustering import cosine_affinity, spectral_scores
+from pipeline.core.model import TransFusion, TransFusionHead, build_model
+from pipeline.data.sources import load_dataset
+from pipeline.data.split import stratified_subset, to_float
+from pipeline.evaluation.evaluate import layer_affinities, layer_clusters, layer_embeddings, probe_frozen
+from pipeline.evaluation.probes import run_probes
+from pipeline.io import save_torch
+from tests.conftest import ROOT
 from tests.evaluation.test_health import assert_same_numbers
 
 
@@ -32,11 +42,9 @@ def test_embeddings_are_in_input_order_and_fused_within_chunks(n, batch):
     np.testing.assert_allclose(reps[2][chunk.numpy()], ref[2].numpy(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("depth,truncated,names", [
-    (0, False, ["backbone"]),
-    (2, False, ["backbone", "block_1", "block_2", "output"]),
-    (2, True, ["backbone", "block_1", "block_2"]),
-])
+@pytest.mark.parametrize("depth,truncated,names", [(0, False, ["backbone"]),
+                                                    (2, False, ["backbone", "block_1", "block_2", "output"]),
+                                                    (2, True, ["backbone", "block_1", "block_2"])])
 def test_affinity_layers(depth, truncated, names):
     x = torch.rand(9, 12)
     named = layer_affinities(model(depth, truncated), x, torch.device("cpu"))
@@ -67,12 +75,7 @@ def test_a_batch_too_large_for_the_dense_head_is_fused_over_tiles_with_the_same_
 def test_an_abc_model_saved_before_set_norm_loads_without_it(tmp_path):
     """config.json written before ``model.abc.set_norm`` existed: the model is rebuilt as it was trained (no set
     normalisation), not with today's default; one that says set_norm keeps it."""
-    import json
-
-    from pipeline.config.model import ModelConfig
-    from pipeline.core.model import build_model
     from pipeline.evaluation.evaluate import load_pretrained
-    from pipeline.io import save_torch
 
     m = ModelConfig.model_validate({"method": "abc", "backbone": "mlp", "qk_init": "default",
                                     "abc": {"width": 8, "heads": 2}})
@@ -110,9 +113,6 @@ def naive_cosine_silhouette(z: np.ndarray, y: np.ndarray) -> float:
 
 @pytest.mark.parametrize("n,d,k", [(12, 3, 2), (30, 5, 3), (40, 8, 4)])
 def test_layer_clusters_match_a_loop_reference_and_rank_condensed_classes_first(n, d, k):
-    from pipeline.core.clustering import cosine_affinity, spectral_scores
-    from pipeline.evaluation.evaluate import layer_clusters
-
     rng = np.random.default_rng(n)
     y = np.arange(n) % k
     centres = rng.normal(size=(k, d)) * 3
@@ -131,14 +131,6 @@ def test_layer_clusters_match_a_loop_reference_and_rank_condensed_classes_first(
 def test_probe_frozen_is_run_probes_on_the_capped_split(max_train):
     """A tables row's probes (and a control's): the stratified ``probe.max_train`` cap, then every probe at 100 % of
     those labels, on the pixels (no model) or on the backbone's embeddings; checked against the steps written out."""
-    from pipeline.config.params import load_params
-    from pipeline.core.model import build_model
-    from pipeline.data.sources import load_dataset
-    from pipeline.data.split import stratified_subset, to_float
-    from pipeline.evaluation.evaluate import probe_frozen
-    from pipeline.evaluation.probes import run_probes
-    from tests.conftest import ROOT
-
     params = load_params(ROOT / "params.yaml", ["data.limit_train=300", "probe.probes=[knn50, logreg]",
                                                 f"probe.max_train={'null' if max_train is None else max_train}"])
     data = load_dataset(params.data)
@@ -159,12 +151,6 @@ def test_probe_frozen_is_run_probes_on_the_capped_split(max_train):
 def test_probes_embed_in_the_trainings_memory_format():
     """``train.memory_format: channels_last`` (the Fashion-MNIST presets'): a model rebuilt from its state (a tables
     trial's, the evaluate stage's) is probed in that layout too, as the loop trained it, with the same numbers."""
-    from pipeline.config.params import load_params
-    from pipeline.core.model import build_model
-    from pipeline.data.sources import load_dataset
-    from pipeline.evaluation.evaluate import probe_frozen
-    from tests.conftest import ROOT
-
     params = load_params(ROOT / "params.yaml", ["data.limit_train=300", "probe.probes=[knn50]"])
     data = load_dataset(params.data)
     assert len(data.input_shape) == 3  # images: (C, H, W)

@@ -182,15 +182,8 @@ def test_line_curves_skips_none(tmp_path, captured):
 
 
 # --------------------------------------------------------------------------------------- sharpness
-@pytest.mark.parametrize(
-    "values",
-    [
-        [0.5, 0.0, -2.0, math.inf, 3.0, math.nan, -math.inf],
-        [math.inf, math.inf],
-        [0.0, 0.0, 0.0],
-        [1e-6, 1e3, 5.0],
-    ],
-)
+@pytest.mark.parametrize("values", [[0.5, 0.0, -2.0, math.inf, 3.0, math.nan, -math.inf], [math.inf, math.inf],
+                                    [0.0, 0.0, 0.0], [1e-6, 1e3, 5.0]])
 def test_sharpness_per_layer_handles_inf_zero_negative(tmp_path, captured, values):
     F.sharpness_per_layer(values, tmp_path / "s.png", tmp_path / "s.csv")
     assert_valid_png(tmp_path / "s.png")

@@ -164,7 +164,6 @@ def test_a_deliberately_dead_block_is_reported_dead_in_training_and_warned_about
 
 
 def test_a_live_block_gets_no_warning_and_per_view_has_no_other_view() -> None:
-
     loop = small_loop(*MLP, "model.depth=1", "model.qk_init=identity", "model.fusion_scope=per_view",
                       data=digits(200, 100))
     h = loop.health()

@@ -12,14 +12,8 @@ from sklearn.neighbors import KNeighborsClassifier
 from pipeline.evaluation.knn import knn_accuracy, knn_predict
 
 
-def _knn_reference(
-    train_z: torch.Tensor,
-    train_y: torch.Tensor,
-    test_z: torch.Tensor,
-    k: int,
-    n_classes: int,
-    temperature: float | None,
-) -> list[int]:
+def _knn_reference(train_z: torch.Tensor, train_y: torch.Tensor, test_z: torch.Tensor, k: int, n_classes: int,
+                   temperature: float | None) -> list[int]:
     """Slow k-NN: python float64 cosine similarities, sort per test point, explicit vote count."""
     tr = train_z.double().tolist()
     te = test_z.double().tolist()
@@ -54,10 +48,7 @@ def _data(n_train: int, n_test: int, d: int, n_classes: int, seed: int, dtype=to
     return train_z, train_y, test_z, test_y
 
 
-SIZES = [(1, 1, 2, 1), (5, 3, 3, 2), (30, 17, 4, 3), (60, 25, 8, 5)]  # (n_train, n_test, d, n_classes)
-
-
-@pytest.mark.parametrize(("n_train", "n_test", "d", "n_classes"), SIZES)
+@pytest.mark.parametrize("n_train,n_test,d,n_classes", [(1, 1, 2, 1), (5, 3, 3, 2), (30, 17, 4, 3), (60, 25, 8, 5)])
 @pytest.mark.parametrize("k", [1, 2, 5, 20])
 @pytest.mark.parametrize("temperature", [None, 0.1, 0.5])
 def test_knn_matches_reference(n_train: int, n_test: int, d: int, n_classes: int, k: int, temperature) -> None:
@@ -100,22 +91,16 @@ def test_knn_majority_tie_goes_to_smallest_label() -> None:
 def test_knn_tiny_temperature_does_not_overflow() -> None:
     train_z, train_y, test_z, _ = _data(30, 10, 4, 3, seed=5, dtype=torch.float32)
     got = knn_predict(train_z, train_y, test_z, k=10, temperature=1e-4)
-    # with T -> 0 the nearest neighbour dominates the vote
-    nearest = knn_predict(train_z, train_y, test_z, k=1)
-    assert torch.equal(got, nearest)
+    assert torch.equal(got, knn_predict(train_z, train_y, test_z, k=1))  # T -> 0: the nearest neighbour dominates
 
 
 def test_knn_n_classes_labels_arguments_and_shapes() -> None:
     train_z, train_y, test_z, _ = _data(20, 8, 3, 3, seed=4)
     a = knn_predict(train_z, train_y, test_z, k=3)
-    b = knn_predict(train_z, train_y, test_z, k=3, n_classes=10)  # extra empty classes change nothing
-    assert torch.equal(a, b)
-    with pytest.raises(ValueError):
-        knn_predict(train_z, train_y, test_z, k=3, n_classes=2)
-    with pytest.raises(ValueError):
-        knn_predict(train_z, train_y.double(), test_z, k=3)
-    with pytest.raises(ValueError):
-        knn_predict(train_z, train_y - 5, test_z, k=3)
+    assert torch.equal(a, knn_predict(train_z, train_y, test_z, k=3, n_classes=10))  # extra empty classes: no change
+    for labels, kwargs in ((train_y, {"n_classes": 2}), (train_y.double(), {}), (train_y - 5, {})):
+        with pytest.raises(ValueError):
+            knn_predict(train_z, labels, test_z, k=3, **kwargs)
     train_z, train_y, test_z, test_y = _data(10, 4, 3, 2, seed=0)
     for kwargs in ({"k": 0}, {"chunk": 0}, {"temperature": 0.0}, {"temperature": -1.0}):
         with pytest.raises(ValueError):
@@ -129,9 +114,8 @@ def test_knn_n_classes_labels_arguments_and_shapes() -> None:
     assert out.shape == (0,) and out.dtype == torch.int64
 
 
-@pytest.mark.parametrize(
-    ("n_train", "n_test", "d", "n_classes", "k"), [(50, 40, 4, 3, 1), (200, 100, 8, 5, 7), (300, 80, 16, 10, 20)]
-)
+@pytest.mark.parametrize("n_train,n_test,d,n_classes,k",
+                         [(50, 40, 4, 3, 1), (200, 100, 8, 5, 7), (300, 80, 16, 10, 20)])
 def test_knn_majority_matches_sklearn(n_train: int, n_test: int, d: int, n_classes: int, k: int) -> None:
     # random float64 data: no two similarities tie, so the neighbour sets are unique
     rng = np.random.default_rng(n_train)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -28,8 +29,6 @@ def label_fraction_indices(y, fraction, seed=0):
 
 
 # ---------------------------------------------------------------------------------------------------- label fractions
-
-
 def _expected_count(n_c: int, fraction: float) -> int:
     """The documented rule: round-half-up share, but at least min(2, n_c)."""
     return max(min(2, n_c), int(math.floor(fraction * n_c + 0.5)))
@@ -41,10 +40,7 @@ def _labels(sizes: list[int], seed: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(y)
 
 
-SIZES = [[1], [1, 2, 3], [5, 5, 5, 5], [40, 7, 1, 13], [200, 100, 50]]
-
-
-@pytest.mark.parametrize("sizes", SIZES)
+@pytest.mark.parametrize("sizes", [[1], [1, 2, 3], [5, 5, 5, 5], [40, 7, 1, 13], [200, 100, 50]])
 @pytest.mark.parametrize("fraction", [0.01, 0.1, 0.25, 0.5, 0.75, 0.99])
 def test_label_fraction_counts_match_loop(sizes: list[int], fraction: float) -> None:
     y = _labels(sizes, seed=len(sizes))
@@ -52,9 +48,7 @@ def test_label_fraction_counts_match_loop(sizes: list[int], fraction: float) -> 
     assert idx.dtype == np.int64
     assert list(idx) == sorted(set(idx.tolist())), "indices must be sorted and unique"
     assert all(0 <= i < len(y) for i in idx)
-    kept = {}
-    for i in idx.tolist():
-        kept[int(y[i])] = kept.get(int(y[i]), 0) + 1
+    kept = Counter(int(y[i]) for i in idx.tolist())
     for c, n_c in enumerate(sizes):
         label = 3 * c + 1
         assert kept.get(label, 0) == _expected_count(n_c, fraction), (label, n_c)
@@ -81,8 +75,6 @@ def test_label_fraction_one_returns_all(n: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- make_probe
-
-
 @pytest.mark.parametrize("n_train", [10, 20_000, 20_001, 50_000])
 def test_make_probe_svm_rbf_up_to_threshold_then_linear(n_train: int) -> None:
     clf = make_probe("svm", n_train=n_train)[-1]
@@ -117,16 +109,13 @@ def test_make_probe_knn_clips_k_and_unknown_name() -> None:
         make_probe("resnet", n_train=10)
 
 
-@pytest.mark.parametrize(
-    ("n_train", "n_classes", "early"), [(499, None, False), (500, None, True), (249, 5, False), (250, 5, True)]
-)
+@pytest.mark.parametrize("n_train,n_classes,early", [(499, None, False), (500, None, True), (249, 5, False),
+                                                      (250, 5, True)])
 def test_make_probe_ffn_early_stopping_rule(n_train: int, n_classes, early: bool) -> None:
     assert make_probe("ffn", n_train=n_train, n_classes=n_classes)[-1].early_stopping is early
 
 
 # ------------------------------------------------------------------------------------------------- kNN vs reference
-
-
 def _knn_reference(train_z: np.ndarray, train_y: np.ndarray, test_z: np.ndarray, k: int) -> list[int | None]:
     """Slow cosine kNN with a majority vote; None where the data has a tie (distance at the k-th place or vote)."""
 
@@ -170,8 +159,6 @@ def test_knn_probe_matches_reference(name: str, n_train: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- run_probes
-
-
 def _blobs(n_train: int, n_test: int, seed: int = 0):
     """5 Gaussian blobs in 16-d around centres of norm 10 in random directions (so cosine kNN separates them too)."""
     centers = np.random.default_rng(seed).normal(size=(5, 16))
@@ -210,13 +197,8 @@ def test_run_probes_noise_labels_near_chance() -> None:
 
 def test_run_probes_small_train_knn200_and_torch_inputs() -> None:
     train_z, train_y, test_z, test_y = _blobs(100, 60, seed=2)
-    results = run_probes(
-        torch.from_numpy(train_z).float(),
-        torch.from_numpy(train_y),
-        torch.from_numpy(test_z).float(),
-        torch.from_numpy(test_y),
-        probes=("knn200", "svm"),
-    )
+    results = run_probes(torch.from_numpy(train_z).float(), torch.from_numpy(train_y), torch.from_numpy(test_z).float(),
+                         torch.from_numpy(test_y), probes=("knn200", "svm"))
     assert [r.probe for r in results] == ["knn200", "svm"]
     assert all(r.n_train == 100 for r in results)
     # k = 200 >= 100 labelled samples: every one would vote and the "accuracy" would be the majority class's

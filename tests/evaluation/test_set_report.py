@@ -29,8 +29,7 @@ def test_a_missing_mean_reads_n_a():
     e = entry(0.4)
     e["k_error"] = math.nan
     text = set_report.render({"digits": {"rbf": e}}, {})
-    assert text.splitlines()[[i for i, line in enumerate(text.splitlines()) if "| digits |" in line][0]].endswith(
-        "| n/a |")
+    assert next(line for line in text.splitlines() if "| digits |" in line).endswith("| n/a |")
 
 
 def test_winners_beyond_and_within_the_spread():

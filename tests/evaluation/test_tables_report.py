@@ -11,13 +11,16 @@ from pipeline.evaluation.report import HEADER, NA, PAPER_TABLE_1, PAPER_TABLE_2
 from pipeline.evaluation.tables_report import (
     COLUMNS,
     PROBES,
+    RISE,
     aggregate,
     csv_records,
     curve_columns,
     curve_rows,
+    health_table,
     read_curves,
     read_records,
     render,
+    rise_table,
     studies_section,
 )
 from pipeline.io import write_csv
@@ -160,8 +163,6 @@ def curve(name, seed, epoch, knn, **blocks):
     ([0.70, 0.70, 0.70], "0.700 (epoch 1)", "1"),
 ])
 def test_the_online_knn_stops_rising_where_no_later_epoch_beats_it(knn, best, stops):
-    from pipeline.evaluation.tables_report import RISE, rise_table
-
     assert RISE == 0.005
     # two seeds whose mean is knn: the row's curve is the mean over its seeds
     curves = [curve("TF", s, e + 1, k + (0.01 if s else -0.01)) for s in (0, 1) for e, k in enumerate(knn)]
@@ -171,8 +172,6 @@ def test_the_online_knn_stops_rising_where_no_later_epoch_beats_it(knn, best, st
 
 
 def test_the_health_table_reads_each_seeds_last_epoch():
-    from pipeline.evaluation.tables_report import health_table
-
     curves = [curve("TF-2", 0, 1, 0.5, block_1=(0.9, 0.0, 0.5, 0.5, 0.5), block_2=(0.9, 0.0, 0.5, 0.5, 0.5)),
               curve("TF-2", 0, 2, 0.6, block_1=(0.40, 0.1, 0.80, 0.2, 0.01), block_2=(0.005, 0.9, 0.99, 0.1, 0.02)),
               curve("TF-2", 1, 2, 0.6, block_1=(0.60, 0.3, 0.70, 0.3, 0.03), block_2=(0.20, 0.1, 0.95, 0.3, None)),
@@ -187,8 +186,6 @@ def test_the_health_table_reads_each_seeds_last_epoch():
 
 def test_the_health_table_reads_a_shallower_row_back_from_the_csv(tmp_path):
     """curves.csv has the deepest row's block columns: a one-block row's block_2 cells are empty, not a block."""
-    from pipeline.evaluation.tables_report import health_table
-
     curves = [curve("TF-1", 0, 1, 0.5, block_1=(0.5, 0.0, 0.8, 0.3, 0.02)),
               curve("TF-2", 0, 1, 0.5, block_1=(0.4, 0.1, 0.9, 0.2, 0.01), block_2=(0.3, 0.2, 0.9, 0.2, 0.01))]
     write_csv(tmp_path / "curves.csv", curves, curve_columns(curves))
