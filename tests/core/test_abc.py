@@ -5,12 +5,14 @@ gradcheck, no host sync."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import pipeline.core.abc as abc
 from pipeline.core.abc import (
     ATTENTION_SCALES,
     COMPATIBILITIES,
@@ -45,9 +47,8 @@ def layer_norm(v, ln):
 
 
 def sab_reference(block, x):
-    """One SAB by hand: per head h, per row i, an explicit softmax over j of s · q_i^h · k_j^h (multiplicative) or
-    s · uᵀtanh(q_i^h + k_j^h) (additive, one u for all heads); concat, W_O (when the block has one), residual, LN, FF,
-    residual, LN."""
+    """One SAB by hand: per head h, row i, a softmax over j of s · q_i^h · k_j^h (multiplicative) or s · uᵀtanh(q_i^h
+    + k_j^h) (additive, one u for all heads); concat, W_O (if any), residual, LN, FF, residual, LN."""
     n, dim = x.shape
     d = dim // block.heads
     q, k, v = block.query(x), block.key(x), block.value(x)  # (n, dim)
@@ -70,16 +71,13 @@ def sab_reference(block, x):
 
 def compat_reference(h, a, b):
     """E_ij = compat(a_i, b_j), one pair at a time (Table 1)."""
-    rows = []
-    for i in range(a.shape[0]):
-        row = []
-        for j in range(b.shape[0]):
-            if h.compatibility == "additive":
-                row.append(h.w @ torch.tanh(a[i] + b[j]))
-            else:
-                row.append((a[i] @ b[j]) / (math.sqrt(a.shape[1]) if h.scale_compat else 1.0))
-        rows.append(torch.stack(row))
-    return torch.stack(rows)
+
+    def compat(x, y):
+        if h.compatibility == "additive":
+            return h.w @ torch.tanh(x + y)
+        return (x @ y) / (math.sqrt(a.shape[1]) if h.scale_compat else 1.0)
+
+    return torch.stack([torch.stack([compat(a[i], b[j]) for j in range(b.shape[0])]) for i in range(a.shape[0])])
 
 
 def sigmoid(t):
@@ -106,11 +104,8 @@ def test_additive_energies_at_once_and_through_the_tiles_agree():
     a, b = torch.randn(2, 3, 5, 4, dtype=torch.float64), torch.randn(2, 3, 6, 4, dtype=torch.float64)
     w = torch.randn(4, dtype=torch.float64)
     loop = torch.zeros(2, 3, 5, 6, dtype=torch.float64)
-    for s in range(2):
-        for h in range(3):
-            for i in range(5):
-                for j in range(6):
-                    loop[s, h, i, j] = w @ torch.tanh(a[s, h, i] + b[s, h, j])
+    for s, h, i, j in itertools.product(range(2), range(3), range(5), range(6)):
+        loop[s, h, i, j] = w @ torch.tanh(a[s, h, i] + b[s, h, j])
     torch.testing.assert_close(additive_energies(a, b, w), loop, rtol=0, atol=1e-12)
     torch.testing.assert_close(additive_energies(a, b, w, tile=2), loop, rtol=0, atol=1e-12)
 
@@ -234,8 +229,7 @@ def test_row_slices_add_up_to_the_full_loss_and_gradient(compatibility, kernel):
 @pytest.mark.parametrize("tile", [1, 3, 100])
 def test_additive_tiles_equal_the_untiled_product(m, n, tile):
     torch.manual_seed(m + n)
-    a, b = torch.randn(m, 8, dtype=torch.float64, requires_grad=True), torch.randn(n, 8, dtype=torch.float64)
-    b.requires_grad_(True)
+    a, b = (torch.randn(rows, 8, dtype=torch.float64, requires_grad=True) for rows in (m, n))
     w = torch.randn(8, dtype=torch.float64, requires_grad=True)
     g = torch.randn(m, n, dtype=torch.float64)
     dense = (torch.tanh(a[:, None, :] + b[None]) * w).sum(-1)  # (m, n, H) at once: the reference
@@ -333,8 +327,6 @@ def test_bad_options_are_refused():
 def test_a_batch_of_sets_equals_each_set_alone(compatibility, kernel, big, monkeypatch):
     """x (B, n, dim): every (n, n) matrix and the batched BCE equal the B sets' own, set by set (the additive
     compatibility at once, and per set in tiles past TILE_ELEMENTS)."""
-    import pipeline.core.abc as abc
-
     if big:
         monkeypatch.setattr(abc, "TILE_ELEMENTS", 16)
     h = head(compatibility, kernel)
@@ -354,8 +346,7 @@ def test_a_batch_of_sets_equals_each_set_alone(compatibility, kernel, big, monke
 
 
 def set_norm_reference(x, eps):
-    """x (n, dim) standardised per feature over the n rows, by loops: (x_id − μ_d) / √(σ²_d + ε), σ² the biased
-    variance."""
+    """x (n, dim) standardised per feature over the n rows, by loops: (x_id − μ_d) / √(σ²_d + ε), σ² biased."""
     n, dim = x.shape
     out = torch.empty_like(x)
     for d in range(dim):
@@ -371,8 +362,6 @@ def set_norm_reference(x, eps):
 def test_set_norm_is_the_plain_head_on_the_standardised_set(compatibility, kernel, pre_embed):
     """set_norm: the same weights without it on x̂ = (x − μ) / √(σ² + ε), μ, σ² per feature over the set (a loop);
     a batch of sets (B, n, dim) standardises each set alone. Off by default."""
-    import pipeline.core.abc as abc
-
     dim = 6 if pre_embed else 8
     h = head(compatibility, kernel, dim=dim, pre_embed=pre_embed, set_norm=True)
     plain = head(compatibility, kernel, dim=dim, pre_embed=pre_embed)

@@ -183,20 +183,14 @@ def test_no_host_sync_forward_or_backward(activation, tile):
 
 def test_bad_arguments_raise():
     q, k, v, _ = inputs(4, 6, 3, 2, torch.float64, seed=0)
-    with pytest.raises(ValueError, match="gelu"):
-        fuse_rows(q, k, v, 0, "gelu", 2)
-    with pytest.raises(ValueError, match="tile"):
-        fuse_rows(q, k, v, 0, "relu", 0)
-    with pytest.raises(ValueError, match="does not fit"):
-        fuse_rows(q, k, v, 3)
-    with pytest.raises(ValueError, match="LongTensor"):
-        fuse_rows(q, k, v, torch.tensor([0, 1]), "relu", 2)
-    with pytest.raises(ValueError, match="dense"):
-        fuse_rows(q, k, v, 0, "relu", 2, return_raw=True)
-    with pytest.raises(ValueError, match="2-D"):
-        fuse_rows(q[None], k[None], v[None], 0, "relu", 2)
-    with pytest.raises(ValueError, match="need"):
-        fuse_rows(q, k[:, :2], v)
+    for bad, match in [(lambda: fuse_rows(q, k, v, 0, "gelu", 2), "gelu"), (lambda: fuse_rows(q, k[:, :2], v), "need"),
+                       (lambda: fuse_rows(q, k, v, 0, "relu", 0), "tile"),
+                       (lambda: fuse_rows(q, k, v, 3), "does not fit"),
+                       (lambda: fuse_rows(q, k, v, torch.tensor([0, 1]), "relu", 2), "LongTensor"),
+                       (lambda: fuse_rows(q, k, v, 0, "relu", 2, return_raw=True), "dense"),
+                       (lambda: fuse_rows(q[None], k[None], v[None], 0, "relu", 2), "2-D")]:
+        with pytest.raises(ValueError, match=match):
+            bad()
 
 
 def fwd_bwd(r, n, h, m, tile, dtype=torch.float32):

@@ -76,9 +76,7 @@ def test_global_function_matches_batch_norm_in_a_world_of_one(world_of_one, shap
     w = torch.rand(3, generator=g, dtype=torch.float64) + 0.5
     b = torch.randn(3, generator=g, dtype=torch.float64)
     up = torch.randn(*shape, generator=g, dtype=torch.float64)
-    xs = [x.clone().requires_grad_() for _ in range(2)]
-    ws = [w.clone().requires_grad_() for _ in range(2)]
-    bs = [b.clone().requires_grad_() for _ in range(2)]
+    xs, ws, bs = ([t.clone().requires_grad_() for _ in range(2)] for t in (x, w, b))
     ref = F.batch_norm(xs[0], None, None, ws[0], bs[0], training=True, eps=1e-5)
     ours, mean, var, count = GlobalBatchNormFn.apply(xs[1], ws[1], bs[1], 1e-5, None)
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)

@@ -1,27 +1,25 @@
 """Global BatchNorm's fused (CUDA) path, run on CPU: passes over the activations, and equality with the exact path.
 
-torch 2.14.1 has no CPU and no Meta kernel for the five fused ops the CUDA path calls (checked below), so these
-tests register *reference* CPU kernels for them (``torch.library``, removed again after each test): written from
-the CUDA kernels' semantics, with the CUDA kernels' dtype checks (``Expected ... to have type``), so a dtype the
-GPU would refuse fails here too. Then the very code of ``FusedGlobalBatchNormFn`` runs on CPU under gloo. The
-reference kernels are themselves checked against torch's own SyncBatchNorm autograd Function (which calls the
-same five ops) and against ``F.batch_norm`` on the concatenated batch.
+torch 2.14.1 has no CPU and no Meta kernel for the five fused ops the CUDA path calls (checked below), so these tests
+register *reference* CPU kernels for them (``torch.library``, removed after each test), written from the CUDA kernels'
+semantics with their dtype checks (``Expected ... to have type``): a dtype the GPU would refuse fails here too. Then
+the very code of ``FusedGlobalBatchNormFn`` runs on CPU under gloo. The reference kernels are checked against torch's
+own SyncBatchNorm autograd Function (which calls the same five ops) and ``F.batch_norm`` on the concatenated batch.
 
-What a "pass" is (``ActivationPasses``): during the layer's forward (``module(x)``), resp. its backward
-(``torch.autograd.grad``), a TorchDispatchMode sees every aten op below autograd. View ops (``is_view``) move no
-data and are skipped. An op is a *kernel pass* if any tensor among its inputs or outputs has the activation's
-numel; its *traversals* are the number of distinct such tensors it reads plus those it writes (an fp32 copy of a
-bf16 activation is one traversal, and twice the bytes, which ``bytes`` counts in units of the activation's size).
-A fused reference kernel is one op to the mode (its body runs with the mode popped), as the CUDA kernel is one
-launch. One argument is not counted as a read: ``input`` of ``batch_norm_gather_stats_with_counts``, which that
-kernel uses for its dtype, device and index width only (it reduces the gathered (W, C) statistics, never x).
+A "pass" (``ActivationPasses``): during the layer's forward (``module(x)``), resp. backward (``torch.autograd.grad``),
+a TorchDispatchMode sees every aten op below autograd; view ops (``is_view``) move no data and are skipped. An op is a
+*kernel pass* if any of its input or output tensors has the activation's numel; its *traversals* are the distinct such
+tensors it reads plus those it writes (an fp32 copy of a bf16 activation is one traversal and twice the bytes, which
+``bytes`` counts in activation sizes). A fused reference kernel is one op to the mode (its body runs with the mode
+popped), as the CUDA kernel is one launch. ``input`` of ``batch_norm_gather_stats_with_counts`` is not counted as a
+read: that kernel uses it for dtype, device and index width only (it reduces the gathered (W, C) statistics, never x).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,8 +279,7 @@ CONFIGS = {  # input dtype, parameter / buffer dtype, tolerance against fp64 F.b
 def assert_near(actual, expected, tol, msg=""):
     """Relative to the tensor's own scale (so near-zero entries of a large tensor are not over-demanded)."""
     actual, expected = actual.detach(), expected.detach().double()
-    torch.testing.assert_close(actual.double(), expected, rtol=tol, atol=tol * float(expected.abs().max()),
-                               msg=msg)
+    torch.testing.assert_close(actual.double(), expected, rtol=tol, atol=tol * float(expected.abs().max()), msg=msg)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -408,8 +405,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
                 results[case_id(case), "fused"] = run_case(case, "fused", rank)
                 results[case_id(case), "torch_sync"] = run_case(case, "torch_sync", rank)
             bn.use_fused_kernels = lambda x: x.is_cuda
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(results, f)
+        Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
     finally:
         dist.destroy_process_group()
 
@@ -419,11 +415,7 @@ def two_workers(tmp_path_factory):
     """Both ranks' results of every case and path, from one spawn of 2 gloo workers."""
     d = tmp_path_factory.mktemp("bn2")
     gloo.spawn(_worker, (str(d / "init"), str(d)))
-    results = []
-    for r in range(2):
-        with open(d / f"rank{r}.pkl", "rb") as f:
-            results.append(pickle.load(f))
-    return results
+    return [pickle.loads((d / f"rank{r}.pkl").read_bytes()) for r in range(2)]
 
 
 def one_process(case):
@@ -451,8 +443,7 @@ def test_two_gloo_workers_fused_equals_exact_and_one_process(two_workers, case):
     """fp64 ~1e-12, fp32 ~1e-5 (measured: 2e-15 and 4e-7 vs one fp64 process; fused vs exact 3e-16, 2e-7)."""
     tol = TOL[case[2]]
     ref_steps, ref_buffers = one_process(case)
-    runs = {path: [two_workers[r][case_id(case), path] for r in range(2)] for path in ("exact", "fused",
-                                                                                       "torch_sync")}
+    runs = {path: [two_workers[r][case_id(case), path] for r in range(2)] for path in ("exact", "fused", "torch_sync")}
     for path, ((steps0, buf0), (steps1, buf1)) in runs.items():
         for step, (ref, a, b) in enumerate(zip(ref_steps, steps0, steps1, strict=True)):
             msg = f"{path} step {step}"

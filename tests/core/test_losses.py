@@ -26,8 +26,7 @@ from pipeline.core.targets import LAYOUTS, check_layout, pairwise_cosine, self_s
 
 SIZES = [(4, 3), pytest.param(4, 8, marks=pytest.mark.slow), pytest.param(6, 3, marks=pytest.mark.slow),
          pytest.param(6, 8, marks=pytest.mark.slow), pytest.param(10, 3, marks=pytest.mark.slow), (10, 8)]
-# supervised labels, each with at least one singleton class (rows without a positive); "random": unsorted,
-# non-contiguous, negative labels
+# supervised labels, each with a singleton class (a row without a positive); "random": unsorted, negative, gaps
 SUP_IDS = {4: [1, 0, 1, 1], 6: [0, 1, 0, 1, 2, 1], 10: [2, 0, 1, 0, 2, 1, 3, 0, 1, 2]}
 RANDOM_IDS = [7, -3, 7, 100, 4, 4, -3, 7, 9, 100]  # 9 is a singleton; 100 too at n = 4
 TEMPERATURES = {"kl_softmax", "infonce", "supcon", "dcl"}
@@ -61,11 +60,7 @@ def layouts_for(name: str, kind: str) -> list[str | None]:
     return [None, *hints] if name in SELF_SUPERVISED_ONLY else [None, *hints, "labels"]
 
 
-# --------------------------------------------------------------------------------------------------
-# slow references: explicit loops
-# --------------------------------------------------------------------------------------------------
-
-
+# ------------------------------------------------------------------------------------- slow references: explicit loops
 def ref_cosine(q: torch.Tensor, k: torch.Tensor) -> list[list[float]]:
     qs, ks = q.tolist(), k.tolist()
     n, d = len(qs), len(qs[0])
@@ -186,9 +181,8 @@ def appendix_e_transcription(embeddings: torch.Tensor, target_affinity: torch.Te
     return out
 
 
-# the dense jsd and jsd_appendix_e before the fused autograd Functions (issue 12), verbatim: full (r, n) P, Ŷ, M,
-# log M differentiated by autograd. benchmarks/bench_loss.py --reference times them; below, the control of
-# test_fused_keeps_one_n_by_n_tensor_for_backward.
+# jsd and jsd_appendix_e before the fused Functions (issue 12), verbatim: full (r, n) P, Ŷ, M, log M under autograd;
+# benchmarks/bench_loss.py --reference times them, test_fused_keeps_one_n_by_n_tensor_for_backward's control.
 
 
 def _pre_prepare(q, k, ids, rows):
@@ -249,13 +243,10 @@ def call(name: str, q, k, ids, rows=None, tau: float = 0.1, lam: float = 5e-3, l
 
 def values_and_grads(fn, q0, k0, *, rows=None, weight: float = 1.0):
     """``fn(q, k, rows)`` and the gradient of ``weight`` times it with respect to q and k."""
-    q = q0.clone().requires_grad_(True)
-    k = k0.clone().requires_grad_(True)
+    q, k = q0.clone().requires_grad_(True), k0.clone().requires_grad_(True)
     loss = fn(q, k, rows)
-    gq, gk = torch.autograd.grad(loss * weight, (q, k), allow_unused=True)
-    gq = torch.zeros_like(q0) if gq is None else gq
-    gk = torch.zeros_like(k0) if gk is None else gk
-    return loss.detach(), gq, gk
+    grads = torch.autograd.grad(loss * weight, (q, k), allow_unused=True)
+    return loss.detach(), *(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q0, k0), strict=True))
 
 
 def assert_same(got, want, tol):
@@ -280,11 +271,7 @@ def slices(n: int) -> list[slice | None]:
     return [None, slice(0, 1), slice(1, n // 2), slice(n // 2, None), slice(n - 1, None), slice(n // 3, n - 2)]
 
 
-# --------------------------------------------------------------------------------------------------
-# targets and cosines
-# --------------------------------------------------------------------------------------------------
-
-
+# ------------------------------------------------------------------------------------------------- targets and cosines
 @pytest.mark.parametrize("kind", ["self", "sup"])
 @pytest.mark.parametrize("n", [4, 6, 10])
 def test_target_affinity_matches_eq1(kind, n):
@@ -306,16 +293,11 @@ def test_pairwise_cosine_matches_loops(n, d):
     torch.testing.assert_close(pairwise_cosine(F.normalize(q), F.normalize(k)), A, rtol=1e-12, atol=1e-12)
 
 
-# --------------------------------------------------------------------------------------------------
-# every loss vs the slow reference
-# --------------------------------------------------------------------------------------------------
-
-
+# ------------------------------------------------------------------------------------ every loss vs the slow reference
 @pytest.mark.parametrize("name,kind,tau,lam", NAME_KIND_HYPER)
 @pytest.mark.parametrize("n,d", SIZES)
 def test_loss_matches_loop_reference(name, kind, tau, lam, n, d):
-    """Value and gradient (for an upstream gradient of -2.5) through every layout hint the batch allows in fp64,
-    and in fp32."""
+    """Value and gradient (upstream gradient -2.5) through every layout hint the batch allows in fp64, and in fp32."""
     ids = make_ids(kind, n)
     q0, k0 = make_qk(n, d, seed=10 * n + d)
     if name == "barlow_twins":  # the loop's value (its gradient: test_gradcheck)
@@ -345,12 +327,11 @@ def test_jsd_power_matches_loop_reference(power, kind, n, d):
     assert want[1].abs().sum() > 0
     for layout in layouts_for("jsd", kind):
         for tile in (None, 3):
-            got = values_and_grads(lambda q, k, r, lay=layout, t=tile: jsd(q, k, ids, rows=r, layout=lay, tile=t,
-                                                                        power=power), q0, k0, weight=-2.5)
-            assert_same(got, want, 1e-8)
-            parts = [values_and_grads(lambda q, k, r, lay=layout, t=tile: jsd(q, k, ids, rows=r, layout=lay, tile=t,
-                                                                           power=power), q0, k0, rows=rows,
-                                      weight=-2.5) for rows in (slice(0, n // 2), slice(n // 2, None))]
+            def fn(q, k, r, lay=layout, t=tile):
+                return jsd(q, k, ids, rows=r, layout=lay, tile=t, power=power)
+
+            assert_same(values_and_grads(fn, q0, k0, weight=-2.5), want, 1e-8)
+            parts = [values_and_grads(fn, q0, k0, rows=r, weight=-2.5) for r in (slice(0, n // 2), slice(n // 2, None))]
             assert_same([a + b for a, b in zip(*parts, strict=True)], want, 1e-8)
     sharper = jsd(q0, k0, ids, power=power)
     assert make_loss("jsd", power=power)(q0, k0, ids).item() == pytest.approx(sharper.item(), rel=1e-12)
@@ -411,11 +392,7 @@ def test_input_errors():
     assert torch.isnan(dcl(q[:4], k[:4], torch.zeros(4, dtype=torch.int64), layout="labels"))
 
 
-# --------------------------------------------------------------------------------------------------
-# Appendix A: KL-softmax with a tied one-layer head is InfoNCE / SupCon
-# --------------------------------------------------------------------------------------------------
-
-
+# ----------------------------------------------- Appendix A: KL-softmax with a tied one-layer head is InfoNCE / SupCon
 @pytest.mark.parametrize("kind", ["self", "sup"])
 @pytest.mark.parametrize("n,d", SIZES)
 @pytest.mark.parametrize("tau", [0.1, 0.5])
@@ -441,11 +418,7 @@ def test_appendix_a_identity(kind, n, d, tau):
     torch.testing.assert_close(g_kl, g_other, rtol=1e-9, atol=1e-12)
 
 
-# --------------------------------------------------------------------------------------------------
-# JSD behaviour
-# --------------------------------------------------------------------------------------------------
-
-
+# ------------------------------------------------------------------------------------------------------- JSD behaviour
 @pytest.mark.parametrize("kind", ["self", "sup"])
 @pytest.mark.parametrize("n", [4, 6, 10])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -463,8 +436,7 @@ def test_jsd_zero_for_orthogonal_class_embeddings(kind, n, dtype):
 
 @pytest.mark.parametrize("name", LOSS_NAMES)
 def test_exact_zeros(name):
-    """One-hot embeddings give cosines of exactly 0 and 1 (kl_relu's kink, jsd's P = 1e-10 / T entries): finite
-    values and gradients, and the loops' values and gradients where they are defined."""
+    """One-hot embeddings, cosines of exactly 0 and 1 (kl_relu's kink, jsd's P = 1e-10 / T): finite, as the loops."""
     ids = self_supervised_ids(4)
     z = F.one_hot(torch.tensor([0, 1, 2, 3, 0, 1, 2, 2]), 8).double()
     got = values_and_grads(lambda q, k, r: call(name, q, k, ids, rows=r), z, z)
@@ -478,21 +450,14 @@ def test_exact_zeros(name):
 def test_gradcheck(name, kind):
     """On whole batches and a row slice, through every layout hint the batch allows."""
     ids = make_ids(kind, 6)
-    q, k = make_qk(6, 3, seed=11)
-    q.requires_grad_(True)
-    k.requires_grad_(True)
+    q, k = (t.requires_grad_(True) for t in make_qk(6, 3, seed=11))
     for layout in layouts_for(name, kind):
         for rows in (None, slice(2, 5)):
-            assert torch.autograd.gradcheck(
-                lambda a, b, lay=layout, r=rows: call(name, a, b, ids, rows=r, tau=0.5, layout=lay), (q, k)
-            )
+            fn = lambda a, b, lay=layout, r=rows: call(name, a, b, ids, rows=r, tau=0.5, layout=lay)  # noqa: E731
+            assert torch.autograd.gradcheck(fn, (q, k))
 
 
-# --------------------------------------------------------------------------------------------------
-# registry
-# --------------------------------------------------------------------------------------------------
-
-
+# ------------------------------------------------------------------------------------------------------------ registry
 @pytest.mark.parametrize("name", LOSS_NAMES)
 def test_make_loss_uniform_signature(name):
     ids = self_supervised_ids(3)
@@ -548,9 +513,7 @@ def test_nan_embeddings_give_a_nan_loss(name, layout):
     assert torch.isnan(make_loss(name)(q, q, self_supervised_ids(4), layout=layout))
 
 
-# --------------------------------------------------------------------------------------------------
-# the fused pairwise losses (issue 12): singletons, flat rows, what backward keeps
-# --------------------------------------------------------------------------------------------------
+# ------------------------------------ the fused pairwise losses (issue 12): singletons, flat rows, what backward keeps
 PAIRWISE = [name for name in LOSS_NAMES if name != "barlow_twins"]
 
 
@@ -578,10 +541,10 @@ def test_kl_relu_all_zero_rows(dtype):
     z[3] = torch.tensor([0.0, 1.0, 0.0])  # row 0's positive is orthogonal to it: A[0, 3] = 0 exactly
     assert (pairwise_cosine(z, z, rows=slice(0, 1))[0, 1:] <= 0).all()
     want = values_and_grads(lambda q, k, _: ref_loss_torch("kl_relu", q, k, ids, 0.1), z, z)
-    got = values_and_grads(lambda q, k, r: call("kl_relu", q, k, ids, rows=r), z.to(dtype), z.to(dtype))
+    fn = lambda q, k, r: call("kl_relu", q, k, ids, rows=r)  # noqa: E731
+    got = values_and_grads(fn, z.to(dtype), z.to(dtype))
     assert_same([t.double() for t in got], want, 1e-10 if dtype == torch.float64 else 1e-5)
-    got = values_and_grads(lambda q, k, r: call("kl_relu", q, k, ids, rows=r), z.to(dtype), z.to(dtype),
-                           rows=slice(0, 1))
+    got = values_and_grads(fn, z.to(dtype), z.to(dtype), rows=slice(0, 1))
     assert got[0].item() * n == pytest.approx(math.log(n - 1), rel=1e-6)  # uniform: D(Ŷ || U) = log(n - 1) ...
     assert got[1].abs().max().item() == 0.0 and got[2].abs().max().item() == 0.0  # ... and flat
 
@@ -592,20 +555,14 @@ def test_fused_keeps_one_n_by_n_tensor_for_backward(name):
     n, d = 64, 4
     g = torch.Generator().manual_seed(n)
     ids = self_supervised_ids(n // 2) if name == "infonce" else torch.randint(0, 12, (n,), generator=g)
-    q, k = make_qk(n, d, seed=0, dtype=torch.float32)
-    q.requires_grad_(True)
-    k.requires_grad_(True)
+    q, k = (t.requires_grad_(True) for t in make_qk(n, d, seed=0, dtype=torch.float32))
     assert big_saved(lambda: call(name, q, k, ids, rows=slice(0, n // 2)), n) == 1  # an (n/2, n) block
     assert big_saved(lambda: call(name, q, k, ids), n) == 1
     assert big_saved(lambda: call(name, q, k, self_supervised_ids(n // 2), layout="two_view"), n) == 1
     assert big_saved(lambda: reference_jsd(q, k, ids), n) >= 2
 
 
-# --------------------------------------------------------------------------------------------------
-# layout hints (no host sync): "two_view" bit for bit the default, "labels" equal up to rounding (above)
-# --------------------------------------------------------------------------------------------------
-
-
+# -------------- layout hints (no host sync): "two_view" bit for bit the default, "labels" equal up to rounding (above)
 @pytest.mark.parametrize("name", LOSS_NAMES)
 @pytest.mark.parametrize("n,d", [(2, 3), (10, 8), (130, 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

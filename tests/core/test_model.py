@@ -143,12 +143,10 @@ def test_truncated_head_uses_last_block_queries_and_keys():
         TransFusionHead(5, depth=0, truncate_last=True)
 
 
-@pytest.mark.parametrize(
-    "name,shape,dim",
-    [("pixels", (1, 8, 8), 64), ("mlp", (64,), 32), ("mlp", (1, 8, 8), 16), ("cnn_small", (1, 8, 8), 32),
-     ("cnn_small", (3, 32, 32), 64), ("resnet18_cifar", (3, 32, 32), 512), ("resnet18", (3, 32, 32), 512),
-     ("resnet18_cifar", (1, 28, 28), 512)],
-)
+@pytest.mark.parametrize("name,shape,dim", [
+    ("pixels", (1, 8, 8), 64), ("mlp", (64,), 32), ("mlp", (1, 8, 8), 16), ("cnn_small", (1, 8, 8), 32),
+    ("cnn_small", (3, 32, 32), 64), ("resnet18_cifar", (3, 32, 32), 512), ("resnet18", (3, 32, 32), 512),
+    ("resnet18_cifar", (1, 28, 28), 512)])
 def test_backbones_shapes_and_full_model(name, shape, dim):
     torch.manual_seed(5)
     bb, out_dim = build_backbone(name, shape, embed_dim=None if name.startswith(("res", "pix")) else dim)

@@ -10,24 +10,17 @@ import pytest
 import torch
 from torch import nn
 
+from pipeline.core.model import TransFusion, TransFusionHead
 from pipeline.core.optim import LARS, OPTIMIZERS, build_optimizer, warmup_cosine
 
+
 # ----------------------------------------------------------------------------------------------------- LARS
-
-
 def _norm(xs: list[float]) -> float:
     return math.sqrt(sum(x * x for x in xs))
 
 
-def _lars_reference(
-    params: list[list[float]],
-    grads_per_step: list[list[list[float] | None]],
-    excluded: list[bool],
-    lr: float,
-    mu: float,
-    wd: float,
-    eta: float,
-) -> list[list[float]]:
+def _lars_reference(params: list[list[float]], grads_per_step: list[list[list[float] | None]], excluded: list[bool],
+                    lr: float, mu: float, wd: float, eta: float) -> list[list[float]]:
     """Slow LARS: flat python lists per parameter, one python loop per element."""
     params = [list(p) for p in params]
     bufs: list[list[float] | None] = [None] * len(params)
@@ -126,8 +119,6 @@ def test_lars_rejects_bad_hyperparameters_and_returns_the_closures_loss() -> Non
 
 
 # ---------------------------------------------------------------------------------------------- build_optimizer
-
-
 def _small_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
@@ -170,10 +161,7 @@ def test_build_optimizer_params_iterable_unknown_name_and_empty() -> None:
         build_optimizer("sgd", [frozen], lr=0.1)
 
 
-@pytest.mark.parametrize(
-    ("name", "lr", "steps"),
-    [("adam", 0.05, 80), ("sgd", 0.02, 80), ("lars", 3.0, 80)],
-)
+@pytest.mark.parametrize(("name", "lr", "steps"), [("adam", 0.05, 80), ("sgd", 0.02, 80), ("lars", 3.0, 80)])
 def test_build_optimizer_reduces_convex_quadratic(name: str, lr: float, steps: int) -> None:
     # f(W, b) = mean ||x W^T + b - y||^2 for a linear target: convex, minimum 0 at (W*, b*)
     g = torch.Generator().manual_seed(0)
@@ -202,8 +190,6 @@ def test_build_optimizer_reduces_convex_quadratic(name: str, lr: float, steps: i
 
 
 # ------------------------------------------------------------------------------------------------ warmup_cosine
-
-
 def _expected_factor(s: int, total: int, warmup: int, m: float) -> float:
     """The schedule written directly from its definition."""
     if s < warmup:
@@ -281,8 +267,6 @@ def test_warmup_cosine_rejects_bad_arguments(total: int, warmup: int, m: float) 
 
 @pytest.mark.parametrize("name", ["adam", "sgd", "lars"])
 def test_head_lr_scale_gives_the_head_its_own_groups(name: str) -> None:
-    from pipeline.core.model import TransFusion, TransFusionHead
-
     model = TransFusion(torch.nn.Linear(4, 8), 8, TransFusionHead(8, 2))
     head = {id(p) for p in model.head.parameters()}
     opt = build_optimizer(name, model, lr=0.1, head_lr_scale=5.0)

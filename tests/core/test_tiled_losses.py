@@ -39,9 +39,7 @@ CASES = [(name, kind, layout) for name in PAIRWISE for kind in ("self", "sup")
 
 def make_qk(seed: int, n: int = N, d: int = D, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(n, d, generator=g, dtype=dtype).requires_grad_()
-    k = torch.randn(n, d, generator=g, dtype=dtype).requires_grad_()
-    return q, k
+    return tuple(torch.randn(n, d, generator=g, dtype=dtype).requires_grad_() for _ in range(2))
 
 
 def value_and_grads(name, q, k, ids, temperature=0.1, **kw) -> tuple[torch.Tensor, ...]:
@@ -187,8 +185,6 @@ def test_tiled_layouts_have_no_host_sync(name, layout):
             assert syncs == [], (tile, rows, syncs)
     if layout is None:  # the control: the dense None layout reads the ids (one sync for the number of pairs)
         assert measure.count(lambda: fn(q, k, ids, layout=None).backward()).syncs
-
-
 
 
 # ------------------------------------------------------------------------------------- memory and time

@@ -43,8 +43,7 @@ def _reference(model: str) -> nn.Module:
     return torchvision.models.get_model(model, weights=None, **TORCHVISION_KWARGS.get(model, {}))
 
 
-@pytest.mark.parametrize("model,shape,stem,classifier,width,batchnorm", MODELS,
-                         ids=[_id(c) for c in MODELS])
+@pytest.mark.parametrize("model,shape,stem,classifier,width,batchnorm", MODELS, ids=[_id(c) for c in MODELS])
 def test_torchvision_backbone_is_adapted_as_resnet18(model, shape, stem, classifier, width, batchnorm, tmp_path,
                                                      monkeypatch):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # where torchvision would put downloaded weights
