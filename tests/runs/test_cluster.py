@@ -17,12 +17,8 @@ def params(*overrides: str):
 
 
 @pytest.mark.parametrize(("address", "expected"), [
-    ("127.0.0.1:6379", ("127.0.0.1", 6379)),
-    ("ray://head.example.com:10001", ("head.example.com", 10001)),
-    ("auto", None),
-    ("local", None),
-    ("head-without-port", None),
-])
+    ("127.0.0.1:6379", ("127.0.0.1", 6379)), ("ray://head.example.com:10001", ("head.example.com", 10001)),
+    ("auto", None), ("local", None), ("head-without-port", None)])
 def test_explicit_addresses_are_probed_others_left_to_ray(address, expected):
     assert host_port(address) == expected
 

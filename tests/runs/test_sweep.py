@@ -5,7 +5,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -13,16 +15,10 @@ from pipeline.config.base import ParamsError
 from pipeline.config.params import load_params
 from pipeline.config.ray import TRIAL_CPU
 from pipeline.config.resources import TrialShape, max_concurrent, trials_at_once
-from pipeline.config.space import (
-    axes,
-    base_params,
-    check_points,
-    grid_points,
-    point_params,
-    trial_params,
-)
+from pipeline.config.space import axes, base_params, check_points, grid_points, point_params, trial_params
 from pipeline.runs.job import job_name
-from pipeline.runs.tune import inline, trial_placement
+from pipeline.runs.sweep import trial_rows
+from pipeline.runs.tune import inline, outcomes, trial_placement
 from stages.sweep import COLUMNS, best_trial, write_outputs
 from tests.conftest import ROOT
 
@@ -34,9 +30,7 @@ def params(*overrides: str):
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [
-    ((), 8),
-    (("sweep.depth=[0,1,3]",), 12),
-    (("sweep.lr=[0.001,0.01]",), 16),
+    ((), 8), (("sweep.depth=[0,1,3]",), 12), (("sweep.lr=[0.001,0.01]",), 16),
     (("sweep.lr=[0.001,0.01]", "sweep.loss=[jsd,kl_relu,kl_squared]"), 48),
     (("sweep.num_samples=3",), 24),  # grid: three seeds per point
     (("sweep.search=random", "sweep.num_samples=3"), 8),  # random: the listed values, sampled
@@ -132,10 +126,8 @@ def test_the_sweeps_name_ignores_swept_keys_and_follows_the_rest():
     assert job_name("sweep", params(), other) != name
 
 
-@pytest.mark.parametrize("bad", [
-    "sweep.depth=[]", "sweep.batch_size=[1]", "sweep.strength=[1.5]", "sweep.search=bayes",
-    "sweep.max_concurrent_trials=0", "sweep.epochs=0", "sweep.lr=[-1]",
-])
+@pytest.mark.parametrize("bad", ["sweep.depth=[]", "sweep.batch_size=[1]", "sweep.strength=[1.5]", "sweep.search=bayes",
+                                 "sweep.max_concurrent_trials=0", "sweep.epochs=0", "sweep.lr=[-1]"])
 def test_bad_sweep_params_name_the_key(bad):
     with pytest.raises(ParamsError, match=bad.split("=")[0].replace(".", r"\.")):
         params(bad)
@@ -206,22 +198,18 @@ def test_cluster_preset_is_valid_and_is_the_documented_grid():
         trial_params(base_params(p), point)
 
 
+def tune_result(path, reported: list[dict]) -> SimpleNamespace:
+    """What Tune's ResultGrid yields, as far as trial_rows reads it."""
+    return SimpleNamespace(metrics_dataframe=pd.DataFrame(reported), path=str(path), config={}, error=None,
+                           checkpoint=None)
+
+
 def test_rows_carry_the_last_epochs_block_health():
-    import pandas as pd
-
-    from pipeline.runs.sweep import trial_rows
-    from pipeline.runs.tune import outcomes
-
-    class Result:  # what Tune's ResultGrid yields, as far as trial_rows reads it
-        def __init__(self, name, reported):
-            self.metrics_dataframe, self.path = pd.DataFrame(reported), f"/x/trial-{name}"
-            self.config, self.error = {}, None
-
     alive = {"block_1.positive": 0.4, "block_1.uniform_rows": 0.0, "block_2.positive": 0.2, "block_2.uniform_rows": 0.1}
     dead = {"block_1.positive": 0.3, "block_1.uniform_rows": 0.0, "block_2.positive": 0.0, "block_2.uniform_rows": 1.0}
-    grid = [Result("a", [{"epoch": 1, "loss": 1.0, **dead}, {"epoch": 2, "loss": 0.9, **alive}]),
-            Result("b", [{"epoch": 1, "loss": 1.0, **alive}, {"epoch": 2, "loss": 0.9, **dead}]),
-            Result("c", [{"epoch": 1, "loss": 1.0}, {"epoch": 2, "loss": 0.9}])]  # depth 0: no blocks
+    grid = [tune_result("/x/trial-a", [{"epoch": 1, "loss": 1.0, **dead}, {"epoch": 2, "loss": 0.9, **alive}]),
+            tune_result("/x/trial-b", [{"epoch": 1, "loss": 1.0, **alive}, {"epoch": 2, "loss": 0.9, **dead}]),
+            tune_result("/x/trial-c", [{"epoch": 1, "loss": 1.0}, {"epoch": 2, "loss": 0.9}])]  # depth 0: no blocks
     a, b, c = trial_rows(outcomes(grid), epochs=2)
     assert (a["min_positive"], a["max_uniform_rows"], a["dead_blocks"]) == (0.2, 0.1, 0)
     assert (b["min_positive"], b["max_uniform_rows"], b["dead_blocks"]) == (0.0, 1.0, 1)
@@ -234,13 +222,7 @@ def test_rows_carry_the_last_epochs_block_health():
 def test_where_ranks_ran_comes_from_the_newest_checkpoint_that_has_it(tmp_path):
     """A multi-worker trial stopped by ASHA while its last checkpoint was still uploading: its workers.json is in
     the checkpoint before."""
-    import json
-
-    import pandas as pd
-
-    from pipeline.runs.sweep import trial_rows
     from pipeline.runs.train import WORKERS_FILE
-    from pipeline.runs.tune import outcomes
 
     ranks = [{"rank": 1, "gpu_ids": ["3"]}, {"rank": 0, "gpu_ids": ["2"]}]
     done, torn = tmp_path / "checkpoint_000008", tmp_path / "checkpoint_000009"
@@ -248,35 +230,25 @@ def test_where_ranks_ran_comes_from_the_newest_checkpoint_that_has_it(tmp_path):
     torn.mkdir()  # the upload never finished: nothing in it
     (done / WORKERS_FILE).write_text(json.dumps(ranks))
 
-    class Result:
-        metrics_dataframe = pd.DataFrame([{"epoch": 9, "loss": 1.0, "checkpoint_path": str(done)},
-                                          {"epoch": 10, "loss": 0.9, "checkpoint_path": str(torn)}])
-        path, config, error, checkpoint = str(tmp_path / "trial-x"), {}, None, None
-
-    (row,) = trial_rows(outcomes([Result()]), epochs=20)
+    result = tune_result(tmp_path / "trial-x", [{"epoch": 9, "loss": 1.0, "checkpoint_path": str(done)},
+                                                {"epoch": 10, "loss": 0.9, "checkpoint_path": str(torn)}])
+    (row,) = trial_rows(outcomes([result]), epochs=20)
     assert (row["workers"], row["gpu_ids"], row["epochs"], row["stopped_early"]) == (2, "2 3", 10, True)
 
 
 def test_where_ranks_ran_comes_from_the_run_directory_when_no_checkpoint_has_it(tmp_path):
     """Seen on a resumed two-worker trial that ASHA stopped: none of its reported checkpoints held workers.json. The
     placement rank 0 left in the trial's Ray Train run directory (``storage/trial-<id>``) gives the row its GPUs."""
-    import pandas as pd
-
     from pipeline.data.storage import PLACEMENT_FILE, write_json
-    from pipeline.runs.sweep import trial_rows
-    from pipeline.runs.tune import outcomes
 
     gone = tmp_path / "trial-y" / "checkpoint_000009"  # pruned, or torn: nothing readable there
 
-    class Result:
-        metrics_dataframe = pd.DataFrame([{"epoch": 10, "loss": 0.9, "checkpoint_path": str(gone)}])
-        path, config, error, checkpoint = str(tmp_path / "tune" / "trial-y"), {}, None, None
-
-    (row,) = trial_rows(outcomes([Result()], str(tmp_path)), epochs=20)
+    result = tune_result(tmp_path / "tune" / "trial-y", [{"epoch": 10, "loss": 0.9, "checkpoint_path": str(gone)}])
+    (row,) = trial_rows(outcomes([result], str(tmp_path)), epochs=20)
     assert (row["workers"], row["gpu_ids"]) == (0, "")  # nothing to read: "" (not a made-up placement)
     placed = [{"rank": 1, "gpu_ids": ["1"]}, {"rank": 0, "gpu_ids": ["0"]}]
     write_json(str(tmp_path / "trial-y"), PLACEMENT_FILE, placed)
-    (row,) = trial_rows(outcomes([Result()], str(tmp_path)), epochs=20)
+    (row,) = trial_rows(outcomes([result], str(tmp_path)), epochs=20)
     assert (row["workers"], row["gpu_ids"], row["epochs"]) == (2, "0 1", 10)
 
 
@@ -284,13 +256,7 @@ def test_a_resumed_trial_stopped_mid_upload_keeps_every_epoch(tmp_path):
     """A trial resumed at epoch 5 reports epochs 6-8 to Tune (a restored trial's table starts there), and ASHA stops
     it while epoch 8's checkpoint is still uploading: its curve still starts at epoch 1, from the newest complete
     checkpoint in the trial's run directory, followed by what Tune reported after it."""
-    import json
-
-    import pandas as pd
-
-    from pipeline.runs.sweep import trial_rows
     from pipeline.runs.train import HISTORY_FILE
-    from pipeline.runs.tune import outcomes
 
     run_dir = tmp_path / "trial-z"
     old, torn = run_dir / "checkpoint_2026-11-26_10-00-05.000000", run_dir / "checkpoint_2026-11-26_10-00-08.000000"
@@ -298,16 +264,13 @@ def test_a_resumed_trial_stopped_mid_upload_keeps_every_epoch(tmp_path):
     torn.mkdir()  # the upload never finished
     (old / HISTORY_FILE).write_text(json.dumps([{"epoch": e, "loss": 2.0 - e / 10} for e in range(1, 6)]))
 
-    class Result:
-        metrics_dataframe = pd.DataFrame([{"epoch": e, "loss": 1.0 - e / 100, "checkpoint_path": str(torn) if e == 8
-                                           else None} for e in (6, 7, 8)])
-        path, config, error, checkpoint = str(tmp_path / "tune" / "trial-z"), {}, None, None
-
-    (row,) = trial_rows(outcomes([Result()], str(tmp_path)), epochs=20)
+    reported = [{"epoch": e, "loss": 1 - e / 100, "checkpoint_path": str(torn) if e == 8 else None} for e in (6, 7, 8)]
+    result = tune_result(tmp_path / "tune" / "trial-z", reported)
+    (row,) = trial_rows(outcomes([result], str(tmp_path)), epochs=20)
     assert [h["epoch"] for h in row["history"]] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert row["history"][4]["loss"] == 1.5 and row["history"][-1]["loss"] == 0.92  # checkpoint, then Tune's table
     assert (row["epochs"], row["stopped_early"]) == (8, True)
-    (row,) = trial_rows(outcomes([Result()]), epochs=20)  # no storage: Tune's table alone
+    (row,) = trial_rows(outcomes([result]), epochs=20)  # no storage: Tune's table alone
     assert [h["epoch"] for h in row["history"]] == [6, 7, 8]
 
 

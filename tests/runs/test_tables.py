@@ -36,16 +36,23 @@ def test_the_preset_and_the_default_are_the_papers_eight_rows():
     assert "tables" not in params().model_dump()  # nor does any other stage record it
 
 
-@pytest.mark.parametrize(("row", "needles"), [
-    ("{name: A, table: 3}", ["tables.rows.0.table", "1 or 2"]),
-    ("{name: A, table: 1, params: {loss.nme: jsd}}", ["tables.rows[0] ('A')", "'loss.nme'", "name, temperature"]),
-    ("{name: A, table: 1, params: {data.dataset: cifar10}}", ["'data.dataset'", "overrides only model.*"]),
-    ("{name: A, table: 1, colour: red}", ["tables.rows.0.colour", "unknown key"]),
-    ("{table: 1}", ["tables.rows.0.name"]),
+@pytest.mark.parametrize(("override", "needles"), [
+    ("tables.rows=[{name: A, table: 3}]", ["tables.rows.0.table", "1 or 2"]),
+    ("tables.rows=[{name: A, table: 1, params: {loss.nme: jsd}}]",
+     ["tables.rows[0] ('A')", "'loss.nme'", "name, temperature"]),
+    ("tables.rows=[{name: A, table: 1, params: {data.dataset: cifar10}}]",
+     ["'data.dataset'", "overrides only model.*"]),
+    ("tables.rows=[{name: A, table: 1, colour: red}]", ["tables.rows.0.colour", "unknown key"]),
+    ("tables.rows=[{table: 1}]", ["tables.rows.0.name"]),
+    ("tables.seeds=[0, 0]", ["tables.seeds: [0, 0] repeats a seed"]),
+    ("tables.seeds=[]", ["tables.seeds"]),
+    ("tables.seeds=[-1]", ["tables.seeds.0"]),
+    ("tables.controls=[pixels]", ["'raw_pixels' or 'random_init'"]),
+    ("tables.controls=[raw_pixels, raw_pixels]", ["repeats a control; allowed: raw_pixels, random_init"]),
 ])
-def test_bad_rows_name_the_row_and_the_key(row, needles):
+def test_bad_rows_seeds_and_controls_name_the_key(override, needles):
     with pytest.raises(ParamsError) as info:
-        params(f"tables.rows=[{row}]")
+        params(override)
     for needle in needles:
         assert needle in str(info.value)
 
@@ -117,19 +124,6 @@ def test_every_row_runs_once_per_seed_beside_the_controls():
     # no seeds: the file's train.seed; no controls
     alone = params("tables.rows=[{name: InfoNCE, table: 1}]", "tables.controls=[]", "train.seed=7")
     assert [(c["name"], c["seed"]) for c in trial_configs(alone, resolve_rows(alone))] == [("InfoNCE", 7)]
-
-
-@pytest.mark.parametrize(("override", "needle"), [
-    ("tables.seeds=[0, 0]", "tables.seeds: [0, 0] repeats a seed"),
-    ("tables.seeds=[]", "tables.seeds"),
-    ("tables.seeds=[-1]", "tables.seeds.0"),
-    ("tables.controls=[pixels]", "'raw_pixels' or 'random_init'"),
-    ("tables.controls=[raw_pixels, raw_pixels]", "repeats a control; allowed: raw_pixels, random_init"),
-])
-def test_bad_seeds_and_controls_name_the_key(override, needle):
-    with pytest.raises(ParamsError) as info:
-        params(override)
-    assert needle in str(info.value)
 
 
 @pytest.mark.slow

@@ -46,11 +46,11 @@ def test_a_garbage_file_is_named_with_the_fix(tmp_path):
     assert "\n" not in text
 
 
-def table_of(db: Path, rows: int) -> None:
-    """An SQLite file at ``db`` holding table t of the integers 0 .. rows - 1."""
+def table_of(db: Path, rows: int, name: str = "t") -> None:
+    """An SQLite file at ``db`` holding table ``name`` of the integers 0 .. rows - 1 in its column x."""
     con = sqlite3.connect(db)
-    con.execute("create table t (x integer)")
-    con.executemany("insert into t values (?)", [(i,) for i in range(rows)])
+    con.execute(f"create table {name} (x integer)")
+    con.executemany(f"insert into {name} values (?)", [(i,) for i in range(rows)])
     con.commit()
     con.close()
 
@@ -96,10 +96,7 @@ def test_a_store_left_mid_write_by_a_killed_process_is_recovered_not_refused(tmp
 @pytest.mark.slow
 def test_a_sqlite_store_of_another_program_is_one_paragraph(tmp_path):
     db = tmp_path / "mlflow.db"
-    con = sqlite3.connect(db)
-    con.execute("create table experiments (x integer)")  # an MLflow table name, the wrong schema
-    con.commit()
-    con.close()
+    table_of(db, 0, "experiments")  # an MLflow table name, the wrong schema
     check_reachable(f"sqlite:///{db}")  # a healthy SQLite file...
     with pytest.raises(TrackingError, match="cannot be used") as err:
         experiment_id(f"sqlite:///{db}", tmp_path)  # ...that MLflow cannot use
@@ -107,8 +104,7 @@ def test_a_sqlite_store_of_another_program_is_one_paragraph(tmp_path):
 
 
 def mlflow_imports(path: Path) -> list[str]:
-    """The lines of ``path`` that import MLflow (``import mlflow...``, ``from mlflow... import``, or
-    ``importlib.import_module`` / ``__import__`` of a literal ``mlflow...`` name)."""
+    """``path:line`` of each MLflow import in ``path``: import, from-import, import_module/__import__ of a literal."""
     tree = ast.parse(path.read_text(), filename=str(path))
     found = []
     for node in ast.walk(tree):

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from click.testing import CliRunner
 
-from stages.cli import main
+from tests.conftest import invoke
 from tests.ui_server import UiProcess, free_port
 
 VIEW = re.compile(r"main params as columns: (?P<url>\S+)")
@@ -44,18 +43,13 @@ SLOW_UI_MS = 120_000  # first page load: the UI's JavaScript bundle and first qu
 UI_MS = 30_000
 
 
-def invoke(*args: str):
-    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return result
-
-
 def pretrain_runs(project: Path) -> list[dict]:
     """Two pretrain runs that differ only in their seed: MLflow name and id, final kNN accuracy, dataset of each."""
     client = mlflow.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     runs = []
     for seed in SEEDS:
-        invoke("pretrain", *TINY, "-S", f"train.seed={seed}")
+        result = invoke("pretrain", *TINY, "-S", f"train.seed={seed}")
+        assert result.exit_code == 0, result.output
         config = json.loads((project / "models/pretrain/config.json").read_text())
         metrics = json.loads((project / "metrics/pretrain.json").read_text())
         run = client.get_run(config["mlflow_run_id"])
@@ -81,8 +75,7 @@ def close_assistant(page) -> None:
     panel = page.get_by_text("Ask questions about your experiments", exact=False)
     if panel.first.is_visible():
         page.get_by_role("button", name="Close").first.click()
-        expect = sync_api.expect
-        expect(panel).to_have_count(0, timeout=UI_MS)
+        sync_api.expect(panel).to_have_count(0, timeout=UI_MS)
 
 
 def screenshot_path(tmp_path: Path) -> Path:

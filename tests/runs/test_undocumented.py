@@ -111,8 +111,6 @@ def test_autoscaler_v1_report_format_is_what_pending_in_report_reads():
 def test_autoscaler_v1_writes_its_status_where_it_is_read():
     """The key and the writer autoscaler v1's monitor uses (``ray/autoscaler/_private/monitor.py``) are the ones
     :func:`autoscaler_v1_status` reads."""
-    import inspect
-
     from ray._private import ray_constants
     from ray.autoscaler._private import monitor
 
@@ -128,18 +126,16 @@ def test_the_v1_status_is_read_from_the_live_kv(ray_session):
     from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
     from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
 
-    from pipeline.runs.undocumented import autoscaler_v1_status, pending_nodes
-
-    assert pending_nodes() == 0  # a local Ray has no autoscaler: nothing on its way
+    assert U.pending_nodes() == 0  # a local Ray has no autoscaler: nothing on its way
     status = {"time": time.time(), "autoscaler_report": {"pending_nodes": [["10.0.0.7", "gpu", "setting-up"]],
                                                           "pending_launches": {"gpu": 2}}}
     _internal_kv_put(DEBUG_AUTOSCALING_STATUS, json.dumps(status), overwrite=True)
     try:
-        assert autoscaler_v1_status() == status
-        assert pending_nodes() == 3
+        assert U.autoscaler_v1_status() == status
+        assert U.pending_nodes() == 3
     finally:
         _internal_kv_del(DEBUG_AUTOSCALING_STATUS)
-    assert autoscaler_v1_status() is None
+    assert U.autoscaler_v1_status() is None
 
 
 @pytest.mark.slow
@@ -149,9 +145,7 @@ def test_the_v2_cluster_status_has_what_pending_nodes_counts(ray_session):
     import ray
     from ray.autoscaler.v2.sdk import get_cluster_status
 
-    from pipeline.runs.undocumented import autoscaler_v2_pending
-
-    assert autoscaler_v2_pending() is None
+    assert U.autoscaler_v2_pending() is None
     status = get_cluster_status(ray.get_runtime_context().gcs_address)
     assert status.pending_launches == [] and status.pending_nodes == []
     assert sum(r.count for r in status.pending_launches) + len(status.pending_nodes) == 0
@@ -160,10 +154,8 @@ def test_the_v2_cluster_status_has_what_pending_nodes_counts(ray_session):
 def test_a_stale_local_ray_record_is_found_and_a_live_one_is_not(tmp_path, monkeypatch):
     import socket
 
-    from pipeline.runs.undocumented import ray_record_file, stale_local_record
-
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
-    assert stale_local_record() is None  # no record
+    assert U.stale_local_record() is None  # no record
     (tmp_path / "ray").mkdir()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -171,12 +163,12 @@ def test_a_stale_local_ray_record_is_found_and_a_live_one_is_not(tmp_path, monke
     with socket.socket() as live:
         live.bind(("127.0.0.1", 0))
         live.listen()
-        with open(ray_record_file(), "w") as f:
+        with open(U.ray_record_file(), "w") as f:
             f.write(f"127.0.0.1:{live.getsockname()[1]}")
-        assert stale_local_record() is None  # it answers: ray.init() joins it, as always
-    with open(ray_record_file(), "w") as f:
+        assert U.stale_local_record() is None  # it answers: ray.init() joins it, as always
+    with open(U.ray_record_file(), "w") as f:
         f.write(f"127.0.0.1:{dead}")
-    assert stale_local_record(timeout=1.0) == f"127.0.0.1:{dead}"
+    assert U.stale_local_record(timeout=1.0) == f"127.0.0.1:{dead}"
 
 
 def test_a_run_torn_down_is_told_apart_from_a_failing_worker():
@@ -185,15 +177,13 @@ def test_a_run_torn_down_is_told_apart_from_a_failing_worker():
     from ray.core.generated.common_pb2 import ActorDiedErrorContext
     from ray.exceptions import ActorDiedError
 
-    from pipeline.runs.undocumented import run_torn_down
-
     def died(class_name: str, why: str) -> ActorDiedError:
         return ActorDiedError(ActorDiedErrorContext(class_name=class_name, actor_id=bytes(16), pid=23204,
                                                     error_message=why))
 
     removed = ("The actor is dead because its worker process has died. Worker exit type: INTENDED_SYSTEM_EXIT Worker "
                "exit detail: Destroying worker since its placement group was removed.")
-    assert run_torn_down(died("SynchronizationActor", removed))
-    assert not run_torn_down(died("TrainController", removed))
-    assert not run_torn_down(died("SynchronizationActor", "The actor is dead because its worker process has died. "
-                                  "Worker exit type: SYSTEM_ERROR Worker exit detail: the node was killed (OOM)."))
+    assert U.run_torn_down(died("SynchronizationActor", removed))
+    assert not U.run_torn_down(died("TrainController", removed))
+    assert not U.run_torn_down(died("SynchronizationActor", "The actor is dead because its worker process has died. "
+                                    "Worker exit type: SYSTEM_ERROR Worker exit detail: the node was killed (OOM)."))

@@ -29,3 +29,10 @@ def run_ranks(tmp_path: Path, fn, *args, world: int = 2) -> list:
     out = tempfile.mkdtemp(dir=tmp_path)
     gloo.spawn(_rank, (world, out, fn, args), nprocs=world)
     return [pickle.loads(Path(out, f"rank{r}.pkl").read_bytes()) for r in range(world)]
+
+
+def shard(v1: torch.Tensor, v2: torch.Tensor, ids: torch.Tensor, rank: int, world: int) -> tuple:
+    """This rank's rows of a two-view batch: (its views of ``v1`` then of ``v2``, their ids), as ``PretrainLoop``."""
+    b = len(ids) // world
+    mine = slice(rank * b, (rank + 1) * b)
+    return torch.cat([v1[mine], v2[mine]]), torch.cat([ids[mine], ids[mine]])

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.training.comm import GradReducer, buckets_of
-from tests.training.ranks import run_ranks
-from tests.training.test_step import BACKBONES, B, make_batch, make_model
+from tests.training.ranks import run_ranks, shard
+from tests.training.test_step import BACKBONES, B, grads_of, make_batch, make_model
 
 
 def test_buckets_follow_the_backward_order_and_their_size():
@@ -26,10 +26,6 @@ def test_buckets_follow_the_backward_order_and_their_size():
     assert [[p.dtype for p in b] for b in mixed] == [[torch.float64], [torch.float32]]  # one dtype per bucket
 
 
-def _grads(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def _worker(rank: int, world: int) -> dict:
     from pipeline.core.batchnorm import convert_batchnorm
     from pipeline.core.losses import make_loss
@@ -38,15 +34,12 @@ def _worker(rank: int, world: int) -> dict:
     out = {}
     for backbone, shape in BACKBONES:
         model = convert_batchnorm(make_model(backbone=backbone, shape=shape, dtype=torch.float32))
-        v1, v2, ids = make_batch("self", shape, torch.float32)
-        b = B // world
-        mine = slice(rank * b, (rank + 1) * b)
-        x, i = torch.cat([v1[mine], v2[mine]]), torch.cat([ids[mine], ids[mine]])
+        x, i = shard(*make_batch("self", shape, torch.float32), rank, world)
         step = GlobalBatchStep(model, make_loss("jsd"), layout="two_view")
         step.reducer = GradReducer(step.params, bucket_mb=0.05)  # small buckets: many start mid-backward
         step.lazy(x, i)  # the first step of a batch size gathers and checks the ids
         total = step.lazy(x, i)  # the second uses the layout's ids; the loss's sum rode in a gradient bucket
-        overlapped, early, buckets = _grads(model), step.reducer.launched_early, len(step.reducer.buckets)
+        overlapped, early, buckets = grads_of(model), step.reducer.launched_early, len(step.reducer.buckets)
         step.reducer.remove()
         for p in step.params:  # the coalesced sum after the backward, on the same local gradients
             p.grad = None
@@ -55,7 +48,7 @@ def _worker(rank: int, world: int) -> dict:
         dist.all_reduce(summed)
         loss.backward()
         allreduce_grads(step.params)
-        out[backbone] = (overlapped, _grads(model), early, buckets, total, summed)
+        out[backbone] = (overlapped, grads_of(model), early, buckets, total, summed)
     return out
 
 
@@ -135,10 +128,7 @@ def _order_worker(rank: int, world: int) -> tuple:
 
     model = convert_batchnorm(make_model(truncated=True, dtype=torch.float32))
     names = {id(p): n for n, p in model.named_parameters()}
-    v1, v2, ids = make_batch("self", dtype=torch.float32)
-    b = B // world
-    mine = slice(rank * b, (rank + 1) * b)
-    x, i = torch.cat([v1[mine], v2[mine]]), torch.cat([ids[mine], ids[mine]])
+    x, i = shard(*make_batch("self", dtype=torch.float32), rank, world)
     step = GlobalBatchStep(model, make_loss("jsd"), layout="two_view")
     step.reducer = GradReducer(step.params, bucket_mb=0.01)
     steps = []
@@ -146,7 +136,7 @@ def _order_worker(rank: int, world: int) -> tuple:
         total = step.lazy(x, i)
         r = step.reducer
         steps.append((list(r.launched), r.launched_early, [[names[id(p)] for p in bk.params] for bk in r.buckets]))
-    overlapped = _grads(model)
+    overlapped = grads_of(model)
     unused = sorted(names[id(p)] for p in step.reducer.unused)
     step.reducer.remove()
     for p in step.params:
@@ -154,7 +144,7 @@ def _order_worker(rank: int, world: int) -> tuple:
     loss = step._head_loss(model.backbone(x), i, world, rank)  # noqa: SLF001 (white-box: the head alone)
     loss.backward()
     allreduce_grads(step.params)
-    return steps, unused, overlapped, _grads(model), total
+    return steps, unused, overlapped, grads_of(model), total
 
 
 @pytest.mark.slow

@@ -28,31 +28,22 @@ def test_the_counter_catches_each_kind_of_sync():
     t = torch.tensor([3.0, 0.0, 2.0, 3.0])
     mask = t > 1
     catches = {
-        "float": lambda: float(t.sum()),
-        "item": lambda: t[0].item(),
-        "bool": lambda: bool((t > 0).all()),
-        "if": lambda: 1 if t.sum() > 0 else 0,
-        "nonzero": lambda: t.nonzero(),
-        "where(cond)": lambda: torch.where(mask),
-        "unique": lambda: torch.unique(t),
-        "unique_consecutive": lambda: torch.unique_consecutive(t),
+        "float": lambda: float(t.sum()), "item": lambda: t[0].item(), "bool": lambda: bool((t > 0).all()),
+        "if": lambda: 1 if t.sum() > 0 else 0, "nonzero": lambda: t.nonzero(), "where(cond)": lambda: torch.where(mask),
+        "unique": lambda: torch.unique(t), "unique_consecutive": lambda: torch.unique_consecutive(t),
         "repeat_interleave": lambda: torch.repeat_interleave(torch.tensor([1, 2])),
         "repeat_interleave(x, t)": lambda: t.repeat_interleave(torch.tensor([1, 0, 2, 1])),
-        "bool-mask index": lambda: t[mask],
+        "bool-mask index": lambda: t[mask], "masked_select": lambda: t.masked_select(mask),
         "bool-mask assignment": lambda: t.clone().index_put_((mask,), torch.tensor(0.0)),
-        "masked_select": lambda: t.masked_select(mask),
-        "equal": lambda: torch.equal(t, t),
-        "bincount": lambda: torch.bincount(torch.tensor([0, 2])),
+        "equal": lambda: torch.equal(t, t), "bincount": lambda: torch.bincount(torch.tensor([0, 2])),
     }
     for what, fn in catches.items():
         assert count(fn), what
     # and the sync-free twins are not counted
     free = {
         "repeat_interleave with output_size": lambda: t.repeat_interleave(torch.tensor([1, 0, 2, 1]), output_size=4),
-        "repeat_interleave by an int": lambda: t.repeat_interleave(2),
-        "long index": lambda: t[torch.tensor([0, 2])],
-        "masked_fill": lambda: t.masked_fill(mask, 0.0),
-        "where": lambda: torch.where(mask, t, 0.0),
+        "repeat_interleave by an int": lambda: t.repeat_interleave(2), "long index": lambda: t[torch.tensor([0, 2])],
+        "masked_fill": lambda: t.masked_fill(mask, 0.0), "where": lambda: torch.where(mask, t, 0.0),
         "index_put accumulate": lambda: t.clone().index_put_((torch.tensor([0, 0]),), torch.ones(2), accumulate=True),
         "sort + searchsorted": lambda: torch.searchsorted(t.sort().values, t),
         "nonzero_static": lambda: torch.nonzero_static(mask, size=4),

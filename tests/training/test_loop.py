@@ -34,6 +34,11 @@ def digits_dir(prepare_digits) -> Path:  # tests/conftest.py's, all the digits: 
     return prepare_digits(None) / "data" / "prepared"
 
 
+def cpu_loop(overrides: list[str], data, **kwargs) -> PretrainLoop:
+    """A CPU loop of params.yaml with ``overrides`` alone (tests.training.small's adds its own) on ``data``."""
+    return PretrainLoop(load_params(ROOT / "params.yaml", overrides), data, torch.device("cpu"), **kwargs)
+
+
 def numbers(history: list[dict]) -> list[dict]:
     """Each epoch's results: the losses, lr, view noise, kNN accuracy and every block's health."""
     return [{k: v for k, v in h.items() if k in COMPARED or k.startswith("block_")} for h in history]
@@ -56,12 +61,10 @@ def test_budget_is_the_param_or_a_share_of_the_devices_memory():
 @pytest.mark.parametrize("mode", ["self_supervised", "supervised"])
 def test_streamed_training_equals_in_memory_bit_for_bit(digits_dir, mode):
     overrides = ["train.epochs=3", f"train.mode={mode}", "model.depth=1"]
-    in_memory = PretrainLoop(load_params(ROOT / "params.yaml", overrides), load_prepared(digits_dir),
-                             torch.device("cpu"))
+    in_memory = cpu_loop(overrides, load_prepared(digits_dir))
     assert not in_memory.streaming and in_memory.x_dev is in_memory.data.train.x  # the default: today's fast path
     assert SMALL_BUDGET.endswith(str(0.25)) and 0.25 < DIGITS_TRAIN_MIB
-    streamed = PretrainLoop(load_params(ROOT / "params.yaml", [*overrides, SMALL_BUDGET]),
-                            load_prepared(digits_dir, mmap=True), torch.device("cpu"))
+    streamed = cpu_loop([*overrides, SMALL_BUDGET], load_prepared(digits_dir, mmap=True))
     assert streamed.streaming and streamed.x_dev is None and not holds_the_training_set(streamed)
     assert mapped_file(streamed.data.train.x) == str((digits_dir / "train_x.npy").resolve())  # read from the file
 
@@ -81,8 +84,7 @@ def test_channels_last_trains_the_same_model(digits_dir):
     overrides = ["train.epochs=2", "model.depth=1", "train.knn_every=1"]
     runs = {}
     for fmt in ("contiguous", "channels_last"):
-        loop = PretrainLoop(load_params(ROOT / "params.yaml", [*overrides, f"train.memory_format={fmt}"]),
-                            load_prepared(digits_dir), torch.device("cpu"))
+        loop = cpu_loop([*overrides, f"train.memory_format={fmt}"], load_prepared(digits_dir))
         # the last convolution: the first one's single input channel is the same memory either way
         conv = [m for m in loop.model.backbone.modules() if isinstance(m, torch.nn.Conv2d)][-1]
         assert conv.weight.is_contiguous(memory_format=torch.channels_last) == (fmt == "channels_last")
@@ -98,8 +100,7 @@ def test_channels_last_trains_the_same_model(digits_dir):
 def test_channels_last_leaves_vectors_alone():
     """Inputs that are not images (the synthetic subspaces' vectors) have no channels: the setting changes nothing."""
     data = load_dataset(DataConfig(dataset="synthetic", root="unused"))
-    params = load_params(ROOT / "params.yaml", ["model.backbone=mlp", "train.memory_format=channels_last"])
-    loop = PretrainLoop(params, data, torch.device("cpu"))
+    loop = cpu_loop(["model.backbone=mlp", "train.memory_format=channels_last"], data)
     assert loop.memory_format == torch.contiguous_format and loop.embed(data.test.x[:8]).shape == (8, 128)
 
 
@@ -109,10 +110,8 @@ def test_every_rank_reads_the_same_shard_either_way(digits_dir, mode):
     overrides = ["train.batch_size=64", f"train.mode={mode}", "model.depth=1"]
     perm = torch.randperm(1437, generator=torch.Generator().manual_seed(3))
     for rank in range(2):
-        a = PretrainLoop(load_params(ROOT / "params.yaml", overrides), load_prepared(digits_dir), torch.device("cpu"),
-                         rank=rank, world_size=2)
-        b = PretrainLoop(load_params(ROOT / "params.yaml", [*overrides, SMALL_BUDGET]),
-                         load_prepared(digits_dir, mmap=True), torch.device("cpu"), rank=rank, world_size=2)
+        a = cpu_loop(overrides, load_prepared(digits_dir), rank=rank, world_size=2)
+        b = cpu_loop([*overrides, SMALL_BUDGET], load_prepared(digits_dir, mmap=True), rank=rank, world_size=2)
         assert b.streaming and not a.streaming
         for step in range(a.steps_per_epoch):
             (xa, ida), (xb, idb) = a._local_batch(perm, step), b._local_batch(perm, step)  # noqa: SLF001 (white-box)
@@ -128,9 +127,8 @@ def _two_paths_worker(rank: int, world: int, data_dir: str) -> dict:
                               ("streamed", ["train.epochs=2", SMALL_BUDGET], True),
                               ("dense", ["train.epochs=5"], False),
                               ("tiled", ["train.epochs=5", SMALL_BUDGET, TILING_BUDGET], True)):
-        params = load_params(ROOT / "params.yaml", ["train.batch_size=64", *extra])
-        loop = PretrainLoop(params, load_prepared(data_dir, mmap=mmap), torch.device("cpu"), rank=rank,
-                            world_size=world)
+        data = load_prepared(data_dir, mmap=mmap)
+        loop = cpu_loop(["train.batch_size=64", *extra], data, rank=rank, world_size=world)
         assert loop.streaming == mmap
         assert (loop.head_plan.tile is not None) == (name == "tiled") and loop.head_plan.sharded
         loop.fit(lambda m, ckpt: None)
@@ -162,9 +160,8 @@ def test_two_gloo_workers_streamed_equal_in_memory(digits_dir, tmp_path):
 def test_health_over_tiles_equals_the_dense_health(digits_dir, extra):
     """Where training tiles the head, the health check does too (each affinity a row slice at a time): same numbers."""
     overrides = ["train.batch_size=96", "model.depth=2", *extra]
-    dense = PretrainLoop(load_params(ROOT / "params.yaml", overrides), load_prepared(digits_dir), torch.device("cpu"))
-    tiled = PretrainLoop(load_params(ROOT / "params.yaml", [*overrides, TILING_BUDGET]), load_prepared(digits_dir),
-                         torch.device("cpu"))
+    dense = cpu_loop(overrides, load_prepared(digits_dir))
+    tiled = cpu_loop([*overrides, TILING_BUDGET], load_prepared(digits_dir))
     assert dense.head_plan.tile is None and tiled.head_plan.tile is not None
     want = dense.health()
     assert len(want) == 2 * 5
@@ -213,8 +210,7 @@ def test_pretrain_with_method_abc_trains_reports_its_kernel_and_evaluates(mode, 
 
 # ------------------------------------------------------------------------------------------------- callbacks
 class Recorder(Callback):
-    """A user's callback: records every call, in order, and hands each step ``replace(x)`` (None: the inputs as
-    they are)."""
+    """A user's callback: records every call in order; each step gets ``replace(x)`` (None: the inputs unchanged)."""
 
     def __init__(self, events: list, replace=None) -> None:
         self.events, self.replace = events, replace
@@ -275,9 +271,7 @@ def test_the_monitors_cost_is_bounded_whatever_the_training_set(limit_train, one
     set)) and test queries (min(KNN_QUERIES, test set)), and the health's one global batch of two views. Bounded: on
     60,000 images as on 5,000, 7,000 forwards and a batch."""
     data = load_dataset(DataConfig(dataset="digits", root="unused", limit_train=limit_train))
-    params = load_params(ROOT / "params.yaml", ["train.epochs=1", "train.knn_every=1", "train.batch_size=64",
-                                                "model.depth=1"])
-    loop = PretrainLoop(params, data, torch.device("cpu"))
+    loop = cpu_loop(["train.epochs=1", "train.knn_every=1", "train.batch_size=64", "model.depth=1"], data)
     rows = []
     loop.model.backbone.register_forward_hook(
         lambda m, args, out: rows.append(len(args[0])) if not m.training else None)

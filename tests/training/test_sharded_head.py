@@ -13,7 +13,8 @@ from pipeline.core.backbones import build_backbone
 from pipeline.core.losses import make_loss
 from pipeline.core.model import ABCModel, Rows, TransFusion, TransFusionHead, bce_loss
 from pipeline.training.step import GlobalBatchStep
-from tests.training.ranks import run_ranks
+from tests.training.ranks import run_ranks, shard
+from tests.training.test_step import assert_grads_close
 
 B, SHAPE = 8, (1, 6, 6)  # 8 images, two views each; 4 a worker
 LABELS = torch.tensor([0, 1, 2, 0, 1, 2, 0, 3])  # class 3 is a singleton: a row without a positive
@@ -42,29 +43,20 @@ class Case:
 PAIRWISE = ("jsd", "jsd_appendix_e", "kl_softmax", "kl_relu", "kl_squared", "supcon", "dcl")
 CASES = [
     # every head option
-    Case(depth=0),
-    Case(depth=1, scope="per_view", qk_init="identity"),
-    Case(depth=3, truncated=True, qk_init="tied"),
-    Case(depth=3, scope="per_view", truncated=True),
-    Case(depth=1, activation="softmax"),
-    Case(depth=2, activation="sigmoid", scope="per_view"),
-    Case(depth=2, activation="identity"),
+    Case(depth=0), Case(depth=1, scope="per_view", qk_init="identity"), Case(depth=3, truncated=True, qk_init="tied"),
+    Case(depth=3, scope="per_view", truncated=True), Case(depth=1, activation="softmax"),
+    Case(depth=2, activation="sigmoid", scope="per_view"), Case(depth=2, activation="identity"),
     # every loss, both modes
     *[Case(loss=name, mode=mode) for name in PAIRWISE for mode in ("self", "sup")],
-    Case(loss="infonce"),
-    Case(loss="barlow_twins"),
+    Case(loss="infonce"), Case(loss="barlow_twins"),
     # gradient caching
-    Case(chunk=3),
-    Case(chunk=5, truncated=True, loss="supcon", mode="sup"),
+    Case(chunk=3), Case(chunk=5, truncated=True, loss="supcon", mode="sup"),
     # the head's attention and the loss over column tiles (16 rows: tiles of 3, 4, 5 leave ragged ends)
-    Case(tile=5),
-    Case(tile=3, depth=3, truncated=True, scope="per_view", loss="supcon", mode="sup"),
+    Case(tile=5), Case(tile=3, depth=3, truncated=True, scope="per_view", loss="supcon", mode="sup"),
     Case(tile=4, activation="softmax", loss="kl_softmax", mode="sup"),
-    Case(tile=4, activation="sigmoid", loss="infonce"),
-    Case(tile=5, chunk=3, loss="dcl"),
+    Case(tile=4, activation="sigmoid", loss="infonce"), Case(tile=5, chunk=3, loss="dcl"),
     # ABC (depth: its SAB blocks), both compatibilities and kernels, both modes, gradient caching
-    Case(loss="bce", mode="sup"),
-    Case(loss="bce", mode="self", depth=1, kernel="paper", pos_weight=2.0),
+    Case(loss="bce", mode="sup"), Case(loss="bce", mode="self", depth=1, kernel="paper", pos_weight=2.0),
     Case(loss="bce", mode="sup", compatibility="additive", kernel="paper"),
     Case(loss="bce", mode="self", compatibility="additive", depth=0, pos_weight=1.0, chunk=3),
 ]
@@ -91,12 +83,9 @@ def make_batch(mode: str):
 def run_case(case: Case, rank: int, world: int, tile: int | None = None):
     """(loss, {name: grad}) of one step on this rank's shard of the batch."""
     model = make_model(case)
-    v1, v2, ids = make_batch(case.mode)
-    b = B // world
-    mine = slice(rank * b, (rank + 1) * b)
     loss_fn = bce_loss(case.pos_weight) if case.loss == "bce" else make_loss(case.loss)
     step = GlobalBatchStep(model, loss_fn, grad_cache_chunk=case.chunk, layout=case.layout, tile=tile)
-    loss = step(torch.cat([v1[mine], v2[mine]]), torch.cat([ids[mine], ids[mine]]))
+    loss = step(*shard(*make_batch(case.mode), rank, world))
     return loss, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -112,13 +101,10 @@ def gathered_dtypes(rank: int, world: int) -> list[torch.dtype]:
 
     step_mod.gather_views = recording
     try:
-        case = Case(depth=2)
-        model = make_model(case).float()
-        v1, v2, ids = make_batch("self")
-        b = B // world
-        mine = slice(rank * b, (rank + 1) * b)
+        model = make_model(Case(depth=2)).float()
+        x, ids = shard(*make_batch("self"), rank, world)
         step = GlobalBatchStep(model, make_loss("jsd"), layout="two_view", autocast_dtype=torch.bfloat16)
-        step(torch.cat([v1[mine], v2[mine]]).float(), torch.cat([ids[mine], ids[mine]]))
+        step(x.float(), ids)
     finally:
         step_mod.gather_views = gather
     return seen
@@ -129,13 +115,9 @@ def _worker(rank, world, cases):
 
 
 def assert_same(got, want, rtol=1e-9):
-    loss, grads = got
-    ref_loss, ref_grads = want
+    (loss, grads), (ref_loss, ref_grads) = got, want
     assert loss == pytest.approx(ref_loss, rel=rtol, abs=1e-12)
-    assert grads.keys() == ref_grads.keys()
-    top = max(float(g.abs().max()) for g in ref_grads.values())
-    for name, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[name], rtol=rtol, atol=rtol * top, msg=name)
+    assert_grads_close(grads, ref_grads, rtol)
 
 
 @pytest.mark.slow

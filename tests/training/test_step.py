@@ -15,7 +15,7 @@ from pipeline.core.batchnorm import GlobalBatchNorm, convert_batchnorm
 from pipeline.core.losses import make_loss
 from pipeline.core.model import TransFusion, TransFusionHead
 from pipeline.training.step import GlobalBatchStep, NonFiniteLossError
-from tests.training.ranks import run_ranks
+from tests.training.ranks import run_ranks, shard
 from tests.training.small import digits, small_loop
 
 B, SHAPE = 8, (1, 8, 8)  # 8 images, two views each
@@ -50,8 +50,7 @@ def make_batch(mode: str, shape: tuple[int, ...] = SHAPE, dtype: torch.dtype = t
     g = torch.Generator().manual_seed(1)
     v1 = torch.rand(B, *shape, generator=g, dtype=torch.float64)
     v2 = (v1 + 0.1 * torch.rand(B, *shape, generator=g, dtype=torch.float64)).clamp(0, 1)
-    labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
-    img_ids = torch.arange(B) if mode == "self" else labels
+    img_ids = torch.arange(B) if mode == "self" else torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
     return v1.to(dtype), v2.to(dtype), img_ids
 
 
@@ -65,24 +64,17 @@ def bn_buffers(model):
         ("running_", "num_batches"))}
 
 
-def _run_step(spec: Spec, rank: int, world: int):
-    """One step on this rank's shard; returns (loss, grads, BN buffers, this rank's embeddings (2b, m))."""
+def run_step(spec: Spec, rank: int = 0, world: int = 1):
+    """One step on this rank's shard (default: one process on the whole batch); returns (loss, grads, BN buffers,
+    this rank's embeddings (2b, m))."""
     model = make_model(truncated=spec.truncated, backbone=spec.backbone, shape=spec.shape, dtype=spec.dtype)
     if world > 1 and spec.global_bn:
         convert_batchnorm(model)
     captured = []
     model.backbone.register_forward_hook(lambda mod, inp, out: captured.append(out.detach().clone()))
-    v1, v2, ids = make_batch(spec.mode, spec.shape, spec.dtype)
-    b = B // world
-    mine = slice(rank * b, (rank + 1) * b)
     step = GlobalBatchStep(model, make_loss(spec.loss_name), grad_cache_chunk=spec.chunk, layout=spec.layout)
-    loss = step(torch.cat([v1[mine], v2[mine]]), torch.cat([ids[mine], ids[mine]]))
+    loss = step(*shard(*make_batch(spec.mode, spec.shape, spec.dtype), rank, world))
     return loss, grads_of(model), bn_buffers(model), captured[0]
-
-
-def one_process(spec: Spec):
-    """(loss, grads, BN buffers, embeddings) of one process on the whole batch."""
-    return _run_step(spec, 0, 1)
 
 
 def _worker(rank, world, spec: Spec):
@@ -94,12 +86,7 @@ def _worker(rank, world, spec: Spec):
         step_mod.local_rows = lambda r, b, w: (slice(0, b), slice(b, 2 * b))
     if spec.reduce_scatter is not None:
         step_mod.reduce_scatter_works = lambda t: spec.reduce_scatter
-    return _run_step(spec, rank, world)
-
-
-def run_two(tmp_path, spec: Spec):
-    """(loss, grads, BN buffers, embeddings) of each of 2 gloo workers."""
-    return run_ranks(tmp_path, _worker, spec)
+    return run_step(spec, rank, world)
 
 
 def rel_diff(a: dict, b: dict) -> float:
@@ -131,16 +118,16 @@ CASES = [pytest.param(Spec(), id="jsd"), slow(Spec("supcon", "sup"), "supcon"), 
 
 @pytest.mark.parametrize("spec", CASES)
 def test_two_gloo_workers_equal_one_process(tmp_path, spec):
-    ref_loss, ref_grads, _, _ = one_process(dataclasses.replace(spec, chunk=None, layout=None, reduce_scatter=None))
-    for loss, grads, _, _ in run_two(tmp_path, spec):
+    ref_loss, ref_grads, _, _ = run_step(dataclasses.replace(spec, chunk=None, layout=None, reduce_scatter=None))
+    for loss, grads, _, _ in run_ranks(tmp_path, _worker, spec):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert_grads_close(grads, ref_grads)
 
 
 @pytest.mark.slow
 def test_without_the_gather_the_gradients_differ(tmp_path):
-    _, ref_grads, _, _ = one_process(Spec())
-    (_, grads0, _, _), _ = run_two(tmp_path, Spec(no_gather=True))
+    _, ref_grads, _, _ = run_step(Spec())
+    (_, grads0, _, _), _ = run_ranks(tmp_path, _worker, Spec(no_gather=True))
     with pytest.raises(AssertionError):
         assert_grads_close(grads0, ref_grads)
 
@@ -149,8 +136,8 @@ def test_without_the_gather_the_gradients_differ(tmp_path):
                                             pytest.param("barlow_twins", "self", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 3, pytest.param(5, marks=pytest.mark.slow)])
 def test_grad_cache_equals_plain_step(loss_name, mode, chunk):
-    loss, grads, _, _ = one_process(Spec(loss_name, mode))
-    loss_c, grads_c, _, _ = one_process(Spec(loss_name, mode, chunk))
+    loss, grads, _, _ = run_step(Spec(loss_name, mode))
+    loss_c, grads_c, _, _ = run_step(Spec(loss_name, mode, chunk))
     assert loss_c == pytest.approx(loss, rel=1e-10)
     assert_grads_close(grads_c, grads, rtol=1e-9)
 
@@ -179,8 +166,8 @@ BACKBONES = [("pixels", SHAPE), ("mlp", SHAPE), ("cnn_small", SHAPE), ("resnet18
 @pytest.mark.parametrize("backbone,shape", BACKBONES, ids=[b for b, _ in BACKBONES])
 def test_every_backbone_two_gloo_workers_equal_one_process(tmp_path, backbone, shape):
     spec = Spec(backbone=backbone, shape=shape)
-    ref_loss, ref_grads, ref_buffers, ref_z = one_process(spec)
-    results = run_two(tmp_path, spec)
+    ref_loss, ref_grads, ref_buffers, ref_z = run_step(spec)
+    results = run_ranks(tmp_path, _worker, spec)
     for loss, grads, buffers, _ in results:
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert_grads_close(grads, ref_grads)
@@ -202,8 +189,8 @@ def test_every_backbone_two_gloo_workers_equal_one_process(tmp_path, backbone, s
 def test_plain_batchnorm_on_two_workers_differs(tmp_path):
     """The control: per-worker BN (no conversion) normalises each shard by its own statistics."""
     spec = Spec(backbone="resnet18_cifar", shape=(3, 8, 8), global_bn=False)
-    ref_loss, ref_grads, ref_buffers, ref_z = one_process(spec)
-    (loss0, grads0, buf0, z0), (_, _, buf1, z1) = run_two(tmp_path, spec)
+    ref_loss, ref_grads, ref_buffers, ref_z = run_step(spec)
+    (loss0, grads0, buf0, z0), (_, _, buf1, z1) = run_ranks(tmp_path, _worker, spec)
     assert rel_diff(grads0, ref_grads) > 0.5  # measured 2.56 (256 %)
     b = B // 2
     z = torch.cat([z0[:b], z1[:b], z0[b:], z1[b:]])
@@ -215,7 +202,7 @@ def test_plain_batchnorm_on_two_workers_differs(tmp_path):
 
 def test_lazy_step_equals_the_checked_step():
     spec = Spec()
-    loss, grads, _, _ = one_process(spec)
+    loss, grads, _, _ = run_step(spec)
     model = make_model()
     v1, v2, ids = make_batch("self")
     lazy = GlobalBatchStep(model, make_loss("jsd")).lazy(torch.cat([v1, v2]), torch.cat([ids, ids]))
@@ -296,8 +283,8 @@ def test_nan_mid_epoch_raises_before_the_epoch_is_reported(defer):
 @pytest.mark.parametrize("chunk", [None, 3])
 def test_layout_hint_gives_the_same_step(loss_name, mode, layout, exact, chunk):
     """``two_view``: the step of the validated path bit for bit; ``labels``: up to rounding."""
-    loss, grads, _, _ = one_process(Spec(loss_name, mode, chunk))
-    loss_h, grads_h, _, _ = one_process(Spec(loss_name, mode, chunk, layout=layout))
+    loss, grads, _, _ = run_step(Spec(loss_name, mode, chunk))
+    loss_h, grads_h, _, _ = run_step(Spec(loss_name, mode, chunk, layout=layout))
     if exact:
         assert loss_h == loss
         assert grads_h.keys() == grads.keys() and all(torch.equal(grads_h[k], grads[k]) for k in grads)
@@ -323,8 +310,7 @@ def test_two_view_ids_are_checked_once_per_batch_size(monkeypatch):
 
 
 def test_wrong_ids_for_the_layout_and_grad_cache_with_batchnorm_are_refused():
-    v1, v2, _ = make_batch("sup")
-    labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    v1, v2, labels = make_batch("sup")
     x = torch.cat([v1, v2])
     with pytest.raises(ValueError, match="two_view"):
         GlobalBatchStep(make_model(), make_loss("supcon"), layout="two_view").lazy(x, torch.cat([labels, labels]))
