@@ -9,8 +9,10 @@ that does nothing but note the time and report once.
 - **Tune trial**: ``Tuner.fit`` of one trial of the same function (what a one-worker trial is, without its
   training).
 
-Each is run ``--repeat`` times, alternating; it prints the median seconds from the call to the function's start
-("start") and from its report to the call's return ("stop"), and each side's total over the Tune trial's.
+Both functions import torch before they note the time, as every training function of the pipeline does (a Ray
+Train worker imports it for its process group anyway). Each is run ``--repeat`` times, alternating; it prints the
+median seconds from the call to the function's start ("start") and from its report to the call's return ("stop"), and
+each side's total over the Tune trial's.
 
     python benchmarks/bench_train_start.py            # ~2 minutes on 2 cores
 """
@@ -28,7 +30,9 @@ POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # read by Ray Train's controller
 
 
 def note_and_report(config: dict) -> None:
-    """The training function of both sides: note when it started, report once."""
+    """The training function of both sides: import torch, note the time, report once."""
+    import torch  # noqa: F401 - what a trial's training imports first
+
     Path(config["mark"]).write_text(str(time.time()))
     from ray import tune
 
@@ -40,6 +44,8 @@ def train_run(workers: int, storage: str, mark: str) -> tuple[float, float]:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     def loop(config: dict) -> None:
+        import torch  # noqa: F401 - as note_and_report
+
         Path(config["mark"]).write_text(str(time.time()))
         ray.train.report({"done": 1})
 
