@@ -12,6 +12,7 @@ Each case runs one command in a fresh project directory (the ``project`` fixture
 from __future__ import annotations
 
 import ast
+import functools
 import gzip
 import io
 import json
@@ -571,8 +572,14 @@ EXTRACTING = {"extractall", "extract", "unpack_archive"}
 PRODUCT_SOURCES = sorted([*(ROOT / "pipeline").rglob("*.py"), *(ROOT / "stages").rglob("*.py")])
 
 
+@functools.cache
+def _nodes(path: Path) -> list[ast.AST]:
+    """Every node of a product file's syntax tree, parsed once for all the checks below."""
+    return list(ast.walk(ast.parse(path.read_text())))
+
+
 def _calls(path: Path, module: str, names: set[str]) -> list[ast.Call]:
-    return [node for node in ast.walk(ast.parse(path.read_text()))
+    return [node for node in _nodes(path)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names
             and isinstance(node.func.value, ast.Name) and node.func.value.id == module]
 
@@ -600,7 +607,7 @@ def test_no_unsafe_unpickling_or_archive_extraction():
         text = path.read_text()
         pickles = _calls(path, "pickle", {"load", "loads", "Unpickler"})
         assert not pickles or (path.name == "sources.py" and len(pickles) == 1), f"{path.name}: pickle"
-        extracting = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Call)
+        extracting = [n for n in _nodes(path) if isinstance(n, ast.Call)
                       and isinstance(n.func, ast.Attribute) and n.func.attr in EXTRACTING]
         assert not extracting and "import zipfile" not in text, path.name
         if "tarfile" in text:  # only to make torchvision's extraction use the "data" filter

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import yaml
 
@@ -9,9 +11,12 @@ from pipeline.config.base import ParamsError, apply_overrides, flatten, parse_ov
 from pipeline.config.params import Params, load_params, validate_params
 from tests.conftest import ROOT
 
+DEFAULT_RAW = yaml.safe_load((ROOT / "params.yaml").read_text())
+
 
 def default_raw() -> dict:
-    return yaml.safe_load((ROOT / "params.yaml").read_text())
+    """params.yaml as a dict of its own, for a test to change."""
+    return copy.deepcopy(DEFAULT_RAW)
 
 
 def test_project_params_are_valid():
