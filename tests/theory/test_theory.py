@@ -91,7 +91,8 @@ def test_generator_deterministic_and_private_rng():
 
 @pytest.mark.parametrize("kwargs,match", [
     *[(dict(n_clusters=k, rank=r, dim=m), r"\(K - 1\) r") for k, r, m in [(3, 2, 4), (2, 3, 3), (5, 1, 4), (2, 4, 4)]],
-    (dict(noise=1.5), ""), (dict(noise=-0.1), ""), (dict(n=2), ""), (dict(dim=1, n_clusters=1, rank=1), "")])
+    (dict(noise=1.5), r"noise ε must lie in \[0, 1\].*got 1.5"), (dict(noise=-0.1), r"\[0, 1\].*got -0.1"),
+    (dict(n=2), "need n >= n_clusters"), (dict(dim=1, n_clusters=1, rank=1), "need dim >= 2")])
 def test_generator_rejects_bad_arguments(kwargs, match):
     """Dependent subspaces ((K - 1) r >= m), noise outside [0, 1], too few samples or clusters."""
     with pytest.raises(ValueError, match=match):
