@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 
 class OutputError(OSError):
@@ -123,6 +122,8 @@ def write_csv(
 
 
 def save_torch(path: str | os.PathLike, obj: Any) -> None:
+    import torch  # here: the commands that write no tensors (check, report, ui) start without torch's 1.2 s
+
     with atomic_path(path) as tmp:
         torch.save(obj, tmp)
 
@@ -137,6 +138,8 @@ def load_torch(path: str | os.PathLike) -> Any:
     Raises :class:`TensorFileError` (one line naming ``path``) for a file that is corrupt or holds anything but
     tensors and plain containers; ``FileNotFoundError`` if it does not exist.
     """
+    import torch
+
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
