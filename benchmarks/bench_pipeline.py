@@ -4,7 +4,8 @@ Both train the same model, loss, augmentation, global batch and number of steps 
 in one run of this script, with the same torch threads:
 
 - **plain loop**: one process, no Ray, no MLflow, no kNN, no health, no checkpoint: the model of
-  ``pipeline.core.model.build_model``, Adam, ``BatchAugment``'s two views, the loss of ``make_loss``, and nothing else;
+  ``pipeline.core.model.build_model`` in ``train.memory_format``'s layout, Adam, ``BatchAugment``'s two views, the
+  loss of ``make_loss``, and nothing else;
 - **pipeline**: the pretrain stage's :func:`pipeline.runs.train.pretrain` as the stage calls it, MLflow tracking on
   (a sqlite store in a temporary folder): Ray's start, Ray Train's worker, the per-epoch online kNN, fusion health,
   report and checkpoint, the MLflow epoch logging; ``--no-ray`` runs the pipeline's ``PretrainLoop`` in this process
@@ -32,7 +33,7 @@ import torch
 
 from pipeline.config.params import Params, load_params
 from pipeline.core.losses import make_loss
-from pipeline.core.model import build_model
+from pipeline.core.model import build_model, memory_format
 from pipeline.core.optim import build_optimizer
 from pipeline.data.augment import BatchAugment
 from pipeline.data.prepared import load_prepared, save_prepared
@@ -59,7 +60,8 @@ def plain_loop(params: Params, data: Dataset, device: torch.device) -> float:
     """The steps of ``train.epochs`` epochs in a bare loop; returns the wall seconds (the data on the device)."""
     t = params.train
     torch.manual_seed(t.seed)
-    model = build_model(params.model, data.input_shape).to(device)
+    fmt = memory_format(t.memory_format, data.input_shape)  # train.memory_format, as the pipeline's loop
+    model = build_model(params.model, data.input_shape).to(device, memory_format=fmt)
     opt = build_optimizer(t.optimizer, model, lr=t.lr, weight_decay=t.weight_decay, head_lr_scale=t.head_lr_scale)
     loss_fn = make_loss(params.loss.name, temperature=params.loss.temperature, barlow_lambda=params.loss.barlow_lambda,
                         power=params.loss.power)
@@ -75,7 +77,7 @@ def plain_loop(params: Params, data: Dataset, device: torch.device) -> float:
         for s in range(steps):
             x = to_float(x_all[perm[s * b:(s + 1) * b]])  # (b, ...)
             with torch.no_grad():
-                views = torch.cat([augment(x, gen), augment(x, gen)])  # (2b, ...)
+                views = torch.cat([augment(x, gen), augment(x, gen)]).contiguous(memory_format=fmt)  # (2b, ...)
             plain_step(model, opt, loss_fn, views, ids, autocast)
     if device.type == "cuda":
         torch.cuda.synchronize()
