@@ -122,7 +122,7 @@ def write_csv(
 
 
 def save_torch(path: str | os.PathLike, obj: Any) -> None:
-    import torch  # here: the commands that write no tensors (check, report, ui) start without torch's 1.2 s
+    import torch  # here: the commands that touch no tensors (check, ui) start without torch's 1.2 s
 
     with atomic_path(path) as tmp:
         torch.save(obj, tmp)
