@@ -94,8 +94,8 @@ def test_torchvision_backbone_is_adapted_as_resnet18(model, shape, stem, classif
     ("torchvision:resnet5", (3, 32, 32), ["unknown backbone torchvision:resnet5", "list_models"]),
     ("torchvision:squeezenet1_0", (3, 32, 32), ["squeezenet1_0", "no Linear classifier"]),
     pytest.param("torchvision:convnext_tiny", (1, 28, 28),
-                 ["convnext_tiny", "(1, 28, 28)", "does not run on this size",
-                  "Kernel size can't be greater than actual input size"], marks=SLOW),
+                 ["convnext_tiny", "(1, 28, 28)", "does not run on this size", "choose a model for images this small"],
+                 marks=SLOW),  # torch's own words for the size differ between versions (2.11, 2.14)
     ("torchvision:vit_b_16", (3, 28, 28), ["vit_b_16", "(3, 28, 28)", "indivisible by patch size"]),
     ("torchvision:resnet18", (784,), ["needs image inputs"]),
 ])
