@@ -7,10 +7,12 @@ stage's ``PretrainLoop`` with its online kNN every ``train.knn_every`` epochs, c
 ``probe_row``). No controls, no MLflow, no resume. Every epoch and every finished run is appended to the output
 folder at once, so a run cut short by ``--deadline`` still leaves its curves:
 
-- ``curves.csv``: row, seed, epoch, loss, knn_acc (the online kNN), seconds (the epoch's steps);
+- ``curves.csv``: the tables job's ``tables/curves.csv`` columns (table, name, seed, epoch, seconds of training so
+  far, loss, online kNN), without the blocks' health;
 - ``rows.csv``: row, seed, epochs, each probe's test accuracy, train and probe seconds (finished runs only).
 
-It ends with each row's mean ± sd over its finished seeds.
+It ends with each row's mean ± sd over its finished seeds, the tables report's budget table (where each row's online
+kNN stops rising) and its figure of the online kNN per epoch, ``curves.png``.
 
     python benchmarks/study_rows.py --params presets/fashion-mnist-ssl.yaml \\
         --row "TransFusion 1-Layer truncated power 16" --row "InfoNCE tau 0.05" --seeds 0 1 --jobs 4 --out study
@@ -33,7 +35,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CURVE_FIELDS = ["row", "seed", "epoch", "loss", "knn_acc", "seconds"]
 
 
 def append(path: Path, fields: list[str], row: dict[str, object]) -> None:
@@ -46,14 +47,15 @@ def append(path: Path, fields: list[str], row: dict[str, object]) -> None:
         w.writerow(row)
 
 
-def run_one(job: tuple[str, dict[str, object], int, str, str, int]) -> dict[str, object]:
+def run_one(job: tuple[str, int, dict[str, object], int, str, str, int]) -> dict[str, object]:
     """Train and probe one (row, seed) in this process; returns its line of ``rows.csv``."""
-    name, base, seed, data_dir, out, threads = job
+    name, table, base, seed, data_dir, out, threads = job
     import torch
 
     from pipeline.config.space import trial_params
     from pipeline.data.prepared import load_prepared
     from pipeline.evaluation.evaluate import probe_frozen, resolve_device
+    from pipeline.evaluation.tables_report import CURVE_COLUMNS, curve_rows
     from pipeline.training.loop import PretrainLoop
 
     torch.set_num_threads(threads)
@@ -62,7 +64,8 @@ def run_one(job: tuple[str, dict[str, object], int, str, str, int]) -> dict[str,
     loop = PretrainLoop(params, data, resolve_device(params.train.device))
 
     def report(m, _checkpoint_now: bool) -> None:
-        append(Path(out) / "curves.csv", CURVE_FIELDS, {"row": name, "seed": seed, **m.as_dict()})
+        line = curve_rows([{"table": table, "name": name, "seed": seed, "history": loop.history}])[-1]
+        append(Path(out) / "curves.csv", list(CURVE_COLUMNS), line)
         knn = "" if m.knn_acc is None else f" knn {m.knn_acc:.4f}"
         print(f"[{name} / seed {seed}] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
               f"{m.seconds:.1f} s", flush=True)
@@ -80,6 +83,7 @@ def main() -> int:
     from pipeline.config.params import load_params
     from pipeline.data.prepared import save_prepared
     from pipeline.data.sources import load_dataset
+    from pipeline.evaluation.tables_report import curves_figure, read_curves, rise_table
     from pipeline.evaluation.tables_rows import resolve_rows, seeds_of
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -106,7 +110,7 @@ def main() -> int:
         save_prepared(load_dataset(params.data), Path(tmp) / "prepared")
         print(f"prepared in {time.time() - started:.1f} s; {len(chosen)} row(s) x {len(seeds)} seed(s), "
               f"{args.jobs} at once, {threads} thread(s) each", flush=True)
-        jobs = [(r.name, r.params.model_dump(), s, str(Path(tmp) / "prepared"), str(args.out), threads)
+        jobs = [(r.name, r.table, r.params.model_dump(), s, str(Path(tmp) / "prepared"), str(args.out), threads)
                 for r in chosen for s in seeds]
         ctx = mp.get_context("spawn")  # CUDA in the children
         with ctx.Pool(args.jobs, maxtasksperchild=1) as pool:
@@ -134,6 +138,9 @@ def main() -> int:
             sd = f" ± {statistics.stdev(v):.3f}" if len(v) > 1 else ""
             cells.append(f"{k} {statistics.mean(v):.3f}{sd}" if v else f"{k} n/a")
         print(f"{r.name}: {len(mine)} seed(s): {', '.join(cells) or 'n/a'}")
+    curves = read_curves(args.out / "curves.csv")
+    print("\n".join(rise_table(curves)))
+    curves_figure(curves, args.out / "curves.png")
     return 0 if len(done) == len(jobs) else 1
 
 
