@@ -11,8 +11,10 @@ that does nothing but note the time and report once.
 
 Both functions import torch before they note the time, as every training function of the pipeline does (a Ray
 Train worker imports it for its process group anyway). Each is run ``--repeat`` times, alternating; it prints the
-median seconds from the call to the function's start ("start") and from its report to the call's return ("stop"), and
-each side's total over the Tune trial's.
+median seconds from the call to the function's start ("start") and from its report to the call's return ("stop"),
+each side's total over the Tune trial's, and the CPU-seconds Ray's processes (this driver's child processes: GCS,
+raylet, the dashboard, every worker and actor) spent during the call, with the last run's by process title (a Ray
+Train run's support actors among them).
 
     python benchmarks/bench_train_start.py            # ~2 minutes on 2 cores
 """
@@ -23,8 +25,12 @@ import argparse
 import os
 import statistics
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # read by Ray Train's controller when a run starts
 
@@ -68,6 +74,48 @@ def tune_trial(storage: str, mark: str) -> tuple[float, float]:
     return started - called, ended - started
 
 
+def cpu_of_ray(call: Callable[[], tuple[float, float]]) -> tuple[tuple[float, float], dict[str, float]]:
+    """``call()``, and the CPU-seconds each of Ray's processes spent during it, by process title (``ray::IDLE``,
+    ``ray::TrainController``, ...). Sampled every 0.1 s: a process that ends loses its last 0.1 s. It first waits
+    3 s, for the actors of the call before to end (they would count here)."""
+    time.sleep(3)
+
+    def sample() -> dict[int, tuple[str, float]]:
+        out = {}
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                with proc.oneshot():
+                    cpu = proc.cpu_times()
+                    out[proc.pid] = ((proc.cmdline() or [""])[0].split(" ")[0], cpu.user + cpu.system)
+            except psutil.Error:
+                pass
+        return out
+
+    before, seen, done = sample(), {}, threading.Event()
+
+    def poll() -> None:
+        while not done.wait(0.1):
+            keep(sample())
+
+    def keep(now: dict[int, tuple[str, float]]) -> None:  # a process ending has no title any more: keep its last
+        for pid, (title, cpu) in now.items():
+            seen[pid] = (title or seen.get(pid, ("?", 0.0))[0], cpu)
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    try:
+        result = call()
+    finally:
+        done.set()
+        thread.join()
+    keep(sample())
+    spent: dict[str, float] = {}
+    for pid, (title, cpu) in seen.items():
+        name = title if title.startswith("ray::") else Path(title).name
+        spent[name] = spent.get(name, 0.0) + cpu - before.get(pid, (title, 0.0))[1]
+    return result, spent
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
@@ -79,22 +127,32 @@ def main() -> None:
     sides = {"Tune trial (inline)": (0, "")}  # name: (Ray Train workers, the controller's poll)
     sides |= {f"Ray Train, {w} worker(s), poll {p} s": (w, p) for w in (1, 2) for p in ("0.2", "2")}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
+    cpus: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
     with tempfile.TemporaryDirectory() as tmp:
         mark, storage = str(Path(tmp, "started")), str(Path(tmp, "runs"))
         for _ in range(args.repeat):
             for name, (workers, poll) in sides.items():
                 if workers:
                     os.environ[POLL_ENV] = poll
-                times[name].append(train_run(workers, storage, mark) if workers else tune_trial(storage, mark))
-                print(f"  {name}: start {times[name][-1][0]:.1f} s, stop {times[name][-1][1]:.1f} s", flush=True)
+                run, spent = cpu_of_ray(lambda w=workers: train_run(w, storage, mark) if w else
+                                        tune_trial(storage, mark))
+                times[name].append(run)
+                cpus[name].append(spent)
+                print(f"  {name}: start {run[0]:.1f} s, stop {run[1]:.1f} s, Ray's processes "
+                      f"{sum(spent.values()):.1f} CPU-s", flush=True)
     ray.shutdown()
     base = statistics.median(a + b for a, b in times["Tune trial (inline)"])
     print(f"median of {args.repeat}, 2 CPUs:")
     for name, runs in times.items():
         start, stop = statistics.median(a for a, _ in runs), statistics.median(b for _, b in runs)
         total = statistics.median(a + b for a, b in runs)
+        cpu = statistics.median(sum(s.values()) for s in cpus[name])
         print(f"  {name:36s} start {start:5.1f} s  stop {stop:4.1f} s  total {total:5.1f} s  "
-              f"/ Tune trial {total / base:4.2f}")
+              f"/ Tune trial {total / base:4.2f}  Ray's processes {cpu:4.1f} CPU-s")
+    print("CPU-seconds by process title, the last run of each side (>= 0.1):")
+    for name, runs in cpus.items():
+        parts = sorted(((v, k) for k, v in runs[-1].items() if v >= 0.1), reverse=True)
+        print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for v, k in parts))
 
 
 if __name__ == "__main__":
