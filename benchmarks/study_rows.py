@@ -27,14 +27,9 @@ import csv
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 
 
 def append(path: Path, fields: list[str], row: dict[str, object]) -> None:
