@@ -7,12 +7,15 @@ stage's ``PretrainLoop`` with its online kNN every ``train.knn_every`` epochs, c
 ``probe_row``). No controls, no MLflow, no resume. Every epoch and every finished run is appended to the output
 folder at once, so a run cut short by ``--deadline`` still leaves its curves:
 
-- ``curves.csv``: the tables job's ``tables/curves.csv`` columns (table, name, seed, epoch, seconds of training so
-  far, loss, online kNN), without the blocks' health;
-- ``rows.csv``: row, seed, epochs, each probe's test accuracy, train and probe seconds (finished runs only).
+- ``tables/curves.csv``: the tables job's (table, name, seed, epoch, seconds of training so far, loss, online kNN),
+  without the blocks' health;
+- ``rows.csv``: row, seed, epochs, each probe's test accuracy, the last online kNN, GPUs, train and probe seconds
+  (finished runs only).
 
-It ends with each row's mean ± sd over its finished seeds, the tables report's budget table (where each row's online
-kNN stops rising) and its figure of the online kNN per epoch, ``curves.png``.
+Then the folder is a recorded study, as ``transfusion tables --out DIR`` leaves one: ``tables/results.csv`` and
+``results.json`` in the job's format, from every run in ``rows.csv`` (earlier calls' too), and what the job renders
+from them (``stages.tables.write_outputs``): ``reports/TABLES.md`` and ``plots/tables/curves.png``. ``--render``
+writes only those, from the folder's ``rows.csv`` and ``tables/curves.csv``.
 
     python benchmarks/study_rows.py --params presets/fashion-mnist-ssl.yaml \\
         --row "TransFusion 1-Layer truncated power 16" --row "InfoNCE tau 0.05" --seeds 0 1 --jobs 4 --out study
@@ -30,6 +33,10 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from pipeline.config.params import Params
+from pipeline.config.probe import PROBES as ALL_PROBES
+from pipeline.evaluation.tables_rows import Row
 
 
 def append(path: Path, fields: list[str], row: dict[str, object]) -> None:
@@ -60,7 +67,7 @@ def run_one(job: tuple[str, int, dict[str, object], int, str, str, int]) -> dict
 
     def report(m, _checkpoint_now: bool) -> None:
         line = curve_rows([{"table": table, "name": name, "seed": seed, "history": loop.history}])[-1]
-        append(Path(out) / "curves.csv", list(CURVE_COLUMNS), line)
+        append(Path(out) / "tables" / "curves.csv", list(CURVE_COLUMNS), line)
         knn = "" if m.knn_acc is None else f" knn {m.knn_acc:.4f}"
         print(f"[{name} / seed {seed}] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
               f"{m.seconds:.1f} s", flush=True)
@@ -69,16 +76,60 @@ def run_one(job: tuple[str, int, dict[str, object], int, str, str, int]) -> dict
     loop.fit(report)
     trained = time.time() - start
     accuracies, n_probe = probe_frozen(params, data, loop.model)
+    knn = [h["knn_acc"] for h in loop.history if h.get("knn_acc") is not None]
     return {"row": name, "seed": seed, "epochs": loop.epoch, **{f"probe.{k}": v for k, v in accuracies.items()},
-            "n_probe_train": n_probe, "train_seconds": round(trained, 1),
-            "probe_seconds": round(time.time() - start - trained, 1)}
+            "n_probe_train": n_probe, "knn_acc": knn[-1] if knn else None, "gpus": int(loop.device.type == "cuda"),
+            "train_seconds": round(trained, 1), "probe_seconds": round(time.time() - start - trained, 1)}
+
+
+def record(line: dict[str, str], row: Row) -> dict[str, object]:
+    """A line of ``rows.csv`` as the tables job's record of a (row, seed) (``pipeline.runs.tables.collect``)."""
+    p, gpus = row.params, int(line["gpus"])
+    seconds = float(line["train_seconds"])
+    number = (lambda v: float(v) if v not in ("", "None") else None)  # noqa: E731
+    return {"index": row.index, "table": row.table, "name": row.name, "paper": row.paper, "seed": int(line["seed"]),
+            "control": "", "trial_id": f"study_{row.index}_{line['seed']}", "train.mode": p.train.mode,
+            "loss.name": p.loss.name, "model.depth": p.model.depth, "model.backbone": p.model.backbone,
+            "train.batch_size": p.train.batch_size, "epochs": int(line["epochs"]),
+            **{k: number(line.get(f"probe.{k}", "")) for k in ALL_PROBES}, "knn_acc": number(line["knn_acc"]),
+            "train_minutes": seconds / 60, "fit_seconds": seconds, "eval_seconds": float(line["probe_seconds"]),
+            "workers": 1, "gpus": gpus, "hours": seconds / 3600, "hours_unit": unit_of(gpus),
+            "probe_cpus": None, "probe_gpus": None, "status": "TERMINATED", "error": ""}
+
+
+def unit_of(gpus: int) -> str:
+    return "GPU-hours" if gpus else "worker-hours"
+
+
+def write_study(out: Path, params: Params, rows: list[Row], seeds: list[int]) -> list[Path]:
+    """``out`` as a recorded tables study: ``tables/results.{csv,json}`` from every run in ``rows.csv``, and the
+    tables job's report and figure of them with ``tables/curves.csv``; returns the rendered files."""
+    from pipeline.evaluation.tables_report import COLUMNS, csv_records, read_curves
+    from pipeline.io import write_csv, write_json
+    from stages.tables import write_outputs
+
+    by_name = {r.name: r for r in rows}
+    with (out / "rows.csv").open(newline="") as f:
+        records = sorted((record(line, by_name[line["row"]]) for line in csv.DictReader(f)),
+                         key=lambda r: (r["index"], r["seed"]))
+    unit = unit_of(max((int(r["gpus"]) for r in records), default=0))
+    names = {r["name"] for r in records}
+    tables = params.tables.model_copy(update={"rows": [t for t in params.tables.rows if t.name in names],
+                                              "seeds": sorted({r["seed"] for r in records}) or seeds,
+                                              "controls": []})
+    job = params.model_copy(update={"tables": tables})
+    write_csv(out / "tables" / "results.csv", csv_records(records), COLUMNS)
+    write_json(out / "tables" / "results.json", {
+        "dataset": params.data.dataset, "hours_unit": unit, "rows": csv_records(records),
+        "params": job.model_dump(mode="json"), "tables": tables.model_dump(mode="json")})
+    return write_outputs(out, records, read_curves(out / "tables" / "curves.csv"), job, unit, params.data.dataset)
 
 
 def main() -> int:
     from pipeline.config.params import load_params
     from pipeline.data.prepared import save_prepared
     from pipeline.data.sources import load_dataset
-    from pipeline.evaluation.tables_report import curves_figure, read_curves, rise_table
+    from pipeline.evaluation.tables_report import read_curves, rise_table
     from pipeline.evaluation.tables_rows import resolve_rows, seeds_of
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -86,7 +137,8 @@ def main() -> int:
     ap.add_argument("--row", action="append", default=[], help="a row's name (repeat; default: every row)")
     ap.add_argument("--seeds", type=int, nargs="+", help="default: tables.seeds")
     ap.add_argument("--jobs", type=int, default=1, help="(row, seed) runs at once")
-    ap.add_argument("--out", type=Path, required=True, help="folder of curves.csv and rows.csv (appended to)")
+    ap.add_argument("--out", type=Path, required=True, help="the study's folder (its rows.csv and curves appended to)")
+    ap.add_argument("--render", action="store_true", help="only the study's files from --out's rows.csv and curves")
     ap.add_argument("--deadline", type=float, default=None, help="seconds: stop the runs still going then")
     ap.add_argument("-S", dest="overrides", action="append", default=[], help="params overrides (key=value)")
     args = ap.parse_args()
@@ -98,7 +150,10 @@ def main() -> int:
                  f"choose from {[r.name for r in rows]}")
     chosen = [r for r in rows if not args.row or r.name in args.row]
     seeds = args.seeds if args.seeds is not None else seeds_of(params)
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        print(f"rendered {', '.join(map(str, write_study(args.out, params, rows, seeds)))}")
+        return 0
+    (args.out / "tables").mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     with tempfile.TemporaryDirectory() as tmp:
         started = time.time()
@@ -133,9 +188,9 @@ def main() -> int:
             sd = f" ± {statistics.stdev(v):.3f}" if len(v) > 1 else ""
             cells.append(f"{k} {statistics.mean(v):.3f}{sd}" if v else f"{k} n/a")
         print(f"{r.name}: {len(mine)} seed(s): {', '.join(cells) or 'n/a'}")
-    curves = read_curves(args.out / "curves.csv")
-    print("\n".join(rise_table(curves)))
-    curves_figure(curves, args.out / "curves.png")
+    print("\n".join(rise_table(read_curves(args.out / "tables" / "curves.csv"))))
+    if done:
+        print(f"rendered {', '.join(map(str, write_study(args.out, params, rows, seeds)))}")
     return 0 if len(done) == len(jobs) else 1
 
 
