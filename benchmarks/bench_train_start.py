@@ -16,7 +16,7 @@ each side's total over the Tune trial's, and the CPU-seconds Ray's processes (th
 raylet, the dashboard, every worker and actor) spent during the call, with the last run's by process title (a Ray
 Train run's support actors among them).
 
-    python benchmarks/bench_train_start.py            # ~2 minutes on 2 cores
+    python benchmarks/bench_train_start.py            # a few minutes on 2 cores
 """
 
 from __future__ import annotations

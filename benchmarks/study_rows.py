@@ -29,7 +29,6 @@ import argparse
 import csv
 import multiprocessing as mp
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -86,7 +85,9 @@ def record(line: dict[str, str], row: Row) -> dict[str, object]:
     """A line of ``rows.csv`` as the tables job's record of a (row, seed) (``pipeline.runs.tables.collect``)."""
     p, gpus = row.params, int(line["gpus"])
     seconds = float(line["train_seconds"])
-    number = (lambda v: float(v) if v not in ("", "None") else None)  # noqa: E731
+    def number(v: str) -> float | None:
+        return float(v) if v not in ("", "None") else None
+
     return {"index": row.index, "table": row.table, "name": row.name, "paper": row.paper, "seed": int(line["seed"]),
             "control": "", "trial_id": f"study_{row.index}_{line['seed']}", "train.mode": p.train.mode,
             "loss.name": p.loss.name, "model.depth": p.model.depth, "model.backbone": p.model.backbone,
@@ -101,10 +102,11 @@ def unit_of(gpus: int) -> str:
     return "GPU-hours" if gpus else "worker-hours"
 
 
-def write_study(out: Path, params: Params, rows: list[Row], seeds: list[int]) -> list[Path]:
+def write_study(out: Path, params: Params, rows: list[Row]) -> list[str]:
     """``out`` as a recorded tables study: ``tables/results.{csv,json}`` from every run in ``rows.csv``, and the
-    tables job's report and figure of them with ``tables/curves.csv``; returns the rendered files."""
-    from pipeline.evaluation.tables_report import COLUMNS, csv_records, read_curves
+    tables job's report and figure of them with ``tables/curves.csv``; returns the console's lines: the report's
+    every-probe table (mean ± sd over seeds) and the files rendered."""
+    from pipeline.evaluation.tables_report import COLUMNS, aggregate, csv_records, probe_table, read_curves
     from pipeline.io import write_csv, write_json
     from stages.tables import write_outputs
 
@@ -115,21 +117,21 @@ def write_study(out: Path, params: Params, rows: list[Row], seeds: list[int]) ->
     unit = unit_of(max((int(r["gpus"]) for r in records), default=0))
     names = {r["name"] for r in records}
     tables = params.tables.model_copy(update={"rows": [t for t in params.tables.rows if t.name in names],
-                                              "seeds": sorted({r["seed"] for r in records}) or seeds,
+                                              "seeds": sorted({r["seed"] for r in records}),
                                               "controls": []})
     job = params.model_copy(update={"tables": tables})
     write_csv(out / "tables" / "results.csv", csv_records(records), COLUMNS)
     write_json(out / "tables" / "results.json", {
         "dataset": params.data.dataset, "hours_unit": unit, "rows": csv_records(records),
         "params": job.model_dump(mode="json"), "tables": tables.model_dump(mode="json")})
-    return write_outputs(out, records, read_curves(out / "tables" / "curves.csv"), job, unit, params.data.dataset)
+    files = write_outputs(out, records, read_curves(out / "tables" / "curves.csv"), job, unit, params.data.dataset)
+    return [*probe_table(aggregate(records)), f"rendered {', '.join(map(str, files))}"]
 
 
 def main() -> int:
     from pipeline.config.params import load_params
     from pipeline.data.prepared import save_prepared
     from pipeline.data.sources import load_dataset
-    from pipeline.evaluation.tables_report import read_curves, rise_table
     from pipeline.evaluation.tables_rows import resolve_rows, seeds_of
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -151,7 +153,7 @@ def main() -> int:
     chosen = [r for r in rows if not args.row or r.name in args.row]
     seeds = args.seeds if args.seeds is not None else seeds_of(params)
     if args.render:
-        print(f"rendered {', '.join(map(str, write_study(args.out, params, rows, seeds)))}")
+        print("\n".join(write_study(args.out, params, rows)))
         return 0
     (args.out / "tables").mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
@@ -175,22 +177,11 @@ def main() -> int:
                           flush=True)
                     pool.terminate()
                     break
-                fields = list(line)
-                append(args.out / "rows.csv", fields, line)
+                append(args.out / "rows.csv", list(line), line)
                 done.append(line)
                 print(f"done: {line}", flush=True)
-    probes = [k for k in (done[0] if done else {}) if k.startswith("probe.")]
-    for r in chosen:
-        mine = [d for d in done if d["row"] == r.name]
-        cells = []
-        for k in probes:
-            v = [float(d[k]) for d in mine]
-            sd = f" ± {statistics.stdev(v):.3f}" if len(v) > 1 else ""
-            cells.append(f"{k} {statistics.mean(v):.3f}{sd}" if v else f"{k} n/a")
-        print(f"{r.name}: {len(mine)} seed(s): {', '.join(cells) or 'n/a'}")
-    print("\n".join(rise_table(read_curves(args.out / "tables" / "curves.csv"))))
     if done:
-        print(f"rendered {', '.join(map(str, write_study(args.out, params, rows, seeds)))}")
+        print("\n".join(write_study(args.out, params, rows)))
     return 0 if len(done) == len(jobs) else 1
 
 
