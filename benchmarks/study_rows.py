@@ -116,9 +116,10 @@ def write_study(out: Path, params: Params, rows: list[Row]) -> list[str]:
                          key=lambda r: (r["index"], r["seed"]))
     unit = unit_of(max((int(r["gpus"]) for r in records), default=0))
     names = {r["name"] for r in records}
+    reference = params.tables.reference if params.tables.reference in names else None  # one of these rows, or none
     tables = params.tables.model_copy(update={"rows": [t for t in params.tables.rows if t.name in names],
                                               "seeds": sorted({r["seed"] for r in records}),
-                                              "controls": []})
+                                              "controls": [], "reference": reference})
     job = params.model_copy(update={"tables": tables})
     write_csv(out / "tables" / "results.csv", csv_records(records), COLUMNS)
     write_json(out / "tables" / "results.json", {

@@ -36,9 +36,10 @@ def run(data: DataConfig, out: Path = DEFAULT_OUT) -> dict:
               show_default=True, help="Output directory.")
 @runtime_errors(DatasetError)
 def prepare(data: DataConfig, out: Path) -> None:
-    """Load the dataset named by data.dataset and write train/test arrays plus a manifest."""
+    """Load the dataset named by data.dataset and write its train, validation and test arrays plus a manifest."""
     manifest = run(data, out)
     click.echo(
-        f"prepared {manifest['dataset']}: {manifest['n_train']} train / {manifest['n_test']} test, "
+        f"prepared {manifest['dataset']}: {manifest['n_train']} train / {manifest['n_val']} validation / "
+        f"{manifest['n_test']} test, "
         f"input shape {tuple(manifest['input_shape'])}, {len(manifest['classes'])} classes -> {out}/"
     )

@@ -43,9 +43,20 @@ class DataConfig(Section):
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     seed: int = Field(0, ge=0, le=MAX_SEED)
     image_size: int | None = Field(None, ge=4, le=4096)
+    # held out of the training images before limit_train, stratified and seeded: the split every selection reads
+    # (online kNN, Tune's metric, the stop-rising epoch); a share of the training images (0 < f < 1) or a count
+    val_size: int | float = 0.1
     limit_train: int | None = Field(None, ge=2)
     limit_test: int | None = Field(None, ge=2)
     synthetic: SyntheticConfig = SyntheticConfig()
+
+    @model_validator(mode="after")
+    def _val_size(self) -> DataConfig:
+        v = self.val_size
+        if isinstance(v, bool) or (isinstance(v, int) and v < 1) or (isinstance(v, float) and not 0.0 < v < 1.0):
+            raise ValueError(f"data.val_size: {v!r} is neither a share of the training images (0 < f < 1) nor a "
+                             "count of them (an integer >= 1); e.g. 0.1 or 5000")
+        return self
 
     @model_validator(mode="after")
     def _image_folder_size(self) -> DataConfig:

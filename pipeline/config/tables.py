@@ -39,6 +39,11 @@ def _paper_rows() -> list[TableRow]:
             for n, t, base, loss, depth in rows]
 
 
+def _reference_names(rows: list[TableRow], controls: list[str]) -> set[str]:
+    """The names ``tables.reference`` may take: every row's, and each chosen control's key and report name."""
+    return {r.name for r in rows} | set(controls) | {CONTROLS[c] for c in controls}
+
+
 def _is_section(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, Section)
 
@@ -57,6 +62,10 @@ class TablesConfig(Section):
     # probed beside the rows, with each seed (raw_pixels: once, it has no randomness of its own)
     controls: list[Literal["raw_pixels", "random_init"]] = Field(default_factory=lambda: list(CONTROLS))
     max_concurrent_trials: int | None = Field(None, ge=1)  # None: as many as the cluster holds
+    # the row every other row of its table is tested against in reports/TABLES.md (a paired t-test by seed): a name
+    # of tables.rows or a control of tables.controls (raw_pixels, or as the report names it, "raw pixels");
+    # None: the report gives each row's spread and confidence interval, and no comparison
+    reference: str | None = Field(None, min_length=1, max_length=200)
 
     @model_validator(mode="after")
     def _rows(self) -> TablesConfig:
@@ -66,6 +75,10 @@ class TablesConfig(Section):
             problems.append(f"tables.seeds: {self.seeds} repeats a seed; list each seed once")
         if len(set(self.controls)) != len(self.controls):
             problems.append(f"tables.controls: {self.controls} repeats a control; allowed: {', '.join(CONTROLS)}")
+        if self.reference is not None and self.reference not in _reference_names(self.rows, self.controls):
+            allowed = [*dict.fromkeys(r.name for r in self.rows), *self.controls]
+            problems.append(f"tables.reference: {self.reference!r} is not a row of this job; allowed: "
+                            f"{', '.join(map(repr, allowed))}")
         for i, row in enumerate(self.rows):
             where = f"tables.rows[{i}] ({row.name!r})"
             if (row.table, row.name) in seen:

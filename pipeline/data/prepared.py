@@ -1,6 +1,7 @@
 """The prepared format: what the ``prepare`` stage writes (:func:`prepare_dataset`, :func:`save_prepared`) and every
-later stage reads (:func:`load_prepared`). Four ``.npy`` files, ``{train,test}_x.npy`` (the inputs, stored dtype, C
-order) and ``{train,test}_y.npy`` (int64 labels), plus ``manifest.json`` with each file's sha256. numpy's own
+later stage reads (:func:`load_prepared`). Six ``.npy`` files, ``{train,val,test}_x.npy`` (the inputs, stored dtype, C
+order) and ``{train,val,test}_y.npy`` (int64 labels), plus ``manifest.json`` with each file's sha256 (``val``: the
+validation split held out of the training images, ``data.val_size``). numpy's own
 format, so ``np.load(mmap_mode=...)`` maps a split of any size without reading it (``load_prepared(mmap=True)``);
 written block by block (:func:`write_npy`), an image folder one decoded image at a time, so preparing never holds
 the data set in memory. :func:`prepared_nbytes` sizes a split from its manifest, :func:`gather_rows` reads rows of
@@ -27,8 +28,10 @@ from pipeline.data.types import Dataset, DatasetError, Split, check_split
 from pipeline.io import atomic_dir, sha256_file, write_json
 
 MANIFEST = "manifest.json"
-SPLIT_FILES = {"train": ("train_x.npy", "train_y.npy"), "test": ("test_x.npy", "test_y.npy")}  # (inputs, labels)
-PREPARED_FILES = (*SPLIT_FILES["train"], *SPLIT_FILES["test"])
+SPLIT_FILES = {"train": ("train_x.npy", "train_y.npy"), "val": ("val_x.npy", "val_y.npy"),
+               "test": ("test_x.npy", "test_y.npy")}  # (inputs, labels)
+PARTS = tuple(SPLIT_FILES)  # train, val, test
+PREPARED_FILES = tuple(name for part in PARTS for name in SPLIT_FILES[part])
 _PREPARE_HINT = "run `transfusion prepare` (or `dvc repro prepare`) first"
 _REPREPARE_HINT = "run `transfusion prepare` (or `dvc repro prepare`) again"
 _BLOCK_BYTES = 16 << 20  # rows per block of write_npy / gather_rows: about this many bytes
@@ -80,15 +83,15 @@ def _row_blocks(x: Tensor) -> Iterator[np.ndarray]:
         yield x[i : i + step].contiguous().numpy()
 
 
-def _manifest(name: str, classes: Sequence[str], input_shape: Sequence[int], n_train: int, n_test: int,
+def _manifest(name: str, classes: Sequence[str], input_shape: Sequence[int], counts: dict[str, int],
               dtype: torch.dtype, extra: dict | None) -> dict[str, Any]:
-    """The manifest's fields, ``extra`` after them (``files`` is added once they are written)."""
+    """The manifest's fields, ``extra`` after them (``files`` is added once they are written); ``counts``: the
+    samples of each split, by part."""
     manifest: dict[str, Any] = {
         "dataset": name,
         "classes": list(classes),
         "input_shape": list(input_shape),
-        "n_train": n_train,
-        "n_test": n_test,
+        **{f"n_{part}": counts[part] for part in PARTS},
         "dtype": _dtype_name(dtype),
     }
     extra = dict(extra or {})
@@ -112,20 +115,23 @@ def _write_split(out: Path, part: str, shape: Sequence[int], dtype: torch.dtype,
 
 
 def save_prepared(ds: Dataset, out_dir: Path | str, extra: dict | None = None) -> dict:
-    """Write ``{train,test}_x.npy``, ``{train,test}_y.npy`` and ``manifest.json`` to ``out_dir``, atomically.
+    """Write ``{train,val,test}_x.npy``, ``{train,val,test}_y.npy`` and ``manifest.json`` to ``out_dir``, atomically.
 
     The directory is built beside ``out_dir`` and swapped in whole, so a crash leaves the previous ``out_dir``
-    (or none). The manifest holds ``dataset, classes, input_shape, n_train, n_test, dtype`` and
+    (or none). The manifest holds ``dataset, classes, input_shape, n_train, n_val, n_test, dtype`` and
     ``files: {name: {sha256, shape}}`` (the shape of the array in that file), plus the keys of ``extra``.
     Returns the manifest.
     """
-    if ds.train.x.dtype != ds.test.x.dtype:
-        raise DatasetError(f"train ({ds.train.x.dtype}) and test ({ds.test.x.dtype}) inputs differ in dtype")
-    for split, part in ((ds.train, "train"), (ds.test, "test")):
+    splits = {"train": ds.train, "val": ds.val, "test": ds.test}
+    if len({split.x.dtype for split in splits.values()}) > 1:
+        raise DatasetError("the train, val and test inputs differ in dtype: "
+                           + ", ".join(f"{part} {split.x.dtype}" for part, split in splits.items()))
+    for part, split in splits.items():
         check_split(split, ds.input_shape, len(ds.classes), f"dataset '{ds.name}' ({part} split)")
-    manifest = _manifest(ds.name, ds.classes, ds.input_shape, len(ds.train), len(ds.test), ds.train.x.dtype, extra)
+    manifest = _manifest(ds.name, ds.classes, ds.input_shape, {part: len(s) for part, s in splits.items()},
+                         ds.train.x.dtype, extra)
     with atomic_dir(out_dir) as tmp:
-        for part, split in (("train", ds.train), ("test", ds.test)):
+        for part, split in splits.items():
             manifest["files"].update(_write_split(tmp, part, split.x.shape, split.x.dtype, _row_blocks(split.x),
                                                   split.y))
         write_json(tmp / MANIFEST, manifest)
@@ -138,10 +144,10 @@ def _prepare_image_folder(data: DataConfig, root: Path, out_dir: Path | str, ima
     bytes, in bounded memory: each image is decoded and appended to its split's file before the next is read."""
     plan = plan_image_folder(data, root)
     shape = (3, image_size, image_size)
-    n = {part: len(plan.index[part]) for part in ("train", "test")}
-    manifest = _manifest("image_folder", plan.classes, shape, n["train"], n["test"], torch.uint8, extra)
+    n = {part: len(plan.index[part]) for part in PARTS}
+    manifest = _manifest("image_folder", plan.classes, shape, n, torch.uint8, extra)
     with atomic_dir(out_dir) as tmp:
-        for part in ("train", "test"):
+        for part in PARTS:
             images = (img.numpy()[None] for img in folder_images(plan, part, image_size))  # (1, 3, S, S) each
             manifest["files"].update(_write_split(tmp, part, (n[part], *shape), torch.uint8, images,
                                                   plan.y[plan.index[part]]))
@@ -180,7 +186,8 @@ def read_manifest(out_dir: Path) -> dict[str, Any]:
         raise DatasetError(f"{mpath} is not readable JSON ({e}); {_REPREPARE_HINT}") from e
     if not isinstance(manifest, dict):
         raise DatasetError(f"{mpath} does not hold a JSON object; {_REPREPARE_HINT}")
-    _require(manifest, ("dataset", "classes", "input_shape", "n_train", "n_test", "dtype", "files"), mpath)
+    _require(manifest, ("dataset", "classes", "input_shape", *(f"n_{part}" for part in PARTS), "dtype", "files"),
+             mpath)
     return manifest
 
 
@@ -254,14 +261,15 @@ def load_prepared(out_dir: Path | str, verify: bool = True, mmap: bool = False) 
     try:
         input_shape = tuple(int(s) for s in manifest["input_shape"])
         classes = tuple(str(c) for c in manifest["classes"])
-        counts = {k: int(manifest[k]) for k in ("n_train", "n_test")}
+        counts = {part: int(manifest[f"n_{part}"]) for part in PARTS}
     except (TypeError, ValueError) as e:
         raise DatasetError(
-            f"{out_dir / MANIFEST}: malformed input_shape, classes, n_train or n_test ({e}); {_REPREPARE_HINT}"
+            f"{out_dir / MANIFEST}: malformed input_shape, classes, n_train, n_val or n_test ({e}); {_REPREPARE_HINT}"
         ) from e
-    train, test = (_load_split(out_dir, manifest, part, counts[f"n_{part}"], input_shape, len(classes), verify, mmap)
-                   for part in ("train", "test"))
-    return Dataset(name=str(manifest["dataset"]), train=train, test=test, classes=classes, input_shape=input_shape)
+    train, val, test = (_load_split(out_dir, manifest, part, counts[part], input_shape, len(classes), verify, mmap)
+                        for part in PARTS)
+    return Dataset(name=str(manifest["dataset"]), train=train, test=test, classes=classes, input_shape=input_shape,
+                   val=val)
 
 
 def prepared_nbytes(manifest: dict[str, Any], part: str = "train") -> int:
@@ -285,6 +293,7 @@ def gather_rows(x: Tensor, index: Tensor, pin: bool = False) -> Tensor:
 
 __all__ = [
     "MANIFEST",
+    "PARTS",
     "PREPARED_FILES",
     "SPLIT_FILES",
     "gather_rows",

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from pipeline.config.data import DataConfig
 from pipeline.data.omniglot import OMNIGLOT_FOLDER, OMNIGLOT_PARTS, omniglot_place, read_omniglot
-from pipeline.data.split import limit_index, limit_split, split_index, stratified_split
+from pipeline.data.split import holdout_index, holdout_split, limit_index, limit_split, split_index, stratified_split
 from pipeline.data.types import Dataset, DatasetError, Split, check_split
 
 _DOWNLOAD_HINT = "set data.download: true to fetch it"
@@ -448,14 +448,15 @@ class FolderPlan:
     paths: tuple[str, ...]  # (N,) every image, in ImageFolder's order (classes sorted, then file names)
     y: Tensor  # (N,) int64 labels
     classes: tuple[str, ...]
-    index: dict[str, Tensor]  # "train" / "test": ascending int64 indices into paths, the limits applied
+    index: dict[str, Tensor]  # "train" / "val" / "test": ascending int64 indices into paths, the limits applied
     loader: Callable[[str], Any]  # path -> PIL image in RGB
 
 
 def plan_image_folder(data: DataConfig, root: Path) -> FolderPlan:
     """Scan ``root/<class>/<image>`` (file names only) and choose each split's images: the stratified split of
-    :func:`~pipeline.data.split.split_index` (``data.test_fraction``, ``data.seed``), then the stratified subsets
-    of ``data.limit_train`` / ``data.limit_test``."""
+    :func:`~pipeline.data.split.split_index` (``data.test_fraction``, ``data.seed``), the validation split held out
+    of its training part (:func:`~pipeline.data.split.holdout_index`, ``data.val_size``), then the stratified
+    subsets of ``data.limit_train`` / ``data.limit_test``: the rows :func:`load_dataset` gives the other data sets."""
     from torchvision.datasets import ImageFolder
 
     try:
@@ -469,7 +470,8 @@ def plan_image_folder(data: DataConfig, root: Path) -> FolderPlan:
         raise DatasetError(f"image_folder {root} holds no images; add <root>/<class>/<image> files")
     y = torch.tensor(folder.targets, dtype=torch.int64)
     train, test = split_index(y, data.test_fraction, data.seed, f"image_folder {root}")
-    index = {"train": limit_index(train, y, data.limit_train, data.seed),
+    keep, val = holdout_index(y[train], data.val_size, data.seed, f"image_folder {root}")
+    index = {"train": limit_index(train[keep], y, data.limit_train, data.seed), "val": train[val],
              "test": limit_index(test, y, data.limit_test, data.seed)}
     return FolderPlan(tuple(p for p, _ in folder.samples), y, tuple(folder.classes), index, folder.loader)
 
@@ -489,34 +491,30 @@ def folder_images(plan: FolderPlan, part: str, image_size: int) -> Iterator[Tens
         yield transform(img).as_subclass(Tensor)  # (3, S, S) uint8
 
 
-def _load_image_folder(data: DataConfig, root: Path) -> Splits:
-    """An image folder's splits in memory, RGB uint8 (n, 3, S, S) with S = ``data.image_size``: each image decoded
-    into a preallocated tensor (never a list of images stacked, which would hold the split twice)."""
-    plan, image_size = plan_image_folder(data, root), data.image_size
-    assert image_size is not None  # checked_root refuses an image folder without it
-    splits = []
-    for part in ("train", "test"):
-        idx = plan.index[part]
-        x = torch.empty((len(idx), 3, image_size, image_size), dtype=torch.uint8)  # (n, 3, S, S)
-        for row, img in enumerate(folder_images(plan, part, image_size)):
-            x[row] = img
-        splits.append(Split(x, plan.y[idx]))
-    return splits[0], splits[1], plan.classes
+def _folder_splits(data: DataConfig, root: Path) -> tuple[Split, Split, Split, tuple[str, ...]]:
+    """An image folder's train, val and test splits in memory, RGB uint8 (n, 3, S, S) with S = ``data.image_size``,
+    each image decoded into a preallocated tensor (never a list of images stacked), and its class names."""
+    plan, size = plan_image_folder(data, root), data.image_size
+    assert size is not None  # checked_root refuses an image folder without it
+    splits = [Split(torch.empty((len(plan.index[part]), 3, size, size), dtype=torch.uint8), plan.y[plan.index[part]])
+              for part in ("train", "val", "test")]  # (n, 3, S, S) each
+    for split, part in zip(splits, ("train", "val", "test"), strict=True):
+        for row, img in enumerate(folder_images(plan, part, size)):
+            split.x[row] = img
+    return *splits, plan.classes
 
 
-# --------------------------------------------------------------------------------------------------
-# public loader
-
-# the reader of each data set, by name: (request, its root with ``~`` expanded) -> train, test, class names
+# ---------------------------------------------------------------------------------------------------- public loader
+# the reader of each data set but the image folder (read by its plan: _folder_splits), by name: (request, its root
+# with ``~`` expanded) -> train, test, class names
 READERS: dict[str, Callable[[DataConfig, Path], Splits]] = {
     "digits": _load_digits,
     "synthetic": _load_synthetic,
     "cifar10": _load_cifar10,
     "fashion_mnist": _load_fashion_mnist,
     "omniglot": _load_omniglot,
-    "image_folder": _load_image_folder,
 }
-DATASET_NAMES = tuple(READERS)  # pipeline.config.data.DATASET_NAMES names the same (tests/config/test_params.py)
+DATASET_NAMES = (*READERS, "image_folder")  # pipeline.config.data.DATASET_NAMES names the same (tests/config/)
 
 
 def _resize(x: Tensor, size: int, chunk: int = 4096) -> Tensor:
@@ -569,29 +567,32 @@ def checked_root(data: DataConfig) -> Path:
 
 
 def load_dataset(data: DataConfig) -> Dataset:
-    """Load the data set ``data.dataset`` asks for: ``train``/``test`` splits of ``x`` (N, *input_shape) and ``y``
-    int64 (N,).
+    """Load the data set ``data.dataset`` asks for: train, val and test splits of ``x`` (N, *input_shape), ``y`` (N,).
 
     - ``digits`` / ``synthetic`` / ``omniglot`` / ``image_folder`` are split with a stratified ``train_test_split``
       of ``data.test_fraction`` and ``data.seed`` (``omniglot``: its background characters, see
       :func:`_load_omniglot`); ``cifar10`` / ``fashion_mnist`` keep their own train/test splits.
-    - ``data.image_size`` resizes images to ``(image_size, image_size)``; required for ``image_folder``; ignored by
-      ``synthetic``.
+    - ``data.image_size`` resizes images (required for ``image_folder``; ignored by ``synthetic``).
+    - ``data.val_size`` holds a stratified validation split out of the training split, before the limits.
     - ``data.limit_train`` / ``data.limit_test`` keep a seeded stratified subset of that many samples (see
       :func:`~pipeline.data.split.stratified_subset`).
     - ``data.synthetic`` gives the union-of-subspaces parameters.
     """
     root = checked_root(data)
     name, seed = data.dataset, data.seed
-    train, test, classes = READERS[name](data, root)
-    train, test = limit_split(train, data.limit_train, seed), limit_split(test, data.limit_test, seed)
+    if name == "image_folder":  # the plan holds the validation rows out before any image is decoded
+        train, val, test, classes = _folder_splits(data, root)
+    else:
+        train, test, classes = READERS[name](data, root)
+        train, val = holdout_split(train, data.val_size, seed, f"dataset '{name}'")
+        train, test = limit_split(train, data.limit_train, seed), limit_split(test, data.limit_test, seed)
     image_size = None if name == "synthetic" else data.image_size
     if image_size is not None:
-        train, test = Split(_resize(train.x, image_size), train.y), Split(_resize(test.x, image_size), test.y)
+        train, val, test = (Split(_resize(s.x, image_size), s.y) for s in (train, val, test))
     input_shape = tuple(int(s) for s in train.x.shape[1:])
-    for split, part in ((train, "train"), (test, "test")):
+    for split, part in ((train, "train"), (val, "val"), (test, "test")):
         check_split(split, input_shape, len(classes), f"dataset '{name}' ({part} split)")
-    return Dataset(name=name, train=train, test=test, classes=tuple(classes), input_shape=input_shape)
+    return Dataset(name=name, train=train, test=test, classes=tuple(classes), input_shape=input_shape, val=val)
 
 
 __all__ = ["DATASET_NAMES", "FMNIST_DEBIAN_ROOT", "READERS", "FolderPlan", "checked_root", "fmnist_raw_folder",

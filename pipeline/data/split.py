@@ -1,11 +1,13 @@
 """Seeded, class-stratified choices of samples: :func:`stratified_subset` (the one subset function the pipeline
 uses, for ``limit_train`` / ``limit_test``, the probes' label fractions and the figures' points), the train/test split
-of the data sets without their own (:func:`split_index`, :func:`stratified_split`), the limits applied to a split
+of the data sets without their own (:func:`split_index`, :func:`stratified_split`), the validation split held out of
+the training images (:func:`holdout_index`, :func:`holdout_split`), the limits applied to a split
 (:func:`limit_split`, :func:`limit_index`), and :func:`to_float`, which turns stored inputs into float32 batches.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -126,4 +128,37 @@ def stratified_split(x: Tensor, y: Tensor, test_fraction: float, seed: int, what
     )
 
 
-__all__ = ["limit_index", "limit_split", "split_index", "stratified_split", "stratified_subset", "to_float"]
+def val_count(val_size: int | float, n: int, classes: int = 1) -> int:
+    """How many of ``n`` training samples of ``classes`` classes ``data.val_size`` holds out: a share (0 < f < 1,
+    rounded half up, at least one sample a class) or a count, as given."""
+    return max(classes, math.floor(val_size * n + 0.5)) if isinstance(val_size, float) else int(val_size)
+
+
+def holdout_index(y: Tensor, val_size: int | float, seed: int, what: str) -> tuple[Tensor, Tensor]:
+    """Ascending int64 indices ``(kept, val)`` into the training labels ``y`` (N,): the validation split is the
+    seeded stratified subset (:func:`stratified_subset`, at least one sample of each class) of
+    :func:`val_count` ``(val_size, N)`` samples, ``kept`` the rest. Every class keeps at least one training sample;
+    :class:`DatasetError` naming ``data.val_size`` otherwise."""
+    n, classes = int(y.shape[0]), int(torch.unique(y).numel())
+    size = val_count(val_size, n, classes)
+    if not classes <= size <= n - classes:
+        raise DatasetError(f"data.val_size: {val_size!r} holds out {size} of the {n} training samples of {what}; "
+                           f"with {classes} classes it must hold out between {classes} and {n - classes} (one sample "
+                           "of each class in each part)")
+    val = torch.from_numpy(stratified_subset(y, size, seed, min_per_class=1))  # (size,)
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[val] = False
+    if torch.unique(y[keep]).numel() < classes:
+        raise DatasetError(f"data.val_size: {val_size!r} leaves a class of {what} with no training sample; lower it")
+    return torch.nonzero(keep).reshape(-1), val
+
+
+def holdout_split(split: Split, val_size: int | float, seed: int, what: str) -> tuple[Split, Split]:
+    """``split`` cut into its training rest and its validation split (:func:`holdout_index`), rows in order."""
+    keep, val = holdout_index(split.y, val_size, seed, what)
+    return (Split(split.x[keep].contiguous(), split.y[keep].contiguous()),
+            Split(split.x[val].contiguous(), split.y[val].contiguous()))
+
+
+__all__ = ["holdout_index", "holdout_split", "limit_index", "limit_split", "split_index", "stratified_split",
+           "stratified_subset", "to_float", "val_count"]

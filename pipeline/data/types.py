@@ -34,13 +34,16 @@ class Split:
 
 @dataclass(frozen=True, eq=False)
 class Dataset:
-    """A loaded dataset: train/test splits, class names, and the shape of one input (without batch dim)."""
+    """A loaded dataset: train/test splits, class names, the shape of one input (without batch dim), and the
+    validation split held out of the training images (``data.val_size``): what every choice reads (the online kNN,
+    Tune's metric), so that only the final probes read ``test``."""
 
     name: str
     train: Split
     test: Split
     classes: tuple[str, ...]
     input_shape: tuple[int, ...]
+    val: Split
 
 
 def _count_nonfinite(x: Tensor, rows: int = 1 << 14) -> int:

@@ -5,7 +5,10 @@ from those files, so a table or figure regenerates without retraining (``transfu
 
 A row ran once per seed (``tables.seeds``); :func:`aggregate` turns its seeds into one line: the mean and the sample
 standard deviation of each number over the seeds that finished. The controls (``tables.controls``: the raw pixels,
-the backbone at its random initialisation) stand in every table, above the trained rows."""
+the backbone at its random initialisation) stand in every table, above the trained rows. For the headline probes
+(:data:`HEADLINE`), :func:`statistics_section` adds each row's 95 % confidence interval of the mean
+(:func:`confidence_interval`) and, when ``tables.reference`` names a row, a paired t-test by seed of every row of its
+table against it (:func:`paired_test`)."""
 
 from __future__ import annotations
 
@@ -13,9 +16,12 @@ import csv
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from scipy import stats
 
 from pipeline.config.params import Params
 from pipeline.config.probe import PROBES as ALL_PROBES
@@ -32,6 +38,10 @@ COLUMNS = ("table", "name", "paper", "seed", "control", "trial_id", "train.mode"
 CURVE_COLUMNS = ("table", "name", "seed", "epoch", "seconds", "loss", "knn_acc")  # then the blocks' health
 AVERAGED = (*ALL_PROBES, "knn_acc", "train_minutes", "hours")  # what aggregate() averages over seeds
 RISE = 0.005  # the online kNN "stops rising" at the first epoch that no later epoch beats by more than this
+HEADLINE = ("knn200", "logreg")  # the probes statistics_section() reads, those the rows have
+LEVEL = 0.05  # the paired test's level: a row is ahead of (behind) the reference only when p < LEVEL
+TEST = "paired t-test by seed, two-sided"
+FLAT = 1e-12  # per-seed differences this close are one number (accuracies are in [0, 1]; float noise is ~1e-16)
 TEXT = ("name", "paper", "control", "trial_id", "train.mode", "loss.name", "model.backbone", "hours_unit", "status",
         "error")
 
@@ -132,9 +142,10 @@ def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: st
            figure: str | None = None, curves: list[dict[str, Any]] | None = None) -> str:
     """``reports/TABLES.md``: Tables 1-2 in the paper's layout, each of our rows under the paper's row it reproduces
     (ours in bold, mean ± sd over its seeds; "n/a": not computed) with the controls above them and the cost of each
-    row in ``unit``; then every probe of every row; then, from ``curves`` (``tables/curves.csv``), when each row's
-    online kNN stopped rising (:func:`rise_table`) and its blocks' health (:func:`health_table`); then ``figure`` (a
-    path from the report's folder), if any."""
+    row in ``unit``; then every probe of every row; then the statistics over seeds of the headline probes, each row
+    against ``tables.reference`` (:func:`statistics_section`); then, from ``curves`` (``tables/curves.csv``), when
+    each row's online kNN stopped rising (:func:`rise_table`) and its blocks' health (:func:`health_table`); then
+    ``figure`` (a path from the report's folder), if any."""
     m, t = params.model, params.train
     lines_ = aggregate(records)
     seeds = sorted({s for line in lines_ for s in line["seeds"]})
@@ -178,6 +189,7 @@ def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: st
                   f"{error}" for r, seed, error in failed]
         lines.append("")
     lines += ["## Every probe, mean ± sd over seeds", "", *probe_table(lines_), ""]
+    lines += statistics_section(records, params.tables.reference)
     rise, health = rise_table(curves or []), health_table(curves or [])
     if rise:
         lines += ["## When the online kNN stops rising", "",
@@ -196,6 +208,146 @@ def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: st
     lines += [f"| {r.table} | {r.name} | `{json.dumps(r.params, sort_keys=True)}` |" for r in params.tables.rows]
     lines.append("")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- statistics
+@dataclass(frozen=True)
+class PairedResult:
+    """A row against the reference over the seeds both finished (:func:`paired_test`)."""
+
+    n: int  # pairs: the seeds both rows finished
+    diff: float | None  # the mean over those seeds of (row - reference); None: no pair
+    p: float | None  # the two-sided p-value of the paired t-test; None: no test (see word)
+    word: str  # ahead | behind | tie | n/a
+
+
+def confidence_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
+    """The Student-t interval of the mean of ``values`` (one per seed, independent): mean ± t_{(1+level)/2, n-1} ·
+    sd / √n, sd the sample standard deviation; None under 2 values (one seed has no spread to read)."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean, sd = statistics.mean(values), statistics.stdev(values)
+    half = float(stats.t.ppf((1 + level) / 2, n - 1)) * sd / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def paired_test(a_by_seed: Mapping[int, float], b_by_seed: Mapping[int, float], level: float = LEVEL) -> PairedResult:
+    """Row ``a`` against the reference ``b`` (``{seed: value}`` each), paired by seed over the seeds both have:
+    the paired t-test (``scipy.stats.ttest_rel``), two-sided. The verdict: "ahead" (p < ``level``, mean difference
+    > 0), "behind" (p < ``level``, < 0), "tie" (p >= ``level``: no difference the seeds tell apart from their spread;
+    not a proof of equality). Where the test is undefined there is no p-value: "n/a" under 2 pairs, and "n/a" when
+    every pair differs by the same nonzero amount (no spread: t is a division by zero, and saying "ahead" would claim
+    more than two or three seeds show); "tie" when every pair is equal (the rows agree on every seed)."""
+    seeds = sorted(set(a_by_seed) & set(b_by_seed))
+    a, b = [a_by_seed[s] for s in seeds], [b_by_seed[s] for s in seeds]
+    diffs = [x - y for x, y in zip(a, b, strict=True)]
+    if not diffs:
+        return PairedResult(0, None, None, NA)
+    diff = statistics.mean(diffs)
+    if len(diffs) < 2:
+        return PairedResult(1, diff, None, NA)
+    if max(diffs) - min(diffs) <= FLAT:  # no spread: the t statistic is undefined
+        return PairedResult(len(diffs), diff, None, "tie" if abs(diff) <= FLAT else NA)
+    p = float(stats.ttest_rel(a, b).pvalue)
+    return PairedResult(len(diffs), diff, p, "tie" if p >= level else "ahead" if diff > 0 else "behind")
+
+
+def per_seed(records: list[dict[str, Any]], key: str) -> dict[int, dict[int, float]]:
+    """``{row index: {seed: value of key}}`` over each row's finished seeds (a seed without the value left out)."""
+    out: dict[int, dict[int, float]] = {}
+    for r in records:
+        if r["status"] == "TERMINATED" and r.get(key) is not None:
+            out.setdefault(r["index"], {})[int(r["seed"])] = float(r[key])
+    return out
+
+
+def _groups(lines_: list[dict[str, Any]]) -> list[tuple[int, list[dict[str, Any]]]]:
+    """``(table, its lines)`` for each table of the trained rows, in table order, the controls (which stand in every
+    table) first in each; the controls alone as table 0 when no row trained."""
+    controls = [x for x in lines_ if x["control"]]
+    tables = sorted({x["table"] for x in lines_ if not x["control"]})
+    return [(t, [*controls, *(x for x in lines_ if not x["control"] and x["table"] == t)]) for t in tables] or [
+        (0, controls)]
+
+
+def _reference(group: list[dict[str, Any]], reference: str) -> dict[str, Any] | None:
+    """The line of ``group`` that ``reference`` names: a trained row's name, else a control's key or name."""
+    trained = [x for x in group if not x["control"] and x["name"] == reference]
+    controls = [x for x in group if x["control"] and reference in (x["name"], x["control"])]
+    return (trained + controls)[0] if trained + controls else None
+
+
+def _p(p: float | None) -> str:
+    """A p-value to 3 significant digits (0.0496, not a rounded 0.050 beside the 5 % verdict); "< 0.001" below."""
+    return NA if p is None else "< 0.001" if p < 0.001 else f"{p:.3g}"
+
+
+def _comparison(res: PairedResult) -> str:
+    """The cells difference | p | test | verdict of a row against its table's reference."""
+    if res.p is not None:
+        test = f"{TEST}, {res.n} seeds"
+    elif res.n < 2:
+        test = f"none: {res.n} seed{'' if res.n == 1 else 's'} in common"
+    else:
+        test = "none: equal on every seed" if res.word == "tie" else "none: the same difference on every seed"
+    diff = NA if res.diff is None else f"{res.diff:+.4f}"
+    return f"{diff} | {_p(res.p)} | {test} | {res.word} |"
+
+
+def statistics_table(records: list[dict[str, Any]], key: str, reference: str | None) -> list[str]:
+    """Markdown lines: each row's ``key`` over its finished seeds, per table (:func:`_groups`): the seeds, mean ± sd,
+    the 95 % confidence interval of the mean (:func:`confidence_interval`), and with a ``reference`` (a row's name)
+    the row against its table's reference (:func:`paired_test`): difference, p-value, test, verdict ("reference" on
+    its own line; n/a in a table without it). Without a reference, the first five columns only."""
+    lines_, values = aggregate(records), per_seed(records, key)
+    compare = reference is not None
+    lines = ["| row | table | seeds | mean ± sd | 95 % CI |" + (
+        f" difference from {reference} | p | test | verdict at {LEVEL * 100:g} % |" if compare else ""),
+             "|---|---|---|---|---|" + ("---|---|---|---|" if compare else "")]
+    for table, group in _groups(lines_):
+        ref = _reference(group, reference) if reference is not None else None
+        for x in group:
+            mine = values.get(x["index"], {})
+            ci = confidence_interval(list(mine.values()))
+            line = (f"| {'control: ' if x['control'] else ''}{x['name']} | {table or '-'} | {len(mine)} | "
+                    f"{_spread(list(mine.values()), 4)} | {NA if ci is None else f'[{ci[0]:.4f}, {ci[1]:.4f}]'} |")
+            if compare and ref is None:
+                line += f" {NA} | {NA} | no reference row in this table | {NA} |"
+            elif compare and x is ref:
+                line += " - | - | - | reference |"
+            elif compare and ref is not None:
+                line += " " + _comparison(paired_test(mine, values.get(ref["index"], {})))
+            lines.append(line)
+    return lines
+
+
+def statistics_section(records: list[dict[str, Any]], reference: str | None) -> list[str]:
+    """Markdown lines: ``## Statistics over seeds (<probe>)`` for each of :data:`HEADLINE` the rows have, its
+    :func:`statistics_table`, the first with a paragraph saying how to read it; [] when the rows have neither."""
+    lines_ = aggregate(records)
+    probes = [k for k in HEADLINE if any(line.get(k) is not None for line in lines_)]
+    names = {x["name"] for x in lines_} | {x["control"] for x in lines_ if x["control"]}
+    known = reference is not None and reference in names
+    intro = ("Each row over the seeds that finished: their number, the mean ± the sample sd, and the 95 % confidence "
+             "interval of the mean (Student t: mean ± t(0.975, n - 1) · sd / √n; n/a under 2 seeds).")
+    if known:
+        intro += (f" Against the reference row **{reference}** (`tables.reference`) of its table (the controls stand "
+                  "in every table): the difference, the mean over the seeds both finished of (row - reference); the "
+                  f"{TEST}; its p-value; and the verdict at {LEVEL * 100:g} %: ahead or behind when p < {LEVEL}, "
+                  "else tie (no difference the seeds tell from their spread). n/a: under 2 seeds in common, or the "
+                  "same nonzero difference on every seed (no spread to test). The seeds are the only replicates: a "
+                  "verdict holds for this setup (data, epochs, backbone), not beyond it.")
+    elif reference is not None:
+        intro += f" `tables.reference` ({reference}) is not a row of these results: no comparison."
+    else:
+        intro += (" Set `tables.reference` to a row's name to test every row of its table against it "
+                  f"({TEST}).")
+    out: list[str] = []
+    for i, k in enumerate(probes):
+        out += [f"## Statistics over seeds ({PROBE_NAMES[k]})", "", *([intro, ""] if i == 0 else []),
+                *statistics_table(records, k, reference if known else None), ""]
+    return out
 
 
 def probe_table(lines_: list[dict[str, Any]]) -> list[str]:

@@ -263,7 +263,7 @@ def dataset_input(manifest: Mapping[str, object], source: str | os.PathLike, con
     """The prepared data as an MLflow dataset input (name, digest, directory, profile), tagged with ``context``."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
-    profile = {"train": manifest.get("n_train"), "test": manifest.get("n_test"),
+    profile = {"train": manifest.get("n_train"), "val": manifest.get("n_val"), "test": manifest.get("n_test"),
                "classes": len(manifest.get("classes", [])), "input_shape": manifest.get("input_shape"),
                "dtype": manifest.get("dtype"), "prepared_with": manifest.get("params", {}).get("data")}
     dataset = Dataset(name=str(manifest["dataset"]), digest=data_digest(manifest)[:8], source_type="local",

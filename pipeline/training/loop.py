@@ -375,13 +375,15 @@ class PretrainLoop:
         return torch.cat(out)
 
     def knn(self) -> float:
-        """Online kNN accuracy (cosine, k = train.knn_k) of backbone embeddings: train bank vs test split."""
+        """Online kNN accuracy (cosine, k = train.knn_k) of backbone embeddings: a train bank vs the validation
+        split (``data.val_size``), never the test split: Tune's metric, a sweep's best and a study's choices read
+        this number, and only the final probes read the test images."""
         g = torch.Generator().manual_seed(0)
         bank = torch.randperm(len(self.y_train), generator=g)[:KNN_BANK]
-        test = self.data.test
-        queries = torch.randperm(len(test.y), generator=g)[:KNN_QUERIES]
-        zb, zq = self.embed(self.data.train.x, index=bank), self.embed(test.x, index=queries)
-        return knn_accuracy(zb, self.y_train[bank], zq, test.y[queries], k=self.params.train.knn_k)
+        val = self.data.val
+        queries = torch.randperm(len(val.y), generator=g)[:KNN_QUERIES]
+        zb, zq = self.embed(self.data.train.x, index=bank), self.embed(val.x, index=queries)
+        return knn_accuracy(zb, self.y_train[bank], zq, val.y[queries], k=self.params.train.knn_k)
 
     # ------------------------------------------------------------------ the loop
     def fit(self, report: Callable[[EpochMetrics, bool], None], callbacks: Sequence[Callback] = ()) -> None:

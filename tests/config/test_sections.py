@@ -41,6 +41,23 @@ def test_other_sections_are_not_read_but_every_override_must_be_well_formed(tmp_
         load_section(tmp_path / "q.yaml", "data", data.DataConfig)
 
 
+@pytest.mark.parametrize("reference", ["InfoNCE", "SupCon", "raw_pixels", "raw pixels"])
+def test_tables_reference_is_a_row_or_a_control_of_the_job(reference):
+    rows = "tables.rows=[{name: InfoNCE, table: 1}, {name: SupCon, table: 2, params: {train.mode: supervised}}]"
+    p = load_params(ROOT / "params.yaml", [rows, "tables.controls=[raw_pixels]", f"tables.reference={reference}"])
+    assert p.tables.reference == reference
+    assert load_params(ROOT / "params.yaml", [rows]).tables.reference is None  # none: no comparison
+
+
+@pytest.mark.parametrize("reference", ["SimCLR", "random_init"])  # not a row; a control the job does not run
+def test_an_unknown_tables_reference_is_refused_naming_the_key_and_the_allowed_names(reference):
+    rows = "tables.rows=[{name: InfoNCE, table: 1}, {name: SupCon, table: 2}]"
+    with pytest.raises(ParamsError) as err:
+        load_params(ROOT / "params.yaml", [rows, "tables.controls=[raw_pixels]", f"tables.reference={reference}"])
+    assert f"tables.reference: {reference!r} is not a row of this job; allowed: 'InfoNCE', 'SupCon', 'raw_pixels'" \
+        in str(err.value)
+
+
 def test_tables_rows_override_only_the_row_sections():
     assert tables.ROW_SECTIONS == ("model", "loss", "augment", "train")
     assert [r.name for r in tables.TablesConfig().rows][:2] == ["InfoNCE", "DCL"]

@@ -30,8 +30,8 @@ from pipeline.data.prepared import (
     save_prepared,
     write_npy,
 )
-from pipeline.data.sources import DATASET_NAMES, load_dataset
-from pipeline.data.split import stratified_subset, to_float
+from pipeline.data.sources import DATASET_NAMES, READERS, checked_root, load_dataset
+from pipeline.data.split import holdout_index, stratified_subset, to_float
 from pipeline.data.types import Dataset, DatasetError, Split
 from pipeline.io import sha256_file
 
@@ -219,13 +219,15 @@ def test_digits_shapes_range_classes(digits):
         assert float(split.x.min()) >= 0.0 and float(split.x.max()) <= 1.0
     ref = load_digits()
     n = len(ref.target)
-    assert len(digits.test) == math.ceil(0.2 * n) and len(digits.train) + len(digits.test) == n
-    # every (image, label) of sklearn appears exactly once across the two splits, scaled by 1/16
+    assert len(digits.test) == math.ceil(0.2 * n) and len(digits.train) + len(digits.val) + len(digits.test) == n
+    assert len(digits.val) == round(0.1 * (n - len(digits.test)))  # data.val_size: a tenth of the training images
+    # every (image, label) of sklearn appears exactly once across the three splits, scaled by 1/16
     want = collections.Counter(
         (tuple((ref.images[i] / 16.0).astype(np.float32).ravel().tolist()), int(ref.target[i])) for i in range(n)
     )
     have = collections.Counter(
-        (tuple(x.ravel().tolist()), int(y)) for s in (digits.train, digits.test) for x, y in zip(s.x, s.y, strict=True)
+        (tuple(x.ravel().tolist()), int(y)) for s in (digits.train, digits.val, digits.test)
+        for x, y in zip(s.x, s.y, strict=True)
     )
     assert have == want
     # stratified: each class's test share is within one sample of test_fraction
@@ -267,10 +269,18 @@ def test_bad_arguments(request_of):
         load_dataset(request_of(dataset="digits", root=".", limit_train=0))
 
 
+def reader_dataset(data: DataConfig) -> Dataset:
+    """The data set as its reader gives it (``READERS``: the file's own train and test rows, in order), before
+    ``load_dataset`` holds the validation split out of the training rows (``test_holdout_*`` test that)."""
+    train, test, classes = READERS[data.dataset](data, checked_root(data))
+    return Dataset(data.dataset, train, test, tuple(classes), tuple(train.x.shape[1:]), val=test)
+
+
 # ------------------------------------------------------------------------------------------------------------- CIFAR-10
 def test_cifar10_round_trips_pixels(tmp_path, no_download):
     written = write_cifar(tmp_path)
-    ds = load_dataset(DataConfig(dataset="cifar10", root=str(tmp_path), download=True))  # present: never fetched
+    data = DataConfig(dataset="cifar10", root=str(tmp_path), download=True)  # present: never fetched
+    ds = reader_dataset(data)
     assert ds.classes == tuple(CIFAR_NAMES) and ds.input_shape == (3, 32, 32)
     assert ds.train.x.dtype == torch.uint8 and ds.train.x.shape == (100, 3, 32, 32)
     assert ds.test.x.shape == (20, 3, 32, 32)
@@ -348,7 +358,7 @@ def test_fashion_mnist_values(tmp_path, fmnist_full, gz, layout, no_download):
     folder = fmnist_full["gz" if gz else "plain"]
     before = sorted(p.name for p in folder.iterdir())
     root = fmnist_root(tmp_path, folder, layout)
-    ds = load_dataset(DataConfig(dataset="fashion_mnist", root=str(root), download=True))  # present: never fetched
+    ds = reader_dataset(DataConfig(dataset="fashion_mnist", root=str(root), download=True))  # present: never fetched
     assert ds.classes == tuple(FashionMNIST.classes) and ds.input_shape == (1, 28, 28)
     assert ds.train.x.dtype == torch.uint8 and ds.train.x.shape == (60_000, 1, 28, 28)
     assert ds.test.x.shape == (10_000, 1, 28, 28)
@@ -444,9 +454,9 @@ def test_image_folder_shapes_labels_colours(tmp_path):
     ds = load_dataset(DataConfig(dataset="image_folder", root=str(tmp_path), image_size=8, test_fraction=0.4,
                                  seed=1))
     assert ds.classes == ("blue", "green", "red", "zgrey") and ds.input_shape == (3, 8, 8)
-    assert len(ds.train) == 12 and len(ds.test) == 8
-    assert torch.bincount(ds.test.y, minlength=4).tolist() == [2, 2, 2, 2]
-    for split in (ds.train, ds.test):
+    assert len(ds.train) == 8 and len(ds.val) == 4 and len(ds.test) == 8  # val: at least one image a class
+    assert torch.bincount(ds.test.y, minlength=4).tolist() == [2] * 4 and torch.bincount(ds.val.y).tolist() == [1] * 4
+    for split in (ds.train, ds.val, ds.test):
         assert split.x.dtype == torch.uint8 and split.x.shape[1:] == (3, 8, 8)
         for k in range(len(split)):
             rgb = colours[ds.classes[int(split.y[k])]]
@@ -459,7 +469,7 @@ def test_synthetic_shapes_and_determinism():
     spec = SyntheticConfig(n_samples=300, n_clusters=3, rank=2, dim=16, noise=0.05)
     ds = load_dataset(DataConfig(dataset="synthetic", root="unused", synthetic=spec, seed=4))
     assert ds.input_shape == (16,) and ds.classes == ("0", "1", "2")
-    assert len(ds.train) + len(ds.test) == 300 and len(ds.test) == 60
+    assert len(ds.train) + len(ds.val) + len(ds.test) == 300 and len(ds.test) == 60 and len(ds.val) == 24
     assert ds.train.x.dtype == torch.float32 and ds.train.y.dtype == torch.int64
     assert torch.allclose(ds.train.x.norm(dim=1), torch.ones(len(ds.train)), atol=1e-4)
     assert torch.bincount(ds.test.y, minlength=3).tolist() == [20, 20, 20]
@@ -470,16 +480,18 @@ def test_synthetic_shapes_and_determinism():
 
 
 # -------------------------------------------------------------------------------------------------------- prepared data
-def _uint8_dataset(n_train: int = 12, n_test: int = 6) -> Dataset:
+def _uint8_dataset(n_train: int = 12, n_test: int = 6, n_val: int = 3) -> Dataset:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (n_train + n_test, 3, 4, 4), dtype=torch.uint8, generator=gen)
-    y = torch.arange(n_train + n_test) % 3
+    n = n_train + n_val + n_test
+    x = torch.randint(0, 256, (n, 3, 4, 4), dtype=torch.uint8, generator=gen)
+    y = torch.arange(n) % 3
     return Dataset(
         name="image_folder",
         train=Split(x[:n_train], y[:n_train]),  # views into a bigger storage on purpose
-        test=Split(x[n_train:], y[n_train:]),
+        test=Split(x[n_train:n_train + n_test], y[n_train:n_train + n_test]),
         classes=("a", "b", "c"),
         input_shape=(3, 4, 4),
+        val=Split(x[n_train + n_test:], y[n_train + n_test:]),
     )
 
 
@@ -558,7 +570,7 @@ def _nan_dataset() -> Dataset:
     x = torch.rand(6, 4)
     x[2, 1] = float("nan")
     y = torch.arange(6) % 2
-    return Dataset("synthetic", Split(x[:4], y[:4]), Split(x[4:], y[4:]), ("0", "1"), (4,))
+    return Dataset("synthetic", Split(x[:4], y[:4]), Split(x[4:], y[4:]), ("0", "1"), (4,), Split(x[4:], y[4:]))
 
 
 @pytest.mark.parametrize("dataset,extra,error,match", [
@@ -629,7 +641,8 @@ def test_image_folder_is_prepared_in_bounded_memory_to_the_same_bytes(tmp_path):
         streamed = prepare_dataset(data, tmp_path / "streamed", extra={"k": 1})
         loaded = save_prepared(load_dataset(data), tmp_path / "loaded", extra={"k": 1})
         assert streamed == loaded
-        assert (streamed["n_train"], streamed["n_test"]) == (limits.get("limit_train", 12), limits.get("limit_test", 8))
+        assert (streamed["n_train"], streamed["n_val"], streamed["n_test"]) == (limits.get("limit_train", 8), 4,
+                                                                               limits.get("limit_test", 8))
         for name in PREPARED_FILES:
             assert (tmp_path / "streamed" / name).read_bytes() == (tmp_path / "loaded" / name).read_bytes()
     with pytest.raises(ValueError, match="image_size"):
@@ -637,3 +650,29 @@ def test_image_folder_is_prepared_in_bounded_memory_to_the_same_bytes(tmp_path):
     with pytest.raises(ValueError, match="image_size"):  # a request built without validation: refused all the same
         prepare_dataset(DataConfig.model_construct(dataset="image_folder", root=str(tmp_path / "raw")), tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------------------------- the validation split
+@pytest.mark.parametrize("val_size,expect", [(0.1, 144), (0.25, 359), (50, 50), (10, 10)])
+def test_holdout_takes_a_stratified_seeded_validation_split_out_of_the_training_rows(val_size, expect):
+    """load_dataset's train and val are the reader's training rows, split by ``holdout_index`` (in row order, each
+    row once), before limit_train; every class in both; the same seed the same split, another seed another."""
+    data = DataConfig(dataset="digits", root="unused", val_size=val_size)
+    whole = reader_dataset(data).train  # (1437, 1, 8, 8)
+    ds = load_dataset(data)
+    keep, val = holdout_index(whole.y, val_size, 0, "digits")
+    assert len(ds.val) == len(val) == expect and len(ds.train) == len(whole) - expect
+    assert torch.equal(ds.val.x, whole.x[val]) and torch.equal(ds.train.x, whole.x[keep])
+    assert sorted(keep.tolist() + val.tolist()) == list(range(len(whole)))
+    shares = torch.bincount(ds.val.y, minlength=10) / torch.bincount(whole.y, minlength=10).float()  # (10,)
+    assert float(shares.min()) > 0 and float(shares.max() - shares.min()) <= 2 / 130  # within a sample or two a class
+    assert torch.equal(holdout_index(whole.y, val_size, 0, "digits")[1], val)
+    assert not torch.equal(holdout_index(whole.y, val_size, 1, "digits")[1], val)
+    limited = load_dataset(data.model_copy(update={"limit_train": 200}))
+    assert torch.equal(limited.val.x, ds.val.x) and len(limited.train) == 200  # the limit never moves the split
+
+
+@pytest.mark.parametrize("val_size", [9, 1430, 0.999])
+def test_a_holdout_that_would_empty_a_class_names_the_key(val_size):
+    with pytest.raises(DatasetError, match=r"data\.val_size"):
+        load_dataset(DataConfig(dataset="digits", root="unused", val_size=val_size))

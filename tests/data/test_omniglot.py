@@ -89,13 +89,13 @@ def test_omniglot_background_characters_are_the_classes(omniglot):
     ds = load_dataset(DataConfig(dataset="omniglot", root=str(root), test_fraction=1 / 3, seed=2))
     assert ds.name == "omniglot" and ds.classes == sorted_names(BACKGROUND) and ds.input_shape == (1, SIZE, SIZE)
     n_chars = len(ds.classes)
-    assert ds.train.x.dtype == torch.uint8 and ds.train.x.shape == (2 * n_chars, 1, SIZE, SIZE)
+    assert ds.train.x.dtype == torch.uint8 and ds.train.x.shape == ds.val.x.shape == (n_chars, 1, SIZE, SIZE)
     assert ds.test.x.shape == (n_chars, 1, SIZE, SIZE)
-    # stratified: every character in both splits (2 + 1 of its 3 drawings), no drawing twice
-    assert torch.bincount(ds.train.y, minlength=n_chars).tolist() == [2] * n_chars
-    assert torch.bincount(ds.test.y, minlength=n_chars).tolist() == [1] * n_chars
-    seen = [*assert_drawings_of_their_class(ds.train.x, ds.train.y, ds.classes, written),
-            *assert_drawings_of_their_class(ds.test.x, ds.test.y, ds.classes, written)]
+    # stratified: every character in the three splits (1 + 1 + 1 of its 3 drawings), no drawing twice
+    for split in (ds.train, ds.val, ds.test):
+        assert torch.bincount(split.y, minlength=n_chars).tolist() == [1] * n_chars
+    seen = [drawing for split in (ds.train, ds.val, ds.test)
+            for drawing in assert_drawings_of_their_class(split.x, split.y, ds.classes, written)]
     assert sorted(seen) == [(c, d) for c in range(n_chars) for d in range(DRAWINGS)]
     assert set(ds.train.x.unique().tolist()) == {0, 255}
     again = load_dataset(DataConfig(dataset="omniglot", root=str(root), test_fraction=1 / 3, seed=2))
@@ -194,19 +194,19 @@ def test_a_drawing_of_another_size_is_named(tmp_path):  # an undecodable one: ho
 def test_omniglot_present_files_never_download(omniglot, no_download):
     root, _ = omniglot
     ds = load_dataset(DataConfig(dataset="omniglot", root=str(root), download=True, test_fraction=1 / 3))
-    assert len(ds.train) + len(ds.test) == sum(BACKGROUND.values()) * DRAWINGS
+    assert len(ds.train) + len(ds.val) + len(ds.test) == sum(BACKGROUND.values()) * DRAWINGS
     assert len(omniglot_sets_split(root, download=True)[3]) == sum(EVALUATION.values()) * DRAWINGS
 
 
 # ---------------------------------------------------------------------------------------------------- the prepare stage
 def test_prepare_stage_writes_omniglot(project):
-    write_omniglot(project / "data" / "raw", parts=("background",), drawings=2)
-    result = CliRunner().invoke(main, ["prepare", "-S", "data.dataset=omniglot", "-S", "data.test_fraction=0.5",
+    write_omniglot(project / "data" / "raw", parts=("background",), drawings=3)
+    result = CliRunner().invoke(main, ["prepare", "-S", "data.dataset=omniglot", "-S", "data.test_fraction=0.3333",
                                        "-S", "data.image_size=16"])
     assert result.exit_code == 0, result.output
     out = project / "data" / "prepared"
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["dataset"] == "omniglot" and manifest["classes"] == list(sorted_names(BACKGROUND))
-    assert manifest["n_train"] == manifest["n_test"] == sum(BACKGROUND.values())
+    assert manifest["n_train"] == manifest["n_val"] == manifest["n_test"] == sum(BACKGROUND.values())
     ds = load_prepared(out)
     assert ds.train.x.dtype == torch.uint8 and ds.input_shape == (1, 16, 16)

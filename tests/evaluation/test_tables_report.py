@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
+import random
 
 import pytest
+from scipy import stats
 
 from pipeline.config.params import load_params
 from pipeline.evaluation.report import HEADER, NA, PAPER_TABLE_1, PAPER_TABLE_2
@@ -12,15 +15,20 @@ from pipeline.evaluation.tables_report import (
     COLUMNS,
     PROBES,
     RISE,
+    TEST,
+    PairedResult,
     aggregate,
+    confidence_interval,
     csv_records,
     curve_columns,
     curve_rows,
     health_table,
+    paired_test,
     read_curves,
     read_records,
     render,
     rise_table,
+    statistics_table,
     studies_section,
 )
 from pipeline.io import write_csv
@@ -192,3 +200,113 @@ def test_the_health_table_reads_a_shallower_row_back_from_the_csv(tmp_path):
     back = read_curves(tmp_path / "curves.csv")
     assert health_table(back) == health_table(curves)
     assert [line.split(" | ")[:3] for line in health_table(back)[2:]] == [["| TF-1", "1", "1"], ["| TF-2", "1", "2"]]
+
+
+# ------------------------------------------------------------------------------------- statistics over seeds
+T_975 = {1: 12.706205, 2: 4.302653, 4: 2.776445, 9: 2.262157}  # t(0.975, df), from a printed table
+
+
+def slow_mean_sd(values):
+    """The mean and the sample standard deviation, by hand."""
+    total = 0.0
+    for v in values:
+        total += v
+    mean = total / len(values)
+    square = 0.0
+    for v in values:
+        square += (v - mean) ** 2
+    return mean, math.sqrt(square / (len(values) - 1))
+
+
+@pytest.mark.parametrize("n", [df + 1 for df in T_975])
+def test_the_confidence_interval_is_the_student_t_interval_of_the_mean(n):
+    values = [random.Random(n).uniform(0.6, 0.8) for _ in range(n)]
+    mean, sd = slow_mean_sd(values)
+    half = T_975[n - 1] * sd / math.sqrt(n)
+    low, high = confidence_interval(values)
+    assert (low, high) == (pytest.approx(mean - half, abs=1e-6), pytest.approx(mean + half, abs=1e-6))
+    assert confidence_interval([0.7]) is None and confidence_interval([]) is None
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_the_paired_test_is_the_t_test_of_the_per_seed_differences(n):
+    rng = random.Random(n)
+    a = {s: rng.uniform(0.6, 0.8) for s in range(n)} | {100: 0.9}  # seed 100: the row's only, left out
+    b = {s: rng.uniform(0.6, 0.8) for s in range(n)} | {200: 0.1}
+    diffs = [a[s] - b[s] for s in range(n)]
+    mean, sd = slow_mean_sd(diffs)
+    t = mean / (sd / math.sqrt(n))
+    p = 2 * stats.t.sf(abs(t), n - 1)
+    result = paired_test(a, b)
+    assert (result.n, result.diff, result.p) == (n, pytest.approx(mean), pytest.approx(p))
+    assert result.word == ("tie" if p >= 0.05 else "ahead" if mean > 0 else "behind")
+
+
+@pytest.mark.parametrize(("a", "b", "expected"), [
+    ({0: 0.8, 1: 0.9, 2: 0.85}, {0: 0.7, 1: 0.79, 2: 0.76}, "ahead"),  # +0.10, +0.11, +0.09
+    ({0: 0.7, 1: 0.79, 2: 0.76}, {0: 0.8, 1: 0.9, 2: 0.85}, "behind"),
+    ({0: 0.8, 1: 0.7, 2: 0.75}, {0: 0.7, 1: 0.8, 2: 0.76}, "tie"),  # +0.10, -0.10, -0.01
+])
+def test_the_verdict_is_ahead_behind_or_tie_at_5_percent(a, b, expected):
+    assert paired_test(a, b).word == expected
+
+
+@pytest.mark.parametrize(("a", "b", "expected"), [
+    ({0: 0.8}, {0: 0.7}, PairedResult(1, pytest.approx(0.1), None, NA)),  # one pair: no spread to test
+    ({0: 0.8, 1: 0.8}, {2: 0.7, 3: 0.7}, PairedResult(0, None, None, NA)),  # no seed in common
+    ({0: 0.8, 1: 0.9}, {0: 0.7, 1: 0.8}, PairedResult(2, pytest.approx(0.1), None, NA)),  # the same +0.1 twice
+    ({0: 0.8, 1: 0.9}, {0: 0.8, 1: 0.9}, PairedResult(2, 0.0, None, "tie")),  # equal on every seed
+])
+def test_the_paired_test_has_no_p_value_where_it_is_undefined(a, b, expected):
+    assert paired_test(a, b) == expected
+
+
+def verdicts(lines):
+    """``{(row, table): (difference, p, test, verdict)}`` of a statistics_table's lines."""
+    cells = [line.strip("|").split(" | ") for line in lines[2:]]
+    return {(c[0].strip(), c[1]): tuple(x.strip() for x in c[5:]) for c in cells}
+
+
+def test_each_row_is_tested_against_the_reference_of_its_own_table():
+    """Table 1: TF, a row ahead of it, one behind, one level with it; table 2: its own TF (table 1's ahead) and a row
+    that is table 1's TF; table 3 has no TF. The control stands in every table, against each table's TF."""
+    tf, ahead, behind, tie = (0.70, 0.72, 0.71), (0.80, 0.83, 0.81), (0.60, 0.61, 0.615), (0.72, 0.70, 0.715)
+    rows = [(1, "TF", tf), (1, "Ahead", ahead), (1, "Behind", behind), (1, "Tie", tie), (2, "TF", ahead),
+            (2, "Other", tf), (3, "Alone", (0.5, 0.6, 0.7))]
+    records = [record(-1, 0, "random init", (0.5, 0.5, 0.5, 0.5 + s / 100), control="random_init", seed=s)
+               for s in range(3)]
+    records += [record(i, table, name, (0.5, 0.5, 0.5, v), seed=s)
+                for i, (table, name, values) in enumerate(rows) for s, v in enumerate(values)]
+    lines = statistics_table(records, "knn200", "TF")
+    assert lines[0] == ("| row | table | seeds | mean ± sd | 95 % CI | difference from TF | p | test | "
+                        "verdict at 5 % |")
+    got = verdicts(lines)
+    assert {k: v[3] for k, v in got.items()} == {
+        ("control: random init", "1"): "behind", ("TF", "1"): "reference", ("Ahead", "1"): "ahead",
+        ("Behind", "1"): "behind", ("Tie", "1"): "tie",
+        ("control: random init", "2"): "behind", ("TF", "2"): "reference", ("Other", "2"): "behind",
+        ("control: random init", "3"): NA, ("Alone", "3"): NA}
+    assert paired_test(dict(enumerate(ahead)), dict(enumerate(tf))).p == pytest.approx(0.00104, abs=1e-5)
+    assert got["Ahead", "1"][:3] == ("+0.1033", "0.00104", f"{TEST}, 3 seeds")
+    assert got["Behind", "1"][:2] == ("-0.1017", "0.00188")
+    assert got["Alone", "3"] == (NA, NA, "no reference row in this table", NA)
+    low, high = confidence_interval(tie)
+    assert f"| Tie | 1 | 3 | 0.7117 ± 0.0104 | [{low:.4f}, {high:.4f}] |" in "\n".join(lines)
+
+
+def test_tables_md_has_the_statistics_of_the_headline_probes():
+    rows = "tables.rows=[{name: InfoNCE, table: 1}, {name: TransFusion 1-Layer, table: 1}]"
+    records = seeded_study()
+    text = render(records, params(rows, "tables.seeds=[0, 1, 2]", "tables.reference=InfoNCE"), "GPU-hours", "digits")
+    knn = text.split("## Statistics over seeds (K-NN (k=200))\n")[1].split("\n## ")[0]
+    assert f"the {TEST};" in knn and "reference row **InfoNCE** (`tables.reference`)" in knn
+    assert "| InfoNCE | 1 | 3 | 0.7100 ± 0.0100 | [0.6852, 0.7348] | - | - | - | reference |" in knn
+    # TransFusion 1-Layer: seeds 0-1 finished, 0.6 against InfoNCE's 0.70, 0.71
+    assert f"| TransFusion 1-Layer | 1 | 2 | 0.6000 ± 0.0000 | [0.6000, 0.6000] | -0.1050 | 0.0303 | {TEST}, 2 seeds " \
+           "| behind |" in knn
+    assert "| control: raw pixels | 1 | 1 | 0.7000 | n/a | +0.0000 | n/a | none: 1 seed in common | n/a |" in knn
+    assert "## Statistics over seeds (logistic regression)" in text
+    plain = render(records, params(rows, "tables.seeds=[0, 1, 2]"), "GPU-hours", "digits")
+    knn = plain.split("## Statistics over seeds (K-NN (k=200))\n")[1].split("\n## ")[0]
+    assert "Set `tables.reference` to a row's name" in knn and "| row | table | seeds | mean ± sd | 95 % CI |\n" in knn
+    assert "| InfoNCE | 1 | 3 | 0.7100 ± 0.0100 | [0.6852, 0.7348] |\n" in knn

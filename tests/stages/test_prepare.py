@@ -29,7 +29,8 @@ def test_prepare_writes_tensors_and_manifest(project):
     assert "prepared digits" in result.output
     out = project / "data" / "prepared"
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["dataset"] == "digits" and manifest["n_train"] + manifest["n_test"] == 1797
+    assert manifest["dataset"] == "digits" and manifest["n_train"] + manifest["n_val"] + manifest["n_test"] == 1797
+    assert manifest["n_val"] == 144 and "1293 train / 144 validation / 360 test" in result.output
     assert manifest["params"]["data"]["seed"] == 0
     ds = load_prepared(out)
     assert ds.train.x.shape[1:] == (1, 8, 8) and len(ds.classes) == 10
@@ -45,7 +46,7 @@ def test_overrides_and_params_file_option(project):
     assert result.exit_code == 0, result.output
     ds = load_prepared(project / "syn")
     assert ds.name == "synthetic" and ds.train.x.shape[1] == 64
-    assert ds.train.x.shape[0] + ds.test.x.shape[0] == 200
+    assert len(ds.train) + len(ds.val) + len(ds.test) == 200
     assert torch.allclose(ds.train.x.norm(dim=1), torch.ones(ds.train.x.shape[0]), atol=1e-5)
 
 
@@ -135,4 +136,4 @@ def test_an_image_folder_is_prepared_in_bounded_memory(project):
     for name in PREPARED_FILES:  # the same files either way
         assert (project / "bounded" / name).read_bytes() == (project / "in_memory" / name).read_bytes()
     ds = load_prepared(project / "bounded", mmap=True)
-    assert ds.input_shape == (3, size, size) and len(ds.train) + len(ds.test) == n
+    assert ds.input_shape == (3, size, size) and len(ds.train) + len(ds.val) + len(ds.test) == n

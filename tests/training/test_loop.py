@@ -23,7 +23,7 @@ from tests.evaluation.test_health import assert_same_numbers
 from tests.training.ranks import run_ranks
 from tests.training.small import MLP, digits, small_loop
 
-DIGITS_TRAIN_MIB = 1437 * 64 * 4 / 2**20  # digits' training set: 1437 float32 images of 8 x 8 (0.35 MiB)
+DIGITS_TRAIN_MIB = 1293 * 64 * 4 / 2**20  # digits' training set: 1293 float32 images of 8 x 8 (0.32 MiB)
 SMALL_BUDGET = "train.data_budget_mb=0.25"  # below it: streamed
 TILING_BUDGET = "train.head_budget_mb=0"  # the head and the loss in column tiles (pipeline.core.plan)
 COMPARED = ("epoch", "loss", "lr", "view_noise", "knn_acc")  # an epoch's numbers (not its timings)
@@ -108,7 +108,7 @@ def test_channels_last_leaves_vectors_alone():
 def test_every_rank_reads_the_same_shard_either_way(digits_dir, mode):
     """With 2 workers each rank's local batch (inputs, ids) is the same from the device copy and streamed."""
     overrides = ["train.batch_size=64", f"train.mode={mode}", "model.depth=1"]
-    perm = torch.randperm(1437, generator=torch.Generator().manual_seed(3))
+    perm = torch.randperm(len(load_prepared(digits_dir).train), generator=torch.Generator().manual_seed(3))
     for rank in range(2):
         a = cpu_loop(overrides, load_prepared(digits_dir), rank=rank, world_size=2)
         b = cpu_loop([*overrides, SMALL_BUDGET], load_prepared(digits_dir, mmap=True), rank=rank, world_size=2)
@@ -144,10 +144,11 @@ def test_two_gloo_workers_streamed_equal_in_memory(digits_dir, tmp_path):
     # the head sharded over both workers and tiled (a budget of 0 MiB), streamed, against the dense head: the same
     # loss curve over 5 epochs in fp32. One step's gradients agree to 1e-12 in fp64 (test_sharded_head.py); in fp32
     # the dense step itself is 4e-4 (relative, the qk biases) from the fp64 one and the tiled one 2e-4, and Adam
-    # turns such differences into diverging trajectories: the first epoch agrees to 1e-4, then within 1 %.
+    # turns such differences into diverging trajectories: the first epoch agrees to 5e-4 (1.7e-4 measured), then
+    # within 1 %.
     tiled, dense = ranks[0]["tiled"], ranks[0]["dense"]
     assert len(tiled) == 5 and [h["epoch"] for h in tiled] == [1, 2, 3, 4, 5]
-    assert tiled[0]["loss"] == pytest.approx(dense[0]["loss"], rel=1e-4)
+    assert tiled[0]["loss"] == pytest.approx(dense[0]["loss"], rel=5e-4)
     for t, d in zip(tiled, dense, strict=True):
         assert t["loss"] == pytest.approx(d["loss"], rel=1e-2) and t["lr"] == d["lr"]
         assert t["knn_acc"] == pytest.approx(d["knn_acc"], abs=0.03)
@@ -268,13 +269,34 @@ def test_the_inputs_a_callback_returns_are_what_the_step_trains_on(one_thread):
 @pytest.mark.parametrize("limit_train", [256, None])
 def test_the_monitors_cost_is_bounded_whatever_the_training_set(limit_train, one_thread):
     """What a monitored epoch embeds beyond its steps, in eval mode: the kNN's clean bank (min(KNN_BANK, training
-    set)) and test queries (min(KNN_QUERIES, test set)), and the health's one global batch of two views. Bounded: on
-    60,000 images as on 5,000, 7,000 forwards and a batch."""
+    set)) and validation queries (min(KNN_QUERIES, validation set)), and the health's one global batch of two views.
+    Bounded: on 60,000 images as on 5,000, 7,000 forwards and a batch."""
     data = load_dataset(DataConfig(dataset="digits", root="unused", limit_train=limit_train))
     loop = cpu_loop(["train.epochs=1", "train.knn_every=1", "train.batch_size=64", "model.depth=1"], data)
     rows = []
     loop.model.backbone.register_forward_hook(
         lambda m, args, out: rows.append(len(args[0])) if not m.training else None)
     loop.fit(lambda m, ckpt: None)
-    n, q = len(data.train.y), len(data.test.y)
+    n, q = len(data.train.y), len(data.val.y)
     assert sum(rows) == min(KNN_BANK, n) + min(KNN_QUERIES, q) + 2 * 64
+
+
+def _noise(split):
+    """``split`` with random inputs and shuffled labels: a split no choice may read."""
+    g = torch.Generator().manual_seed(7)
+    shuffled = split.y[torch.randperm(len(split.y), generator=g)]
+    return replace(split, x=torch.rand(split.x.shape, generator=g), y=shuffled)
+
+
+def test_the_online_knn_reads_the_validation_split_never_the_test_split(one_thread):
+    """Every choice (Tune's metric and best trial, a sweep's best, the stop-rising epoch) reads the online kNN: with the
+    test split replaced by noise a run's numbers are the same bit for bit; with the validation split replaced, the kNN
+    moves."""
+    data = digits(96)
+    runs = [small_loop("train.epochs=2", "train.knn_every=1", *MLP, data=d)
+            for d in (data, replace(data, test=_noise(data.test)), replace(data, val=_noise(data.val)))]
+    for loop in runs:
+        loop.fit(lambda m, ckpt: None)
+    clean, test_poisoned, val_poisoned = (numbers(loop.history) for loop in runs)
+    assert test_poisoned == clean and all(h["knn_acc"] is not None for h in clean)
+    assert [h["knn_acc"] for h in val_poisoned] != [h["knn_acc"] for h in clean]
