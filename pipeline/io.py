@@ -24,36 +24,64 @@ import numpy as np
 
 
 class OutputError(OSError):
-    """An output cannot be created where it was asked for (a parent is a file, no permission, ...)."""
+    """An output cannot be written where it was asked for (a directory in a file's place, a parent that is a file, a
+    folder without write permission, ...). The message is one line naming the path and why; nothing of the output
+    (no temporary sibling, no partial file) is left behind."""
 
 
-def _temp_beside(path: Path, make: Any) -> Any:
+def _refusal(path: Path, exc: OSError | None = None, *, directory: bool = False) -> OutputError:
+    """The :class:`OutputError` for the output ``path`` (a directory if ``directory``): what stands in its way, else
+    ``exc``, the error that creating or renaming it raised."""
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    fix = "move it aside or choose another output path"
+    if blocker is not None:
+        why = f"{blocker} is a file, not a directory"
+    elif path.is_dir() and not directory:
+        why = "a directory of that name is in the way"
+    elif path.exists() and not path.is_dir() and directory:
+        why = "a file of that name is in the way"
+    elif isinstance(exc, PermissionError):
+        folder = next((p for p in path.parents if p.is_dir()), path.parent)
+        why, fix = f"no permission to write in {folder}", "make it writable or choose another output path"
+    else:
+        why, fix = (exc.strerror or str(exc)) if exc else "unknown reason", "choose another output path"
+    return OutputError(f"cannot write {path}: {why}; {fix}")
+
+
+def _temp_beside(path: Path, make: Any, *, directory: bool = False) -> Any:
     """``make(prefix=, suffix=, dir=)`` (mkstemp / mkdtemp) beside ``path``; clear :class:`OutputError` if not."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         return make(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
-        blocker = next((p for p in (path.parent, *path.parent.parents) if p.exists() and not p.is_dir()), None)
-        why = f"{blocker} is a file, not a directory" if blocker else (exc.strerror or str(exc))
-        raise OutputError(f"cannot write {path}: {why}; choose another output path") from exc
+        raise _refusal(path, exc, directory=directory) from exc
 
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds."""
+    """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds.
+
+    Raises :class:`OutputError` before the block if ``path`` cannot be written (a directory in its place, a parent
+    that is a file, a folder without write permission), or after it if the rename fails; either way the temporary
+    file is removed and ``path`` is left as it was."""
     path = Path(path)
+    if path.is_dir():  # before the block: fail before the work of making the output
+        raise _refusal(path)
     fd, tmp = _temp_beside(path, tempfile.mkstemp)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
         yield tmp_path
-        if tmp_path.exists():  # mkstemp creates 0600; give the output the usual umask-derived mode
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp_path, 0o666 & ~umask)
-        os.replace(tmp_path, path)
+        try:
+            if tmp_path.exists():  # mkstemp creates 0600; give the output the usual umask-derived mode
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(tmp_path, 0o666 & ~umask)
+            os.replace(tmp_path, path)
+        except OSError as exc:
+            raise _refusal(path, exc) from exc
     finally:
-        if tmp_path.exists():
+        with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
 
 
@@ -156,17 +184,26 @@ def load_torch(path: str | os.PathLike) -> Any:
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Build a directory in a temporary sibling and swap it in whole when the block succeeds.
 
-    A crashed build leaves the previous directory (or none) in place.
+    A crashed build leaves the previous directory (or none) in place. Raises :class:`OutputError` before the block
+    if ``path`` cannot be written (a file in its place, a parent that is a file, a folder without write permission),
+    or after it if the swap fails (the previous directory put back); the temporary directory is removed either way.
     """
     path = Path(path)
-    tmp = Path(_temp_beside(path, tempfile.mkdtemp))
+    if path.exists() and not path.is_dir():
+        raise _refusal(path, directory=True)
+    tmp = Path(_temp_beside(path, tempfile.mkdtemp, directory=True))
     try:
         yield tmp
         old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-        os.replace(tmp, path)
+        try:
+            if path.exists():
+                old = path.with_name(f".{path.name}.old-{os.getpid()}")
+                os.replace(path, old)
+            os.replace(tmp, path)
+        except OSError as exc:
+            if old is not None and not path.exists():
+                os.replace(old, path)
+            raise _refusal(path, exc, directory=True) from exc
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     finally:

@@ -93,12 +93,12 @@ def trained_model(params: Params, res: PretrainResult) -> torch.nn.Module:
 def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
     """Pretrain TransFusion on the prepared data with Ray Train (resumes an interrupted run)."""
     started = process_started()
-    res = run_job(pretrain, params, data_dir, no_tracking)
     paths = (Path("models/pretrain"), Path("metrics/pretrain.json"), Path("plots/pretrain.csv"))
-    summary = write_outputs(params, res, *paths)
-    workers = res.state.workers
-    close_job(res.job, [paths[0] / "config.json", paths[1], paths[2]], tags={"workers": json.dumps(workers)},
-              model=trained_model(params, res) if res.job.run else None)
+    with run_job(pretrain, params, data_dir, no_tracking) as res:  # the MLflow run ends with the block
+        summary = write_outputs(params, res, *paths)
+        workers = res.state.workers
+        close_job(res.job, [paths[0] / "config.json", paths[1], paths[2]], tags={"workers": json.dumps(workers)},
+                  model=trained_model(params, res) if res.job.run else None)
     nodes = sorted({w["node_id"] for w in workers})
     click.echo(f"[pretrain] {len(workers)} worker(s) on {len(nodes)} node(s): " + ", ".join(
         f"rank {w['rank']} on node {w['node_id'][:12]} ({w['host']}, {w['device']}"

@@ -101,12 +101,12 @@ def sweep_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool) -> 
     except ParamsError as exc:
         axes = ", ".join(f"sweep.{k} (sets {v})" for k, v in SPACE_KEYS.items())
         raise ParamsUsageError(f"{exc}\n  the point comes from {axes}: change those lists or the base params") from None
-    result = run_job(run_sweep, params, data_dir, no_tracking)
     sweeps, plots = base / "sweeps", base / "plots/sweep"
-    dataset = json.loads((data_dir / "manifest.json").read_text()).get("dataset", "")
-    best = write_outputs(params, result.rows, sweeps, plots, dataset)
-    close_tune_job(result, [sweeps / "results.csv", sweeps / "best.json", plots / "phase.png", plots / "phase.csv",
-                            plots / "lr.png", plots / "lr.csv", plots / "curves.csv"], best)
+    with run_job(run_sweep, params, data_dir, no_tracking) as result:  # the MLflow run ends with the block
+        dataset = json.loads((data_dir / "manifest.json").read_text()).get("dataset", "")
+        best = write_outputs(params, result.rows, sweeps, plots, dataset)
+        close_tune_job(result, [sweeps / "results.csv", sweeps / "best.json", plots / "phase.png",
+                                plots / "phase.csv", plots / "lr.png", plots / "lr.csv", plots / "curves.csv"], best)
     failed = sum(r["status"] == "ERROR" for r in result.rows)
     if best:
         click.echo(f"swept {len(result.rows)} trials ({failed} failed) in {result.seconds:.0f} s; best knn_acc "

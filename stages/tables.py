@@ -82,16 +82,16 @@ def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, re
         resolve_rows(params)
     except ParamsError as exc:
         raise ParamsUsageError(str(exc)) from None
-    result, unit = run_job(run_tables, params, data_dir, no_tracking)
-    dataset = json.loads((data_dir / "manifest.json").read_text()).get("dataset", "")
-    curves = curve_rows(result.rows)
-    write_csv(out / "results.csv", csv_records(result.rows), COLUMNS)
-    write_csv(out / "curves.csv", curves, curve_columns(curves))
-    write_json(out / "results.json", {"dataset": dataset, "hours_unit": unit, "rows": csv_records(result.rows),
-                                      "params": params.model_dump(mode="json"),
-                                      "tables": params.tables.model_dump(mode="json")})
-    files = write_outputs(base, result.rows, curves, params, unit, dataset)
-    close_tune_job(result, [*files, out / "results.csv", out / "results.json", out / "curves.csv"])
+    with run_job(run_tables, params, data_dir, no_tracking) as (result, unit):  # the MLflow run ends with the block
+        dataset = json.loads((data_dir / "manifest.json").read_text()).get("dataset", "")
+        curves = curve_rows(result.rows)
+        write_csv(out / "results.csv", csv_records(result.rows), COLUMNS)
+        write_csv(out / "curves.csv", curves, curve_columns(curves))
+        write_json(out / "results.json", {"dataset": dataset, "hours_unit": unit, "rows": csv_records(result.rows),
+                                          "params": params.model_dump(mode="json"),
+                                          "tables": params.tables.model_dump(mode="json")})
+        files = write_outputs(base, result.rows, curves, params, unit, dataset)
+        close_tune_job(result, [*files, out / "results.csv", out / "results.json", out / "curves.csv"])
     failed = sum(r["status"] != "TERMINATED" for r in result.rows)
     click.echo(f"tables: {len(result.rows)} runs ({failed} failed) in {result.seconds:.0f} s -> {files[0]}, "
                f"{out}/results.csv, {files[1]}")

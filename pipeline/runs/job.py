@@ -1,16 +1,18 @@
 """A job on Ray (pretraining, the sweep, the tables): opened by :func:`open_job` (cheapest checks first), closed by
-:func:`close_job` (or :func:`fail_job`). Its identity (:func:`job_name`) is stable over everything that determines its
-result, so an interrupted job resumes and a changed one starts afresh.
+:func:`close_job` (or :func:`fail_job`), the whole of it inside :func:`ending_runs`, which ends a job's MLflow run that
+an error or Ctrl-C leaves open. Its identity (:func:`job_name`) is stable over everything that determines its result,
+so an interrupted job resumes and a changed one starts afresh.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import shutil
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,6 +62,25 @@ class Tracked:
     uri: str
     experiment_id: str
     run_id: str
+
+
+_OPEN: list[Tracked] = []  # this process's job runs that are RUNNING: from open_job to close_job or fail_job
+
+
+def run_opened(run: Tracked) -> None:
+    """Record ``run`` as RUNNING (open_job), so that :func:`ending_runs` ends it if the job stops on an error."""
+    _OPEN.append(run)
+
+
+def run_ended(run: Tracked) -> None:
+    """Record ``run`` as ended (close_job, fail_job): :func:`ending_runs` leaves its status alone."""
+    if run in _OPEN:
+        _OPEN.remove(run)
+
+
+def open_runs() -> tuple[Tracked, ...]:
+    """This process's job runs that are RUNNING, oldest first."""
+    return tuple(_OPEN)
 
 
 @dataclass
@@ -166,6 +187,8 @@ def open_job(stage: str, params: Params, data_dir: Path, root: Path, *, tracking
     wait_for_workers(params, gpu=gpu, cpus_per_worker=cpus_per_worker, trial_cpu=trial_cpu)
     run = mlflow_run(root, name, stage=stage, title=title, logged=logged, manifest=manifest,
                      data_dir=data_dir) if tracking else None  # only once the cluster can serve the job
+    if run:
+        run_opened(run)  # from here on, ending_runs ends it if anything fails
     spec = WorkerSpec(params=worker_params or params, data_dir=stage_prepared(data_dir, storage), manifest=manifest,
                       storage=storage, name=name, use_gpu=gpu, callbacks=callbacks)
     return Job(stage=stage, params=params, root=root, gpu=gpu, totals=totals, spec=spec, run=run)
@@ -203,13 +226,37 @@ def close_job(job: Job, files: Iterable[Path], *, metrics: Mapping[str, float] |
         else:
             trk.log_artifacts(uri, run_id, list(files))
             trk.end_run(uri, run_id, "FINISHED")
+        run_ended(job.run)
     cleanup(job.params, job.root, job.name, runs)
 
 
-def fail_job(job: Job, status: str = "FAILED") -> None:
-    """End the job's MLflow run ``status`` (FAILED, KILLED); a rerun continues it."""
+def fail_job(job: Job, status: str = "FAILED", error: str = "") -> None:
+    """End the job's MLflow run ``status`` (FAILED, KILLED), tagged ``error`` (one line) when given; a rerun
+    continues it."""
     if job.run:
-        trk.end_run(job.run.uri, job.run.run_id, status)
+        trk.end_run(job.run.uri, job.run.run_id, status, {"error": error} if error else None)
+        run_ended(job.run)
+
+
+@contextlib.contextmanager
+def ending_runs() -> Iterator[None]:
+    """The block in which a stage runs a job, writes its outputs and closes it (:func:`close_job`). A job opened in
+    the block whose MLflow run is still RUNNING when the block raises is ended there: FAILED, tagged ``error`` (the
+    exception's one line, :func:`error_reason`), or KILLED on Ctrl-C. A run already ended (:func:`fail_job`, a
+    sweep's interruption) keeps its status; a store that cannot end it is one warning line, the error stays."""
+    before = open_runs()
+    try:
+        yield
+    except BaseException as exc:
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        for run in [r for r in open_runs() if r not in before]:
+            try:
+                trk.end_run(run.uri, run.run_id, "KILLED" if interrupted else "FAILED",
+                            None if interrupted else {"error": error_reason(exc) or type(exc).__name__})
+            except Exception as end_exc:  # the store itself may be what failed: the job's error is the one to see
+                sys.stderr.write(f"warning: could not end MLflow run {run.run_id} in {run.uri} ({end_exc})\n")
+            run_ended(run)
+        raise
 
 
 def cleanup(params: Params, root: Path, name: str, runs: Iterable[str] = ()) -> None:

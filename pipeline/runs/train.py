@@ -303,17 +303,19 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
             state, _ = fit_run(job.spec, [trk.epoch_logger(run.uri, run.run_id)] if run else [], keep=2,
                                max_failures=params.ray.max_failures)
     except Exception as exc:
-        fail_job(job)
         message = error_reason(exc)
         if "prepared data" not in message:  # a worker that cannot read the data has nothing to resume
             message += f"; rerun the stage to resume from the last checkpoint in {job.run_dir}"
-        raise PretrainError(f"pretraining failed: {message}") from exc
+        failed = PretrainError(f"pretraining failed: {message}")
+        fail_job(job, error=str(failed))
+        raise failed from exc
     fit_seconds = time.perf_counter() - fit_start
     status = read_json(job.run_dir, STATUS_FILE)
     if status:
-        fail_job(job)
-        raise PretrainError(f"pretraining stopped: {status['message']}; the last good checkpoint is kept in "
-                            f"{job.run_dir} (lower train.lr, or check the data for NaN)")
+        failed = PretrainError(f"pretraining stopped: {status['message']}; the last good checkpoint is kept in "
+                               f"{job.run_dir} (lower train.lr, or check the data for NaN)")
+        fail_job(job, error=str(failed))
+        raise failed
     if state is None:
         raise PretrainError("pretraining finished without a checkpoint")
     if run:  # epochs checkpointed before an interruption but never logged: the run shows every epoch once

@@ -368,8 +368,10 @@ def tune_job(job: Job, trainable: type, space: Config, *, tracker: TrialTracker,
         raise SweepError(f"the {what} was interrupted with {len(unfinished)} of {total} trials unfinished; rerun "
                          f"the stage to resume it from {path}")
     if all(r.error for r in grid):
-        fail_job(job)
-        raise SweepError(f"every trial of the {what} failed: " + "; ".join(error_reason(r.error) for r in grid)[:2000])
+        failed = SweepError(f"every trial of the {what} failed: "
+                            + "; ".join(error_reason(r.error) for r in grid)[:2000])
+        fail_job(job, error=str(failed))
+        raise failed
     result = JobResult(job=job, outcomes=outcomes(grid, job.spec.storage), seconds=seconds, resumed=resumed,
                        started=start, concurrent=concurrent, peak=record.peak_at_once())
     say(f"{tracker.PREFIX} {result.summary()}")

@@ -36,18 +36,21 @@ DEBIAN = ("-S", "data.dataset=fashion_mnist", "-S", f"data.root={FMNIST_DEBIAN_R
 def test_prepare_reads_debians_flat_folder_whole(project):
     result = invoke("prepare", *DEBIAN)
     assert result.exit_code == 0, result.output
-    assert "prepared fashion_mnist: 60000 train / 10000 test, input shape (1, 28, 28), 10 classes" in result.output
+    assert ("prepared fashion_mnist: 54000 train / 6000 validation / 10000 test, input shape (1, 28, 28), 10 classes"
+            in result.output)
     manifest = json.loads((project / "data/prepared/manifest.json").read_text())
     assert manifest["classes"] == CLASSES and manifest["dtype"] == "uint8"
     assert manifest["params"]["data"]["root"] == str(FMNIST_DEBIAN_ROOT)
     ds = load_prepared(project / "data/prepared")  # the sha256s of the decoded arrays, verified
-    assert ds.train.x.shape == (60_000, 1, 28, 28) and ds.test.x.shape == (10_000, 1, 28, 28)
-    assert torch.bincount(ds.train.y).tolist() == [6_000] * 10 and torch.bincount(ds.test.y).tolist() == [1_000] * 10
+    assert ds.train.x.shape == (54_000, 1, 28, 28) and ds.test.x.shape == (10_000, 1, 28, 28)
+    assert torch.bincount(ds.train.y).tolist() == [5_400] * 10 and torch.bincount(ds.test.y).tolist() == [1_000] * 10
+    assert torch.bincount(ds.val.y).tolist() == [600] * 10  # data.val_size 0.1, stratified
     # Fashion-MNIST's images, not merely its sizes: the mean grey level of each split (0.2860 and 0.2868 of 255, the
     # figures commonly used to normalise it), and bags and trousers look like themselves: a trouser's leg gap leaves
     # its middle column darker at the bottom than a bag's
-    for split, mean in ((ds.train, 0.2860), (ds.test, 0.2868)):
-        assert float(split.x.float().mean()) / 255 == pytest.approx(mean, abs=5e-4)
+    whole = torch.cat([ds.train.x, ds.val.x])  # the 60,000 training images
+    for x, mean in ((whole, 0.2860), (ds.test.x, 0.2868)):
+        assert float(x.float().mean()) / 255 == pytest.approx(mean, abs=5e-4)
     x = ds.train.x[:, 0].float()  # (N, 28, 28)
     trousers, bags = x[ds.train.y == 1], x[ds.train.y == 8]
     assert float(trousers[:, 20:, 13:15].mean()) < 0.5 * float(bags[:, 20:, 13:15].mean())
@@ -57,9 +60,10 @@ def test_a_short_pretrain_and_evaluate_on_a_stratified_subset(project, ray_sessi
     """1 epoch of the small CNN on 2,000 of the training images (200 a class): the kNN of every layer's frozen
     embeddings on 1,000 real test images is far above chance (0.1), which a reader that mixed up images and labels
     would not be."""
-    prepared = invoke("prepare", *DEBIAN, "-S", "data.limit_train=2000", "-S", "data.limit_test=1000")
+    prepared = invoke("prepare", *DEBIAN, "-S", "data.limit_train=2000", "-S", "data.limit_test=1000",
+                      "-S", "data.val_size=500")
     assert prepared.exit_code == 0, prepared.output
-    assert "2000 train / 1000 test" in prepared.output
+    assert "2000 train / 500 validation / 1000 test" in prepared.output
     assert torch.bincount(load_prepared(project / "data/prepared").test.y).tolist() == [100] * 10
     small = [*DEBIAN, "-S", "train.epochs=1", "-S", "train.batch_size=128", "-S", "model.embed_dim=32",
              "-S", "probe.probes=[knn50]", "-S", "probe.label_fractions=[1.0]", "-S", "probe.tsne_points=0",
