@@ -151,7 +151,7 @@ def backward_trace(images_per_gpu: int, backbone: str = BACKBONE) -> tuple[int, 
 
             handles += [p.register_post_accumulate_grad_hook(hook) for p in bucket]
         with _BackwardTrace(flops) as trace:
-            z = step.model.backbone(x)
+            z = step.model.encode(x)
             loss = step._head_loss(z, ids, 1, 0)  # noqa: SLF001 (the head alone, as the step computes it)
             start = flops.get_total_flops()
             loss.backward()

@@ -34,7 +34,7 @@ def head_lines(params: Params) -> list[str]:
     if m.method == "abc":
         return [f"head: ABC's, not planned: every worker runs it dense on all {2 * params.train.batch_size:,} rows of "
                 "the global batch (pipeline.training.step; the additive similarity in row tiles, pipeline.core.abc)"]
-    width = m.width()
+    width = m.head_width()  # the projector's output, if any
     if width is None:
         return ["head: n/a here (the pixels backbone's width is the input's size: see `transfusion pretrain`)"]
     memory, device = _device(params)

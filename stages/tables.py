@@ -3,7 +3,8 @@
 Reads params: ``tables.rows`` (each row's overrides on ``model``/``loss``/``augment``/``train``), ``tables.seeds``,
 ``tables.controls``, ``ray``, ``probe``; input ``data/prepared/``. Writes (atomically, once every run has ended):
 ``tables/results.csv`` and ``tables/results.json`` (a record per row and seed, the controls' included),
-``tables/curves.csv`` (per epoch: online kNN, loss, health), and what renders from them: ``reports/TABLES.md`` (both
+``tables/curves.csv`` (per epoch: online kNN, loss, health), ``tables/tuning.csv`` (the tuning phase's trials, when
+rows have a ``space``: ``tables.tuning``), and what renders from them: ``reports/TABLES.md`` (both
 tables in the paper's layout, ours beside the paper's, mean ± sd over seeds, with each row's GPU-hours or, on a
 CPU-only cluster, worker-hours; every probe of every row) and ``plots/tables/curves.png``. ``--render`` renders those
 two again from the CSVs, without training. Invalid rows exit 2 before any work; an interrupted job exits 1 and
@@ -33,13 +34,35 @@ FIGURE = Path("plots/tables/curves.png")
 
 
 def write_outputs(base: Path, records: list[dict], curves: list[dict], params: Params, unit: str,
-                  dataset: str) -> list[Path]:
-    """What renders from the job's records and curves, under ``base``: ``reports/TABLES.md`` and the curves figure."""
+                  dataset: str, tuning: list[dict]) -> list[Path]:
+    """What renders from the job's records, curves and tuning trials, under ``base``: ``reports/TABLES.md`` and the
+    curves figure."""
     from pipeline.evaluation.tables_report import curves_figure, render
 
-    curves_figure(curves, base / FIGURE)
-    write_text(base / REPORT, render(records, params, unit, dataset, figure=f"../{FIGURE}", curves=curves))
+    report = render(records, params, unit, dataset, figure=f"../{FIGURE}", curves=curves, tuning=tuning)  # first:
+    curves_figure(curves, base / FIGURE)  # a record it cannot render leaves both files as they were
+    write_text(base / REPORT, report)
     return [base / REPORT, base / FIGURE]
+
+
+def read_study(out: Path) -> tuple[dict, Params]:
+    """``out/results.json`` (what ``--render`` renders from) and the job's params in it; a missing, truncated or
+    wrongly shaped file is a :class:`click.ClickException` naming it, before anything is written."""
+    path = out / "results.json"
+    if not path.is_file():
+        raise click.ClickException(f"no {path} to render: run `transfusion tables` first")
+    try:
+        saved = json.loads(path.read_text())
+        job = Params.model_validate({**saved["params"], "tables": saved["tables"]}, strict=False)  # the job's own
+        if not isinstance(saved["hours_unit"], str) or not isinstance(saved["dataset"], str):
+            raise TypeError("hours_unit and dataset must be strings")
+        if not isinstance(saved.get("tuning", []), list):
+            raise TypeError("tuning must be a list of records")
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and pydantic's ValidationError are ValueErrors
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise click.ClickException(f"{path} is damaged ({type(e).__name__}: {reason}); it was not rendered and "
+                                   "nothing was written: restore it, or run `transfusion tables` again") from None
+    return saved, job
 
 
 @click.command("tables")
@@ -63,23 +86,29 @@ def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, re
         read_curves,
         read_records,
     )
-    from pipeline.evaluation.tables_rows import resolve_rows
+    from pipeline.evaluation.tables_rows import resolve_rows, tuning_rows
+    from pipeline.evaluation.tuning_report import TUNING_COLUMNS
     from pipeline.runs.tables import run_tables
     from pipeline.runs.tune import close_tune_job
 
     out = base / OUT
     if render_only:
-        if not (out / "results.json").is_file():
-            raise click.ClickException(f"no {out}/results.json to render: run `transfusion tables` first")
-        saved = json.loads((out / "results.json").read_text())
-        job = Params.model_validate({**saved["params"], "tables": saved["tables"]}, strict=False)  # the job's own
-        records = read_records(out / "results.csv")
-        files = write_outputs(base, records, read_curves(out / "curves.csv"), job, saved["hours_unit"],
-                              saved["dataset"])
+        saved, job = read_study(out)
+        try:
+            records, curves = read_records(out / "results.csv"), read_curves(out / "curves.csv")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise click.ClickException(f"{out}/results.csv or curves.csv is damaged or missing ({e}); it was not "
+                                       "rendered and nothing was written") from None
+        try:
+            files = write_outputs(base, records, curves, job, saved["hours_unit"], saved["dataset"],
+                                  saved.get("tuning", []))
+        except (ValueError, KeyError, TypeError) as e:
+            raise click.ClickException(f"{out}/ holds records that do not render ({type(e).__name__}: {e}); nothing "
+                                       "was written: restore them, or run `transfusion tables` again") from None
         click.echo(f"tables: {' and '.join(map(str, files))} rendered from {out}/ ({len(records)} runs)")
         return
-    try:  # every row resolves to valid params of its table before any work
-        resolve_rows(params)
+    try:  # every row, and every point of a row's space, resolves to valid params of its table before any work
+        tuning_rows(params, resolve_rows(params))
     except ParamsError as exc:
         raise ParamsUsageError(str(exc)) from None
     with run_job(run_tables, params, data_dir, no_tracking) as (result, unit):  # the MLflow run ends with the block
@@ -87,11 +116,14 @@ def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, re
         curves = curve_rows(result.rows)
         write_csv(out / "results.csv", csv_records(result.rows), COLUMNS)
         write_csv(out / "curves.csv", curves, curve_columns(curves))
+        tuned = [out / "tuning.csv"] if result.tuning else []
+        if result.tuning:
+            write_csv(out / "tuning.csv", result.tuning, TUNING_COLUMNS)
         write_json(out / "results.json", {"dataset": dataset, "hours_unit": unit, "rows": csv_records(result.rows),
                                           "params": params.model_dump(mode="json"),
-                                          "tables": params.tables.model_dump(mode="json")})
-        files = write_outputs(base, result.rows, curves, params, unit, dataset)
-        close_tune_job(result, [*files, out / "results.csv", out / "results.json", out / "curves.csv"])
+                                          "tables": params.tables.model_dump(mode="json"), "tuning": result.tuning})
+        files = write_outputs(base, result.rows, curves, params, unit, dataset, result.tuning)
+        close_tune_job(result, [*files, out / "results.csv", out / "results.json", out / "curves.csv", *tuned])
     failed = sum(r["status"] != "TERMINATED" for r in result.rows)
     click.echo(f"tables: {len(result.rows)} runs ({failed} failed) in {result.seconds:.0f} s -> {files[0]}, "
                f"{out}/results.csv, {files[1]}")

@@ -1,8 +1,10 @@
 """docs/api.md runs as written: its ```python blocks are executed, the plain PyTorch loop in the quick loop, the Ray
-Train program (the block that builds a ``TorchTrainer``) on the test Ray instance. Tracebacks name the page's lines."""
+Train program (the block that builds a ``TorchTrainer``) on the test Ray instance, the section on the pretrained
+encoder in a project that ``transfusion pretrain`` has just written. Tracebacks name the page's lines."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -15,14 +17,27 @@ PAGE = ROOT / "docs" / "api.md"
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 
 
-def python_blocks(text: str) -> list[tuple[int, str]]:
-    """(line of the block's first code line, code) of every ```python block."""
-    return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in FENCE.finditer(text)]
+HEADING = re.compile(r"^## (.+)$", re.MULTILINE)
 
 
-BLOCKS = python_blocks(PAGE.read_text(encoding="utf-8"))
+def python_blocks(text: str, section: str | None = None) -> list[tuple[int, str]]:
+    """(line of the block's first code line, code) of every ```python block; with ``section``, of those under the
+    ``## <section>`` heading alone."""
+    return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in FENCE.finditer(text)
+            if section is None or section_of(text, m.start()) == section]
+
+
+def section_of(text: str, pos: int) -> str | None:
+    """The ``## `` heading above ``pos`` (None: above every heading)."""
+    headings = [h.group(1).strip() for h in HEADING.finditer(text, 0, pos)]
+    return headings[-1] if headings else None
+
+
+TEXT = PAGE.read_text(encoding="utf-8")
+BLOCKS = python_blocks(TEXT)
 RAY = [b for b in BLOCKS if "TorchTrainer(" in b[1]]
-PLAIN = [b for b in BLOCKS if b not in RAY]
+PRETRAINED = python_blocks(TEXT, "Using the pretrained encoder")  # it needs a pretrained project
+PLAIN = [b for b in BLOCKS if b not in RAY and b not in PRETRAINED]
 
 
 def run(blocks: list[tuple[int, str]], page: Path = PAGE) -> dict:
@@ -82,3 +97,27 @@ def test_the_set_clustering_page_runs_as_written(capsys):
     assert labels.shape == (20,) and 1 <= k <= 19 and len(set(labels.tolist())) == k
     assert math.isfinite(namespace["loss"].item())
     assert "clusters" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_pretrained_encoder_loads_from_models_pretrain_and_from_mlflow(prepared, ray_session, monkeypatch,
+                                                                          capsys):
+    """The section's blocks, in the project's root after a real one-epoch ``transfusion pretrain`` (Ray Train, its
+    outputs, its MLflow run and model), with the project's default store."""
+    from tests.conftest import invoke
+
+    assert len(PRETRAINED) == 2, "the section shows models/pretrain/, then MLflow"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # the project's own store, sqlite:///mlflow.db in its root
+    result = invoke("pretrain", "-S", "train.epochs=1", "-S", "train.batch_size=64", "-S", "train.knn_every=0")
+    assert result.exit_code == 0, result.output
+    config = json.loads((prepared / "models/pretrain/config.json").read_text())
+    capsys.readouterr()
+
+    namespace = run(PRETRAINED)
+    printed = capsys.readouterr().out.splitlines()
+    dim, depth = config["params"]["model"]["embed_dim"], config["params"]["model"]["depth"]
+    assert printed[0] == f"backbone (256, {dim}), blocks {[(256, dim)] * depth}", printed
+    images = namespace["images"]
+    assert images.shape == (256, 1, 8, 8) and 0 <= images.min() < images.max() <= 1
+    assert namespace["run_id"] == config["mlflow_run_id"]
+    assert printed[1] == f"run {config['mlflow_run_id']}: TransFusion, the same embeddings as models/pretrain/: True"

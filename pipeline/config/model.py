@@ -2,7 +2,9 @@
 
 ``method: transfusion`` (default) puts TransFusion's head (``depth`` blocks, ``activation``, ...) on the backbone;
 ``method: abc`` puts ABC's (Attention-Based Clustering, :mod:`pipeline.core.abc`) instead, configured by the ``abc``
-subsection. Each method refuses the other's keys set away from their defaults, naming them.
+subsection. Each method refuses the other's keys set away from their defaults, naming them. ``projector`` (ours, any
+loss; ``none`` under ``abc``, which has its own pre-embedding) sits between the backbone and the head, so that a
+comparison can give every loss the same head: :func:`pipeline.core.model.build_projector`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ BLOCK_NORMS = ("layernorm", "l2", "none")
 FUSION_SCOPES = ("joint", "per_view")
 QK_INITS = ("default", "tied", "identity")
 HEADS = ("appendix_e", "truncated")
+PROJECTORS = ("none", "linear", "mlp")  # model.projector: pipeline.core.model.build_projector builds each
 METHODS = ("transfusion", "abc")  # pipeline.core.model.METHODS builds each
 # ABC's options (pipeline.core.abc checks its arguments against its own COMPATIBILITIES, KERNELS)
 ABC_COMPATIBILITIES = ("multiplicative", "additive")
@@ -48,6 +51,7 @@ BlockNorm = Literal[BLOCK_NORMS]  # type: ignore[valid-type]
 FusionScope = Literal[FUSION_SCOPES]  # type: ignore[valid-type]
 QkInit = Literal[QK_INITS]  # type: ignore[valid-type]
 HeadName = Literal[HEADS]  # type: ignore[valid-type]
+ProjectorName = Literal[PROJECTORS]  # type: ignore[valid-type]
 MethodName = Literal[METHODS]  # type: ignore[valid-type]
 AbcCompatibility = Literal[ABC_COMPATIBILITIES]  # type: ignore[valid-type]
 AbcKernel = Literal[ABC_KERNELS]  # type: ignore[valid-type]
@@ -132,6 +136,10 @@ class ModelConfig(Section):
     backbone: str = "cnn_small"  # BACKBONE_NAMES, or torchvision:<name> (TORCHVISION)
     embed_dim: int | None = Field(None, ge=2, le=65_536)
     hidden_dim: int = Field(256, ge=2, le=65_536)
+    # ours: between the backbone and the head, for any method and loss (none | linear | mlp, SimCLR's without its
+    # BatchNorm: pipeline.core.model.build_projector); the probes keep reading the backbone
+    projector: ProjectorName = "none"
+    projector_dim: int | None = Field(None, ge=2, le=65_536)  # the projector's output width; null: the backbone's
     depth: int = Field(1, ge=0, le=64)
     activation: Activation = "relu"
     block_norm: BlockNorm = "layernorm"
@@ -164,6 +172,10 @@ class ModelConfig(Section):
             self._abc_only()
         elif self.abc != AbcConfig():
             raise ValueError("model.abc: read only with model.method: abc; set model.method: abc or remove model.abc")
+        if self.projector == "none" and self.projector_dim is not None:
+            raise ValueError(f"model.projector_dim: {self.projector_dim} is the width of a projector, but "
+                             "model.projector is none; set model.projector: linear or mlp, or model.projector_dim: "
+                             "null")
         if self.head == "truncated" and self.depth == 0:
             raise ValueError("model.head: truncated needs model.depth >= 1 (its last block gives the affinity)")
         if self.backbone == "pixels" and self.depth == 0:
@@ -184,8 +196,20 @@ class ModelConfig(Section):
             return None
         return fixed_width(self.backbone) or self.embed_dim or 128
 
+    def head_width(self) -> int | None:
+        """The width the head works at: the projector's (``projector_dim``; null: the backbone's), else the backbone's
+        (:meth:`width`; None for pixels: the input's size)."""
+        if self.projector != "none" and self.projector_dim is not None:
+            return self.projector_dim
+        return self.width()
+
     def _abc_only(self) -> None:
-        """Method abc: the TransFusion head's keys at their defaults; without the pre-embedding, widths that match."""
+        """Method abc: the TransFusion head's keys at their defaults, no projector (ABC has its own pre-embedding);
+        without the pre-embedding, widths that match."""
+        if self.projector != "none":
+            raise ValueError(f"model.projector: {self.projector}: method abc has its own projection before its SABs "
+                             "(model.abc.pre_embed, the code's Linear-tanh-Linear); set model.projector: none with "
+                             "model.method: abc")
         fields = type(self).model_fields
         bad = [f"model.{k}: {getattr(self, k)}" for k in TRANSFUSION_ONLY if getattr(self, k) != fields[k].default]
         if bad:
@@ -218,6 +242,7 @@ __all__ = [
     "ModelConfig",
     "QK_INITS",
     "NO_LINEAR_CLASSIFIER",
+    "PROJECTORS",
     "TORCHVISION",
     "TORCHVISION_KWARGS",
     "TORCHVISION_LIST",

@@ -2,7 +2,8 @@
 
 - **Labels** (MLflow run names, from params): :func:`pretrain_label` (``pretrain · cnn_small · depth 1 · jsd · b128 ·
   s0``), :func:`point_label` (a sweep trial), :func:`sweep_label`, :func:`row_label` (a tables row),
-  :func:`evaluate_label`, :func:`tables_label`; their parts joined by :data:`SEP`.
+  :func:`evaluate_label`, :func:`tables_label`; their parts joined by :data:`SEP`. What sits on a run's backbone, for
+  the reports: :func:`head_description` (its projector and head), :func:`fusing_blocks` (how many of its blocks fuse).
 - **Stable names** (``pretrain-<16 hex digits>``: Ray's run name, the MLflow tag ``identity``, the driver's state
   folder): :func:`stable_name` of everything that determines the result (the params it reads, the prepared data's
   files), so that a rerun resumes exactly when it would compute the same thing, and a changed one starts afresh.
@@ -40,12 +41,51 @@ def axis_label(key: str) -> str:
 
 def pretrain_label(flat: Mapping[str, Any], stage: str = "pretrain") -> str:
     """``pretrain · cnn_small · depth 1 · jsd · b128 · s0``: a pretraining run's name from its flat params
-    (``model.method: abc``: ``pretrain · cnn_small · abc multiplicative 2 blocks · bce · b128 · s0``)."""
+    (``model.method: abc``: ``pretrain · cnn_small · abc multiplicative 2 blocks · bce · b128 · s0``; with a projector:
+    ``pretrain · cnn_small · mlp projector · depth 1 · ...``)."""
     head = f"depth {flat['model.depth']}"
     if flat.get("model.method") == "abc":
         head = f"abc {flat['model.abc.compatibility']} {flat['model.abc.blocks']} blocks"
-    return SEP.join([stage, str(flat["model.backbone"]), head, str(flat["loss.name"]),
-                     _short("train.batch_size", flat["train.batch_size"]), _short("train.seed", flat["train.seed"])])
+    projector = flat.get("model.projector", "none")
+    parts = [stage, str(flat["model.backbone"]), *([f"{projector} projector"] if projector != "none" else []), head]
+    return SEP.join([*parts, str(flat["loss.name"]), _short("train.batch_size", flat["train.batch_size"]),
+                     _short("train.seed", flat["train.seed"])])
+
+
+PROJECTOR_WORDS = {"none": "no projector", "linear": "linear projector", "mlp": "MLP projector"}
+
+
+def fusing_blocks(flat: Mapping[str, Any]) -> int:
+    """How many blocks of a run's head fuse, i.e. mix the rows of a batch, from its flat params (``model.*``):
+
+    - TransFusion: ``model.depth``, less one with ``model.head: truncated``, whose last block only supplies the
+      affinity (depth 1 truncated: 0; depth 0: 0);
+    - ABC (``model.method: abc``): its SAB blocks (``model.abc.blocks``): each attends across the set, as a block does.
+
+    Keys a run saved before they existed read as their defaults (``model.head: appendix_e``)."""
+    if flat.get("model.method") == "abc":
+        return int(flat["model.abc.blocks"])
+    depth = int(flat["model.depth"])
+    return max(depth - int(flat.get("model.head", "appendix_e") == "truncated"), 0)
+
+
+def head_description(flat: Mapping[str, Any]) -> str:
+    """What sits on a run's backbone, from its flat params (``model.*``), for the reports:
+    ``MLP projector, 1 block (fusing 1)``, ``no projector, no head``, ``linear projector (64-d), 1 block truncated
+    (fusing 0)``, ``no projector, ABC 2 SABs (fusing 2)`` (:func:`fusing_blocks` counts the blocks that fuse)."""
+    projector = str(flat.get("model.projector", "none"))
+    words = PROJECTOR_WORDS.get(projector, f"{projector} projector")
+    if projector != "none" and flat.get("model.projector_dim") is not None:
+        words += f" ({flat['model.projector_dim']}-d)"
+    fusing = fusing_blocks(flat)
+    if flat.get("model.method") == "abc":
+        sabs = int(flat["model.abc.blocks"])
+        return f"{words}, ABC {sabs} SAB{'s' if sabs != 1 else ''} (fusing {fusing})"
+    depth = int(flat["model.depth"])
+    if depth == 0:
+        return f"{words}, no head"
+    truncated = " truncated" if flat.get("model.head", "appendix_e") == "truncated" else ""
+    return f"{words}, {depth} block{'s' if depth != 1 else ''}{truncated} (fusing {fusing})"
 
 
 def point_label(point: Mapping[str, Any]) -> str:

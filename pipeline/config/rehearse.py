@@ -48,6 +48,7 @@ SIZE_KEYS: dict[str, str] = {
     "data.image_size": "data", "data.synthetic.n_samples": "data", "data.synthetic.dim": "data",
     "probe.max_train": "data", "probe.tsne_points": "data", "probe.affinity_points": "data",
     "model.backbone": "backbone", "model.weights": "backbone", "model.embed_dim": "width", "model.hidden_dim": "width",
+    "model.projector_dim": "width",
     "train.epochs": "epochs", "sweep.epochs": "epochs",
     **{k: "grid" for k in GRID_KEYS}, "sweep.num_samples": "samples",
     "ray.num_workers": "workers",

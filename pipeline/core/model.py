@@ -13,7 +13,11 @@ Head of depth d: d such blocks. As in Appendix E, the training affinity is then 
 cosine affinity of the fused output (``HeadOutput.q == HeadOutput.k == embedding``). With
 ``truncate_last=True`` the last block is cut after its affinity, as section 2.1 describes: blocks 1..d-1
 fuse, and block d only supplies its normalised queries and keys (``q``, ``k``), whose product ``A^d`` the
-loss compares with the target. Depth 0 is the backbone alone.
+loss compares with the target. Depth 0 is the backbone alone (and the projector, if any).
+
+A projector (``model.projector``: none, linear, or SimCLR's MLP; :func:`build_projector`) may sit between the backbone
+and the head, for any method and loss: ``forward = head(projector(backbone(x)))``. The probes read the backbone's
+output, before the projector, as SimCLR does.
 
 Two choices that keep blocks alive (``pipeline.evaluation.health``), both off in the paper's literal setting:
 
@@ -36,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.config.model import ACTIVATIONS, AFFINITY_EPS, BLOCK_NORMS, FUSION_SCOPES, QK_INITS
+from pipeline.config.model import ACTIVATIONS, AFFINITY_EPS, BLOCK_NORMS, FUSION_SCOPES, PROJECTORS, QK_INITS
 from pipeline.core.abc import ABCHead, ABCOutput
 from pipeline.core.attention import activate, fuse_rows
 from pipeline.core.backbones import build_backbone
@@ -271,29 +275,75 @@ class TransFusionHead(nn.Module):
         return HeadOutput(q=q, k=k, embedding=x, hidden=hidden)
 
 
+def build_projector(kind: str, dim: int, out_dim: int | None = None) -> nn.Module:
+    """The projector between the backbone and the head (``model.projector``, ours): (n, dim) -> (n, out_dim or dim).
+
+    - ``none``: the identity (no parameters: a model without a projector has the state_dict it always had);
+    - ``linear``: ``Linear(dim, out)``;
+    - ``mlp``: ``Linear(dim, dim) -> ReLU -> Linear(dim, out)``, SimCLR's projection head g(·) (Chen et al., 2020,
+      section 2.1: one hidden layer of the backbone's width, ReLU) without the BatchNorm after each Linear that
+      SimCLR's code (v2) adds: BatchNorm there would need statistics over the global batch on several workers, and
+      row-wise layers keep the sharded step, gradient caching and the tiled head equal to one process.
+
+    Every method and loss may have one, so that a comparison can give every loss the same head. Its parameters train at
+    ``train.lr`` (not ``train.lr * train.head_lr_scale``, which is the TransFusion head's: ``pipeline.core.optim``).
+    """
+    out = out_dim or dim
+    if kind == "none":
+        if out != dim:
+            raise ValueError(f"projector none keeps the width {dim}; got out_dim={out_dim}")
+        return nn.Identity()
+    if kind == "linear":
+        return nn.Linear(dim, out)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, out))
+    raise ValueError(f"unknown projector {kind!r}; allowed: {', '.join(PROJECTORS)}")
+
+
 class TransFusion(nn.Module):
-    """Backbone followed by a TransFusion head. images (n, ...) -> :class:`HeadOutput`."""
+    """Backbone, projector (``model.projector``; the identity by default) and a TransFusion head.
+    images (n, ...) -> :class:`HeadOutput`.
+
+    ``embed_dim`` is the backbone's width (the representation the probes read), ``head_dim`` the head's (the
+    projector's output; ``embed_dim`` without a projector).
+    """
 
     method = "transfusion"
 
-    def __init__(self, backbone: nn.Module, embed_dim: int, head: TransFusionHead) -> None:
+    def __init__(self, backbone: nn.Module, embed_dim: int, head: TransFusionHead,
+                 projector: nn.Module | None = None, head_dim: int | None = None) -> None:
         super().__init__()
         self.backbone = backbone
         self.embed_dim = embed_dim
+        self.projector = nn.Identity() if projector is None else projector
+        self.head_dim = embed_dim if head_dim is None else head_dim
         self.head = head
 
+    def encode(self, x: Tensor) -> Tensor:
+        """The head's input: the projector of the backbone's output. (n, ...) -> (n, head_dim). Row-wise: what the
+        training step embeds (in chunks with gradient caching) before the head sees the global batch."""
+        return self.projector(self.backbone(x))
+
     def forward(self, x: Tensor, *, collect: bool = False, views: int = 1) -> HeadOutput:
-        return self.head(self.backbone(x), collect=collect, views=views)
+        """The head on ``encode(x)``. With ``collect``, ``hidden[0]`` is the backbone's output (the representation
+        probed, before the projector), then every full block's output, as :meth:`embed` lists them."""
+        z = self.backbone(x)
+        out = self.head(self.projector(z), collect=collect, views=views)
+        if collect:
+            out.hidden[0] = z
+        return out
 
     @torch.no_grad()
     def embed(self, x: Tensor, tile: int | None = None) -> list[Tensor]:
-        """Frozen representations for probes: [backbone output, block 1 output, ...], each (n, m). ``tile``: the
-        blocks over column tiles (:meth:`TransFusionHead.forward_rows`), holding no (n, n) matrix; same numbers."""
+        """Frozen representations for probes: [backbone output (n, m), block 1 output, ...] (blocks (n, head_dim)):
+        the backbone's output before the projector, as SimCLR probes it. ``tile``: the blocks over column tiles
+        (:meth:`TransFusionHead.forward_rows`), holding no (n, n) matrix; same numbers."""
         if tile is None:
             return [h.detach() for h in self.forward(x, collect=True).hidden]
         z = self.backbone(x)  # (n, m)
-        return [h.detach() for h in self.head.forward_rows(z, Rows.whole(len(z), z.device), tile=tile,
-                                                           collect=True).hidden]
+        p = self.projector(z)  # (n, head_dim)
+        hidden = self.head.forward_rows(p, Rows.whole(len(p), p.device), tile=tile, collect=True).hidden
+        return [z.detach(), *(h.detach() for h in hidden[1:])]
 
 
 class ABCModel(nn.Module):
@@ -310,11 +360,15 @@ class ABCModel(nn.Module):
     def __init__(self, backbone: nn.Module, embed_dim: int, head: ABCHead) -> None:
         super().__init__()
         self.backbone = backbone
-        self.embed_dim = embed_dim
+        self.embed_dim = self.head_dim = embed_dim  # no projector (model.projector: none): ABC has its pre-embedding
         self.head = head
 
+    def encode(self, x: Tensor) -> Tensor:
+        """The head's input: the backbone's output (ABC has no projector). (n, ...) -> (n, m)."""
+        return self.backbone(x)
+
     def forward(self, x: Tensor) -> ABCOutput:
-        return self.head(self.backbone(x))
+        return self.head(self.encode(x))
 
     @torch.no_grad()
     def embed(self, x: Tensor, tile: int | None = None) -> list[Tensor]:
@@ -347,15 +401,19 @@ def memory_format(setting: str, input_shape: tuple[int, ...]) -> torch.memory_fo
 
 def build_model(m: ModelConfig, input_shape: tuple[int, ...]) -> TransFusion | ABCModel:
     """Backbone + the head of ``model.method`` as ``model.*`` (a :class:`pipeline.config.model.ModelConfig`)
-    describes: a TransFusion head (``transfusion``) or ABC's (``abc``, from ``model.abc``)."""
+    describes: a TransFusion head (``transfusion``) after the projector of ``model.projector``
+    (:func:`build_projector`, to ``model.projector_dim``), or ABC's (``abc``, from ``model.abc``; no projector)."""
     backbone, dim = build_backbone(m.backbone, tuple(input_shape), m.embed_dim, m.hidden_dim, m.weights)
     if m.method == "abc":
+        if m.projector != "none":
+            raise ValueError(f"model.projector: {m.projector}: method abc takes none (it has model.abc.pre_embed)")
         a = m.abc
         return ABCModel(backbone, dim, ABCHead(dim, depth=a.blocks, heads=a.heads, width=a.width,
                                                compatibility=a.compatibility, kernel=a.kernel, pre_embed=a.pre_embed,
                                                set_norm=a.set_norm))
     if m.method != "transfusion":
         raise ValueError(f"unknown model.method {m.method!r}; allowed: {', '.join(METHODS)}")
-    head = TransFusionHead(dim, m.depth, m.activation, m.block_norm, truncate_last=m.head == "truncated",
+    width = dim if m.projector == "none" else (m.projector_dim or dim)
+    head = TransFusionHead(width, m.depth, m.activation, m.block_norm, truncate_last=m.head == "truncated",
                            fusion_scope=m.fusion_scope, qk_init=m.qk_init)
-    return TransFusion(backbone, dim, head)
+    return TransFusion(backbone, dim, head, build_projector(m.projector, dim, width), width)

@@ -178,7 +178,9 @@ def build_optimizer(
 
     Empty groups are left out; parameters with ``requires_grad=False`` are skipped. With ``head_lr_scale != 1``
     and a model that has a ``head`` (a TransFusion model), the head's parameters get their own groups with
-    ``lr * head_lr_scale`` (ours, ``train.head_lr_scale``); the schedule scales every group alike.
+    ``lr * head_lr_scale`` (ours, ``train.head_lr_scale``); the schedule scales every group alike. The projector
+    (``model.projector``: the model's ``projector``, not part of its ``head``) trains at ``lr`` with the backbone, so
+    that every loss's projector learns alike; ``head_lr_scale`` slows only the TransFusion blocks.
 
     Args:
         name: optimiser name.

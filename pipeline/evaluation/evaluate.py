@@ -2,9 +2,10 @@
 
 Representations probed (paper section 5, and Fig. 4 for the layers):
 ``input`` (raw pixels, the baseline that shows what pretraining bought), ``backbone`` (the encoder's
-output, what the paper's tables probe), ``block_1`` … ``block_D`` (each TransFusion block's fused output); for an
-ABC model (``model.method: abc``) ``embedding`` (its head's T(X), the last SAB's output) instead of the blocks, its
-kernel κ as the final affinity, and its kernel's statistics as its health (``pipeline.evaluation.health``).
+output, what the paper's tables probe; before the projector of ``model.projector``, as SimCLR probes), ``block_1`` …
+``block_D`` (each TransFusion block's fused output); for an ABC model (``model.method: abc``) ``embedding`` (its
+head's T(X), the last SAB's output) instead of the blocks, its kernel κ as the final affinity, and its kernel's
+statistics as its health (``pipeline.evaluation.health``).
 
 TransFusion mixes the samples of a batch, so a block's output for a sample depends on its batch mates.
 Embeddings are therefore computed on batches of the trained size (``train.batch_size``), drawn by a
@@ -66,7 +67,7 @@ def eval_tile(model: TransFusion | ABCModel, n: int, device: torch.device) -> in
         return None
     head = model.head
     budget = budget_bytes(None, device_memory(device))
-    return plan_head(n, 1, head.depth - int(head.truncate_last), model.embed_dim, budget).tile
+    return plan_head(n, 1, head.depth - int(head.truncate_last), model.head_dim, budget).tile
 
 
 @torch.no_grad()
@@ -95,7 +96,7 @@ def layer_affinities(model: TransFusion | ABCModel, x: torch.Tensor,
     """The affinities of one test batch: backbone cosine, each block's act(QKᵀ), and the trained one (ABC: its
     kernel κ, the batch as one set)."""
     if model.method == "abc":
-        z = model.backbone(to_float(x).to(device))  # (n, m)
+        z = model.encode(to_float(x).to(device))  # (n, m): the backbone's output (ABC has no projector)
         return [("backbone", cosine_affinity(z.float().cpu().numpy())),
                 ("kernel", model.head(z).kernel.float().cpu().numpy())]
     out = model(to_float(x).to(device), collect=True)
@@ -132,7 +133,7 @@ def test_health(model: TransFusion | ABCModel, x: torch.Tensor, y: torch.Tensor,
         a = QKAffinity(q[None], keys[None], model.head.blocks[i].activation)
         stats[f"block_{i + 1}"] = block_stats(a, labels)
 
-    z = model.backbone(to_float(x[sub]).to(device))
+    z = model.encode(to_float(x[sub]).to(device))  # the head's input: the projector's output
     model.head.forward_rows(z, Rows.whole(len(z), z.device), tile=tile, on_block=take)
     return read_health(stats)
 

@@ -27,14 +27,16 @@ from pipeline.config.params import Params
 from pipeline.config.probe import PROBES as ALL_PROBES
 from pipeline.evaluation.health import KERNEL, dead_blocks, unflat
 from pipeline.evaluation.report import HEADER, NA, PAPER_TABLES, RULE, fmt_cell, table_row
+from pipeline.evaluation.tuning_report import chosen_points, tuning_section
 from pipeline.plots import new_figure, save_figure
 
 PROBES = ("ffn", "svm", "knn50", "knn200")  # the paper's columns, in the order of report.COLUMNS
 PROBE_NAMES = {"ffn": "3-FFN", "svm": "SVM", "knn50": "K-NN (k=50)", "knn200": "K-NN (k=200)",
                "logreg": "logistic regression"}
 COLUMNS = ("table", "name", "paper", "seed", "control", "trial_id", "train.mode", "loss.name", "model.depth",
-           "model.backbone", "train.batch_size", "epochs", *ALL_PROBES, "knn_acc", "train_minutes", "fit_seconds",
-           "eval_seconds", "workers", "gpus", "hours", "hours_unit", "probe_cpus", "probe_gpus", "status", "error")
+           "model.projector", "model.head", "fusing", "head", "model.backbone", "train.batch_size", "epochs",
+           *ALL_PROBES, "knn_acc", "train_minutes", "fit_seconds", "eval_seconds", "workers", "gpus", "hours",
+           "hours_unit", "probe_cpus", "probe_gpus", "status", "error")
 CURVE_COLUMNS = ("table", "name", "seed", "epoch", "seconds", "loss", "knn_acc")  # then the blocks' health
 AVERAGED = (*ALL_PROBES, "knn_acc", "train_minutes", "hours")  # what aggregate() averages over seeds
 RISE = 0.005  # the online kNN "stops rising" at the first epoch that no later epoch beats by more than this
@@ -42,8 +44,8 @@ HEADLINE = ("knn200", "logreg")  # the probes statistics_section() reads, those 
 LEVEL = 0.05  # the paired test's level: a row is ahead of (behind) the reference only when p < LEVEL
 TEST = "paired t-test by seed, two-sided"
 FLAT = 1e-12  # per-seed differences this close are one number (accuracies are in [0, 1]; float noise is ~1e-16)
-TEXT = ("name", "paper", "control", "trial_id", "train.mode", "loss.name", "model.backbone", "hours_unit", "status",
-        "error")
+TEXT = ("name", "paper", "control", "trial_id", "train.mode", "loss.name", "model.projector", "model.head", "head",
+        "model.backbone", "hours_unit", "status", "error")
 
 
 # ------------------------------------------------------------------------------------------- records
@@ -139,13 +141,15 @@ def cell(line: dict[str, Any], key: str, digits: int = 4) -> str:
 
 
 def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: str,
-           figure: str | None = None, curves: list[dict[str, Any]] | None = None) -> str:
+           figure: str | None = None, curves: list[dict[str, Any]] | None = None,
+           tuning: list[dict[str, Any]] | None = None) -> str:
     """``reports/TABLES.md``: Tables 1-2 in the paper's layout, each of our rows under the paper's row it reproduces
     (ours in bold, mean ± sd over its seeds; "n/a": not computed) with the controls above them and the cost of each
     row in ``unit``; then every probe of every row; then the statistics over seeds of the headline probes, each row
     against ``tables.reference`` (:func:`statistics_section`); then, from ``curves`` (``tables/curves.csv``), when
     each row's online kNN stopped rising (:func:`rise_table`) and its blocks' health (:func:`health_table`); then
-    ``figure`` (a path from the report's folder), if any."""
+    ``figure`` (a path from the report's folder), if any; first, the tuning phase on the validation split
+    (``tuning``: its records, :func:`~pipeline.evaluation.tuning_report.tuning_section`), when rows were tuned."""
     m, t = params.model, params.train
     lines_ = aggregate(records)
     seeds = sorted({s for line in lines_ for s in line["seeds"]})
@@ -188,13 +192,15 @@ def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: st
         lines += [f"- {'control' if r['control'] else 'table ' + str(r['table'])} **{r['name']}**, seed {seed}: "
                   f"{error}" for r, seed, error in failed]
         lines.append("")
+    lines += tuning_section(tuning or [], params)
     lines += ["## Every probe, mean ± sd over seeds", "", *probe_table(lines_), ""]
     lines += statistics_section(records, params.tables.reference)
     rise, health = rise_table(curves or []), health_table(curves or [])
     if rise:
         lines += ["## When the online kNN stops rising", "",
-                  f"The online kNN of each epoch, mean over seeds; it stops rising at the first epoch that no later "
-                  f"epoch beats by more than {RISE} (at the last epoch: still rising when the run ended).", "",
+                  f"The online kNN of each epoch on the validation split, mean over seeds; it stops rising at the "
+                  f"first epoch that no later epoch beats by more than {RISE} (at the last epoch: still rising when "
+                  "the run ended).", "",
                   *rise, ""]
     if health:
         lines += ["## Fusion health at the last epoch", "",
@@ -204,8 +210,12 @@ def render(records: list[dict[str, Any]], params: Params, unit: str, dataset: st
                   "uniform rows; the seeds with a dead block (< 1 % positive pairs).", "", *health, ""]
     if figure:
         lines += [f"![online kNN per epoch, mean over seeds]({figure})", ""]
-    lines += ["Rows and their params:", "", "| table | row | params |", "|---|---|---|"]
-    lines += [f"| {r.table} | {r.name} | `{json.dumps(r.params, sort_keys=True)}` |" for r in params.tables.rows]
+    chosen = chosen_points(tuning or [])
+    lines += ["Rows and their params (as written; a tuned row's chosen point, on the validation split, after them):",
+              "", "| table | row | params | chosen |", "|---|---|---|---|"]
+    lines += [f"| {r.table} | {r.name} | `{json.dumps(r.params, sort_keys=True)}` | "
+              + (f"`{chosen[i]['point']}` |" if i in chosen else "untuned |" if not r.space else f"{NA} |")
+              for i, r in enumerate(params.tables.rows)]
     lines.append("")
     return "\n".join(lines)
 
@@ -352,14 +362,17 @@ def statistics_section(records: list[dict[str, Any]], reference: str | None) -> 
 
 def probe_table(lines_: list[dict[str, Any]]) -> list[str]:
     """Markdown lines: every probe of every aggregated row (:func:`aggregate`), mean ± sd over its seeds, with its
-    finished seeds, epochs, last online kNN and training minutes a seed."""
+    head (its projector and how many of its blocks fuse: ``pipeline.config.names.head_description``; "-" for a
+    control, "n/a" for a record written before rows had one), finished seeds, epochs, last online kNN and training
+    minutes a seed."""
     probes = [k for k in ALL_PROBES if any(line.get(k) is not None for line in lines_)]
-    lines = ["| row | table | seeds | epochs | " + " | ".join(PROBE_NAMES[k] for k in probes)
+    lines = ["| row | table | head | seeds | epochs | " + " | ".join(PROBE_NAMES[k] for k in probes)
              + " | online kNN, last epoch | train min / seed |",
-             "|---|---|---|---|" + "---|" * len(probes) + "---|---|"]
+             "|---|---|---|---|---|" + "---|" * len(probes) + "---|---|"]
     for r in lines_:
         where = "control" if r["control"] else str(r["table"])
-        lines.append(f"| {r['name']} | {where} | {len(r['finished'])}/{len(r['seeds'])} | {r['epochs']} | "
+        head = "-" if r["control"] else r.get("head") or NA
+        lines.append(f"| {r['name']} | {where} | {head} | {len(r['finished'])}/{len(r['seeds'])} | {r['epochs']} | "
                      + " | ".join(cell(r, k, 3) for k in probes)
                      + f" | {cell(r, 'knn_acc', 3) if not r['control'] else '-'} | "
                      + (f"{r['train_minutes']:.1f} |" if r["train_minutes"] is not None and not r["control"]

@@ -1,16 +1,20 @@
 """The tables job's plan, before any work: its rows (``tables.rows``, :class:`pipeline.config.tables.TableRow`) each
 resolved to full, validated params (:func:`resolve_rows`: a row's mode must be its table's, a loss must suit the
-mode, ...), the controls (:func:`control_rows`) and one trial per (row, seed) (:func:`trial_configs`). The job itself
-is ``pipeline.runs.tables``."""
+mode, ...), the controls (:func:`control_rows`) and one trial per (row, seed) (:func:`trial_configs`); the tuning
+phase's rows (:func:`tuning_rows`: each searched row at the points of its space) and the final rows with each row's
+chosen point (:func:`with_choices`). The job itself is ``pipeline.runs.tables``."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+
+import numpy as np
 
 from pipeline.config.base import ParamsError
 from pipeline.config.params import Params
 from pipeline.config.space import trial_params
-from pipeline.config.tables import CONTROLS
+from pipeline.config.tables import CONTROLS, TableRow
 from pipeline.evaluation.report import PAPER_TABLES
 
 
@@ -75,3 +79,55 @@ def resolve_rows(params: Params, n_train: int | None = None) -> list[Row]:
     if problems:
         raise ParamsError("invalid tables rows:\n  " + "\n  ".join(problems))
     return rows
+
+
+# -------------------------------------------------------------------------------------------- the tuning phase
+def space_points(space: dict[str, list[object]], trials: int, seed: int) -> list[dict[str, object]]:
+    """The points of a row's ``space`` the tuning phase tries: its grid (the keys in order, the last one varying
+    fastest) when it holds ``trials`` points, else ``trials`` of them drawn without replacement with ``seed``, kept in
+    grid order. Every row tries ``trials`` points: the same budget."""
+    keys = list(space)
+    grid = [dict(zip(keys, values, strict=True)) for values in itertools.product(*(space[k] for k in keys))]
+    if len(grid) <= trials:
+        return grid
+    picked = np.random.default_rng(seed).choice(len(grid), size=trials, replace=False)
+    return [grid[i] for i in sorted(int(i) for i in picked)]
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """A row of the tuning phase: ``row`` (a searched row of ``tables.rows``) at ``point``, trained with the budget's
+    epochs and seed."""
+
+    row: Row  # the point's own row, resolved: the searched row's overrides, the point, train.epochs of the budget
+    of: int  # the index of the searched row in tables.rows
+    point: dict[str, object]
+
+    def config(self, seed: int) -> dict[str, object]:
+        return {**self.row.config(seed), "phase": "tuning", "of": self.of, "point": self.point}
+
+
+def tuning_rows(params: Params, rows: list[Row], n_train: int | None = None) -> list[Tuned]:
+    """The tuning phase's rows: one per (row with a space, point of :func:`space_points`), each resolved and
+    validated as every row is (:func:`resolve_rows`; a point a row's table refuses is named before any work). Their
+    ``train.epochs`` is ``tables.tuning.epochs`` (None: the file's), whatever the row's own, so that every row's
+    budget is ``trials x epochs``."""
+    tuning, specs = params.tables.tuning, {r.index: params.tables.rows[r.index] for r in rows}
+    searched = [r for r in rows if specs[r.index].space]
+    if tuning is None or not searched:
+        return []
+    epochs = tuning.epochs if tuning.epochs is not None else params.train.epochs
+    plan = [(r, point) for r in searched for point in space_points(specs[r.index].space, tuning.trials, tuning.seed)]
+    expanded = [TableRow(name=f"{r.name} · tuning {j + 1}", table=r.table, paper=r.paper,
+                         params={**r.overrides, **point, "train.epochs": epochs})
+                for j, (r, point) in enumerate(plan)]
+    resolved = resolve_rows(params.model_copy(update={"tables": params.tables.model_copy(update={"rows": expanded})}),
+                            n_train)
+    return [Tuned(row, r.index, point) for row, (r, point) in zip(resolved, plan, strict=True)]
+
+
+def with_choices(params: Params, chosen: dict[int, dict[str, object]]) -> Params:
+    """``params`` whose searched rows carry their chosen point in their params (the final phase's rows)."""
+    rows = [r.model_copy(update={"params": {**r.params, **chosen.get(i, {})}})
+            for i, r in enumerate(params.tables.rows)]
+    return params.model_copy(update={"tables": params.tables.model_copy(update={"rows": rows})})

@@ -22,8 +22,9 @@ from pipeline.runs.tune import JobResult, Outcome, TrialTracker, fit_trial, inli
 
 # The params.yaml keys a sweep's result depends on (dvc.yaml's sweep stage lists them; tests/test_dvc_deps.py checks):
 # its section and the trials' base (`base_params`) without what that overwrites or always sweeps; of ray what counts.
-DVC_PARAMS = ("sweep", "model.method", "model.backbone", "model.embed_dim", "model.hidden_dim", "model.activation",
-              "model.block_norm", "model.head", "model.fusion_scope", "model.qk_init", "model.weights", "model.abc",
+DVC_PARAMS = ("sweep", "model.method", "model.backbone", "model.embed_dim", "model.hidden_dim", "model.projector",
+              "model.projector_dim", "model.activation", "model.block_norm", "model.head", "model.fusion_scope",
+              "model.qk_init", "model.weights", "model.abc",
               "loss", "augment.preset",
               "train.mode", "train.lr", "train.optimizer", "train.weight_decay", "train.warmup_epochs", "train.seed",
               "train.device", "train.grad_cache_chunk", "train.knn_k", "train.head_lr_scale", "train.precision",

@@ -2,6 +2,11 @@
 beside the controls, as one Ray Tune job (its plan: ``pipeline.evaluation.tables_rows``). Each (row, seed) is a
 trial: the sweep's Train trial, then ``probe.probes`` on the frozen backbone, reported with its cost (wall time ×
 GPUs, or × workers on a CPU-only cluster). A control only probes.
+
+Rows with a ``space`` are tuned first (``tables.tuning``), as a Tune job of its own (``<job>-tuning``, resumed like
+the final one): each tries the same number of points for the same epochs with the same seed, and is scored by the
+online kNN of its last epoch, on the validation split; nothing of the tuning phase reads the test set. Each row's best
+point then joins its params for the final rows × seeds, the only runs probed on the test images.
 """
 
 from __future__ import annotations
@@ -9,12 +14,14 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from ray import tune
 
-from pipeline.config.names import row_label, tables_label
+from pipeline.config.base import flatten
+from pipeline.config.names import fusing_blocks, head_description, row_label, tables_label
 from pipeline.config.params import Params
 from pipeline.config.ray import TRIAL_CPU, torch_threads
 from pipeline.config.resources import max_concurrent, trial_shape
@@ -22,11 +29,31 @@ from pipeline.config.space import trial_params
 from pipeline.data.prepared import load_prepared
 from pipeline.evaluation.report import NA, fmt_cell, fmt_minutes
 from pipeline.evaluation.tables_report import ALL_PROBES
-from pipeline.evaluation.tables_rows import Row, control_rows, resolve_rows, seeds_of, trial_configs
+from pipeline.evaluation.tables_rows import (
+    Row,
+    Tuned,
+    control_rows,
+    resolve_rows,
+    seeds_of,
+    trial_configs,
+    tuning_rows,
+    with_choices,
+)
+from pipeline.evaluation.tuning_report import chosen_points
 from pipeline.host import use_threads
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import with_worker_cpus
-from pipeline.runs.job import TRAINING, Manifest, Tracked, WorkerSpec, flat_sections, open_job, read_manifest, say
+from pipeline.runs.job import (
+    TRAINING,
+    Job,
+    Manifest,
+    Tracked,
+    WorkerSpec,
+    flat_sections,
+    open_job,
+    read_manifest,
+    say,
+)
 from pipeline.runs.tune import (
     Config,
     JobResult,
@@ -84,11 +111,20 @@ def probe_where_trained(params: Params, job: WorkerSpec, model_state: dict[str, 
 
 
 def _row_trial(config: Config, job: WorkerSpec) -> None:
-    """One (row, seed): the Train trial with ``train.seed`` the seed, then the probes (a control's only)."""
+    """One (row, seed): the Train trial with ``train.seed`` the seed, then the probes (a control's only); a tuning
+    trial only trains, scored by its online kNN on the validation split."""
     row = config["row"]
     params = trial_params(job.params.model_dump(), {**row["params"], "train.seed": row["seed"]},
                           source=f"tables row {row['name']!r}")
     run = None if row["control"] else fit_trial(job, params)
+    if row.get("phase") == "tuning":
+        assert run is not None  # a tuning row is never a control
+        knn = [h["knn_acc"] for h in run.state.history if h.get("knn_acc") is not None]
+        workers = params.ray.num_workers
+        tune.report({"evaluated": 1, "epoch": run.state.epoch, "knn_acc": knn[-1] if knn else math.nan,
+                     "train_seconds": float(sum(h["seconds"] for h in run.state.history)), "fit_seconds": run.seconds,
+                     "workers": workers, "hours": run.seconds * workers / 3600})
+        return
     start = time.time()
     accuracies, n_probe, held = probe_where_trained(params, job, run.state.model if run else None, row["control"])
     history = run.state.history if run else []
@@ -110,9 +146,14 @@ class TablesTracker(TrialTracker):
     PREFIX = "[tables]"
     STAGE = "tables-row"
 
-    def __init__(self, epochs: int, record_dir: str, run: Tracked | None, unit: str) -> None:
+    def __init__(self, epochs: int, record_dir: str, run: Tracked | None, unit: str, phase: str = "final") -> None:
         super().__init__(epochs, record_dir, run)
-        self.unit = unit
+        self.unit, self.phase = unit, phase
+        self.PREFIX = "[tables tuning]" if phase == "tuning" else "[tables]"
+
+    def child_tags(self) -> dict[str, str]:
+        """A row's child run is told apart by its phase: ``tuning`` (scored on validation) or ``final``."""
+        return {**super().child_tags(), "phase": self.phase}
 
     def labels(self, config: Config) -> dict[str, object]:
         row = config["row"]  # its identity: the MLflow params of its child run
@@ -139,6 +180,9 @@ class TablesTracker(TrialTracker):
                         **info: object) -> None:
         if not result.get("evaluated"):
             return super().on_trial_result(iteration, trials, trial, result, **info)
+        if self.phase == "tuning":
+            say(f"{self.PREFIX} {trial_label(trial.config['row'])}: validation kNN {fmt_cell(result['knn_acc'])}")
+            return None
         probes = {k.removeprefix("probe."): v for k, v in result.items() if k.startswith("probe.")}
         accs = ", ".join(f"{k} {fmt_cell(NA if v is None else v)}" for k, v in probes.items())
         cost = "" if trial.config["row"]["control"] else (
@@ -158,7 +202,8 @@ def trial_label(row: Config) -> str:
 
 # -------------------------------------------------------------------------------------------------- driver
 def collect(trials: list[Outcome], rows: list[Row], unit: str) -> list[dict[str, object]]:
-    """One record per (row, seed) in ``tables.rows``' order, controls first: params, accuracies, cost, history."""
+    """One record per (row, seed) in ``tables.rows``' order, controls first: params (with what sits on the backbone:
+    ``head``, :func:`pipeline.config.names.head_description`, and ``fusing``), accuracies, cost, history."""
     by_index = {r.index: r for r in rows}
     out = []
     for t in trials:
@@ -171,6 +216,8 @@ def collect(trials: list[Outcome], rows: list[Row], unit: str) -> list[dict[str,
             "index": row.index, "table": row.table, "name": row.name, "paper": row.paper, "seed": config["seed"],
             "control": row.control or "", "trial_id": t.trial_id,
             "train.mode": p.train.mode, "loss.name": p.loss.name, "model.depth": p.model.depth,
+            "model.projector": p.model.projector, "model.head": p.model.head,
+            "fusing": fusing_blocks(flatten(p.model, "model.")), "head": head_description(flatten(p.model, "model.")),
             "model.backbone": p.model.backbone, "train.batch_size": p.train.batch_size,
             "epochs": int(m["epoch"]) if done else max((int(h["epoch"]) for h in t.history), default=0),
             **{k: (m.get(f"probe.{k}") if done else None) for k in ALL_PROBES},
@@ -185,19 +232,64 @@ def collect(trials: list[Outcome], rows: list[Row], unit: str) -> list[dict[str,
     return sorted(out, key=lambda r: (r["index"], r["seed"]))
 
 
+def tune_rows(job: Job, params: Params, tuned: list[Tuned], unit: str) -> list[dict[str, object]]:
+    """The tuning phase: every (searched row, point) once with ``tables.tuning.seed``, as the Tune job
+    ``<job>-tuning`` (resumed like the final one); a record per trial (:data:`TUNING_COLUMNS`), in plan order."""
+    seed = params.tables.tuning.seed if params.tables.tuning else 0
+    tjob = replace(job, spec=replace(job.spec, name=f"{job.name}-tuning"))
+    tjob.state_dir.mkdir(parents=True, exist_ok=True)
+    configs = [t.config(seed) for t in tuned]
+    base = params.model_dump()
+    trainer = trainable(_row_trial, tjob.spec,
+                        lambda config: trial_placement(trial_params(base, config["row"]["params"]), job.gpu))
+    shape = trial_shape(params, job.gpu, trial_cpu=TRIAL_CPU)
+    concurrent = max_concurrent(params.tables.max_concurrent_trials, shape, job.totals, len(configs))
+    rows = len({t.of for t in tuned})
+    announce = (f"[tables tuning] {tjob.name}: {rows} row(s) x {len(tuned) // rows} point(s), "
+                f"{tuned[0].row.params.train.epochs} epoch(s) each, train.seed {seed}, scored on the validation split: "
+                f"{len(configs)} trials, up to {concurrent} at a time")
+    tracker = TablesTracker(params.train.epochs, str(tjob.state_dir), job.run, unit, phase="tuning")
+    result = tune_job(tjob, trainer, {"row": tune.grid_search(configs)}, tracker=tracker, concurrent=concurrent,
+                      announce=announce, metric=None, reuse_actors=all(inline(t.row.params) for t in tuned))
+    by_index, records = {t.row.index: t for t in tuned}, {}
+    for o in result.outcomes:
+        t, m = by_index[o.config["row"]["index"]], o.last
+        knn = m.get("knn_acc") if not o.error and m.get("evaluated") else None
+        knn = knn if isinstance(knn, float) and math.isfinite(knn) else None
+        records[t.row.index] = {
+            "table": t.row.table, "name": params.tables.rows[t.of].name, "of": t.of,
+            "point": json.dumps(t.point, sort_keys=True), "seed": seed, "epochs": m.get("epoch"), "knn_acc": knn,
+            "train_minutes": m["train_seconds"] / 60 if knn is not None else None, "trial_id": o.trial_id,
+            "status": "ERROR" if o.error else "TERMINATED", "error": o.error}
+    return [records[t.row.index] for t in tuned]
+
+
 def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = True) -> tuple[JobResult, str]:
-    """Run (or resume) the tables job; returns its result (``rows``: :func:`collect`) and the hours' unit. Raises
-    ``ParamsError`` for bad rows (before Ray) and ``SweepError`` if interrupted or every row failed."""
+    """Run (or resume) the tables job: the tuning phase of the rows with a space, then the final rows × seeds with
+    each row's chosen point; returns its result (``rows``: :func:`collect`; ``tuning``: :func:`tune_rows`'s records)
+    and the hours' unit. Raises ``ParamsError`` for bad rows (before Ray) and ``SweepError`` if interrupted or every
+    row failed."""
     params = with_worker_cpus(params, TRIAL_CPU)  # null: this machine's CPUs less the trial's own
     load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here (mapped: never read whole)
-    rows = resolve_rows(params, read_manifest(data_dir).get("n_train"))
+    n_train = read_manifest(data_dir).get("n_train")
+    rows = resolve_rows(params, n_train)
+    tuned = tuning_rows(params, rows, n_train)  # every point of every searched row, validated before any work
     seeds = seeds_of(params)
+    tuning = params.tables.tuning
     logged = {**flat_sections(params, (*TRAINING, "probe")),
               **{f"tables.{r.table}.{r.name}": json.dumps(r.overrides, sort_keys=True) for r in rows},
-              "tables.seeds": json.dumps(seeds), "tables.controls": json.dumps(params.tables.controls)}
+              **{f"tables.space.{r.table}.{r.name}": json.dumps(params.tables.rows[r.index].space, sort_keys=True)
+                 for r in rows if params.tables.rows[r.index].space},
+              "tables.seeds": json.dumps(seeds), "tables.controls": json.dumps(params.tables.controls),
+              "tables.reference": str(params.tables.reference),
+              "tables.tuning": json.dumps(tuning.model_dump() if tuning else None)}
     job = open_job(STAGE, params, data_dir, root, tracking=tracking, title=tables_label([r.table for r in rows],
                    len(seeds)), logged=logged, trial_cpu=TRIAL_CPU, what="a tables row")
     unit = "GPU-hours" if job.gpu else "worker-hours"
+    tried = tune_rows(job, params, tuned, unit) if tuned else []
+    if tried:  # each searched row runs its best point (on the validation split) from here on
+        params = with_choices(params, {i: json.loads(r["point"]) for i, r in chosen_points(tried).items()})
+        rows = resolve_rows(params, n_train)
     base = params.model_dump()  # what every row starts from
     configs = trial_configs(params, rows)
     space = {"row": tune.grid_search(configs)}
@@ -214,4 +306,5 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     result = tune_job(job, trainer, space, tracker=tracker, concurrent=concurrent, announce=announce, metric=None,
                       reuse_actors=all(inline(r.params) for r in rows))
     result.rows = collect(result.outcomes, [*control_rows(params), *rows], unit)
+    result.tuning = tried
     return result, unit

@@ -163,6 +163,10 @@ class TrialTracker(tune.Callback):
         update(trials)
         write_json(Path(self.record_dir, TRACKER_FILE), {"total": self.total, "trials": trials})
 
+    def child_tags(self) -> dict[str, str]:
+        """The tags of a trial's child run besides its trial id."""
+        return {"stage": self.STAGE}
+
     def _child(self, trial: Trial) -> str | None:
         if not self.run:
             return None
@@ -170,7 +174,7 @@ class TrialTracker(tune.Callback):
         if tid not in self.children:
             self.children[tid] = trk.child_run(self.run.uri, self.run.experiment_id, self.run.run_id,
                                                self.child_name(trial.config), match={"trial_id": tid},
-                                               tags={"stage": self.STAGE}, params=self.labels(trial.config))
+                                               tags=self.child_tags(), params=self.labels(trial.config))
         return self.children[tid]
 
     def _done(self, trials: list[Trial], ending: Trial | None = None) -> str:
@@ -266,6 +270,7 @@ class JobResult:  # a Tune job's outcome: the sweep's, the tables'
     concurrent: int = 0  # the trials at once it allowed (max_concurrent_trials, computed from the cluster)
     peak: int = 0  # the most trials that trained at the same moment (Record.peak_at_once)
     rows: list[dict[str, object]] = field(default_factory=list)  # the job's rows (sweep: per trial; tables: records)
+    tuning: list[dict[str, object]] = field(default_factory=list)  # tables: the tuning phase's trials, one record each
 
     def trial_runs(self) -> list[str]:
         """The Ray Train runs its trials may have left on the storage."""

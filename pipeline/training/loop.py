@@ -73,9 +73,9 @@ def head_plan(params: Params, model: torch.nn.Module, world: int, device: torch.
     itemsize = torch.finfo(autocast).bits // 8 if autocast is not None else 4
     if getattr(model, "method", "transfusion") == "abc":
         n = 2 * params.train.batch_size
-        return plan_head(n, 1, 0, model.embed_dim, budget_bytes(params.train.head_budget_mb, device_memory(device)),
+        return plan_head(n, 1, 0, model.head_dim, budget_bytes(params.train.head_budget_mb, device_memory(device)),
                          itemsize=itemsize, tile=n)
-    return plan_head(2 * params.train.batch_size, world, head.depth - int(head.truncate_last), model.embed_dim,
+    return plan_head(2 * params.train.batch_size, world, head.depth - int(head.truncate_last), model.head_dim,
                      budget_bytes(params.train.head_budget_mb, device_memory(device)), itemsize=itemsize,
                      pairwise_loss=params.loss.name != "barlow_twins")
 
@@ -327,7 +327,7 @@ class PretrainLoop:
         for part in idx.split(chunk):
             x = to_float(self.rows(part))  # (c, ...)
             v1, v2 = self.augment(x, gen), self.augment(x, gen)
-            z = self.model.backbone(torch.cat([v1, v2]).contiguous(memory_format=self.memory_format))  # (2c, m)
+            z = self.model.encode(torch.cat([v1, v2]).contiguous(memory_format=self.memory_format))  # (2c, m)
             z1.append(z[: len(part)])
             z2.append(z[len(part):])
             del x, v1, v2, z

@@ -3,7 +3,7 @@
 TransFusion lets the samples of a batch attend to each other, so with W workers the head and the loss
 must see the *global* batch, not each worker's shard. Each worker:
 
-1. embeds its own views with the backbone: z_w (2b, m);
+1. embeds its own views with the backbone and the projector (``model.encode``; row-wise): z_w (2b, m);
 2. runs the head on *its own rows* of the global batch, laid out ``[view 1 of all B images; view 2 of all B
    images]`` (2B rows): each block all-gathers the keys and values of every row with a differentiable all-gather and
    computes only this worker's rows (``TransFusionHead.forward_rows``; the head's compute falls as 1/W, and over
@@ -327,7 +327,7 @@ class GlobalBatchStep:
             p.grad = None
         if self.chunk is None or self.chunk >= x.shape[0]:
             with self._autocast(x.device):
-                z = self.model.backbone(x)  # (2b, m)
+                z = self.model.encode(x)  # (2b, m)
             loss = self._head_loss(z, ids, world_size, rank)
             if world_size == 1 or not self.overlap:
                 total = self._total(loss, world_size, check)
@@ -344,7 +344,7 @@ class GlobalBatchStep:
             return total
         else:
             with torch.no_grad(), self._autocast(x.device):
-                z = _upcast(torch.cat([self.model.backbone(c) for c in x.split(self.chunk)]))
+                z = _upcast(torch.cat([self.model.encode(c) for c in x.split(self.chunk)]))
             z.requires_grad_(True)
             loss = self._head_loss(z, ids, world_size, rank)
             total = self._total(loss, world_size, check)
@@ -352,7 +352,7 @@ class GlobalBatchStep:
             dz = z.grad
             for c, g in zip(x.split(self.chunk), dz.split(self.chunk), strict=True):
                 with self._autocast(x.device):
-                    zc = self.model.backbone(c)
+                    zc = self.model.encode(c)
                 _upcast(zc).backward(g)
         if world_size > 1:
             allreduce_grads(self.params)

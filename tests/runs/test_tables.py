@@ -146,3 +146,99 @@ def test_a_controls_probes_run_on_the_threads_of_its_cpus_not_rays_one(prepared,
         return before, torch.get_num_threads()
 
     assert ray_session.get(control.remote()) == (1, 2)
+
+
+# ------------------------------------------------------------------------------------------------ the tuning phase
+SEARCHED = ("tables.rows=[{name: InfoNCE, table: 1, params: {loss.name: infonce}, "
+            "space: {loss.temperature: [0.05, 0.1, 0.2], train.lr: [0.001, 0.01]}}, "
+            "{name: JSD, table: 1, params: {loss.name: jsd}, space: {loss.power: [1.0, 16.0]}}, "
+            "{name: DCL, table: 1, params: {loss.name: dcl}}]")
+
+
+@pytest.mark.parametrize(("trials", "expected"), [(6, 6), (4, 4), (2, 2)])
+def test_space_points_are_the_grid_or_a_seeded_sample_kept_in_grid_order(trials, expected):
+    import itertools
+
+    from pipeline.evaluation.tables_rows import space_points
+
+    space = {"loss.temperature": [0.05, 0.1, 0.2], "train.lr": [0.001, 0.01]}
+    grid = [{"loss.temperature": t, "train.lr": lr} for t, lr in itertools.product(*space.values())]
+    points = space_points(space, trials, seed=0)
+    assert len(points) == expected and len({str(p) for p in points}) == expected
+    assert points == sorted(points, key=grid.index)  # grid order, whatever the draw
+    assert points == space_points(space, trials, seed=0)  # seeded: the same points every time
+    if trials < len(grid):
+        assert any(space_points(space, trials, seed=s) != points for s in range(1, 20))
+    else:
+        assert points == grid
+
+
+def test_every_searched_row_gets_the_same_budget_and_the_untuned_row_none():
+    from pipeline.evaluation.tables_rows import tuning_rows, with_choices
+
+    p = params(SEARCHED, "tables.tuning={trials: 2, epochs: 3, seed: 5}", "train.epochs=7")
+    tuned = tuning_rows(p, resolve_rows(p))
+    assert [(t.of, len(t.point)) for t in tuned] == [(0, 2), (0, 2), (1, 1), (1, 1)]  # DCL (index 2) has no space
+    assert {t.row.params.train.epochs for t in tuned} == {3}  # the budget's epochs, not the file's 7
+    assert tuned[2].point == {"loss.power": 1.0} and tuned[2].row.params.loss.power == 1.0
+    assert {t.config(5)["phase"] for t in tuned} == {"tuning"} and tuned[0].config(5)["seed"] == 5
+    for t in tuned[:2]:  # each point of InfoNCE's space in its row's params
+        assert t.row.params.loss.temperature == t.point["loss.temperature"]
+        assert t.row.params.train.lr == t.point["train.lr"]
+    final = with_choices(p, {0: {"loss.temperature": 0.2, "train.lr": 0.01}, 1: {"loss.power": 16.0}})
+    rows = resolve_rows(final)
+    assert (rows[0].params.loss.temperature, rows[0].params.train.lr, rows[1].params.loss.power) == (0.2, 0.01, 16.0)
+    assert rows[0].params.train.epochs == 7 and rows[2].params.loss.name == "dcl"  # the final rows: the file's epochs
+    plain = params("tables.rows=[{name: A, table: 1}]")
+    assert tuning_rows(plain, resolve_rows(plain)) == []  # nothing searched: no tuning phase
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    ((SEARCHED,), "the row has a space, but the job has no tuning budget; set tables.tuning"),
+    ((SEARCHED, "tables.tuning={trials: 3}"), "its space holds 2 point(s), fewer than tables.tuning.trials (3)"),
+    (("tables.rows=[{name: A, table: 1, space: {train.epochs: [1, 2]}}]", "tables.tuning={trials: 2}"),
+     "space key 'train.epochs': the tuning budget sets it"),
+    (("tables.rows=[{name: A, table: 1, space: {loss.power: [1.0, 1.0]}}]", "tables.tuning={trials: 1}"),
+     "must list each value to try once"),
+    (("tables.rows=[{name: A, table: 1, space: {data.seed: [1, 2]}}]", "tables.tuning={trials: 1}"),
+     "space key 'data.seed': a row overrides only model.*"),
+    (("tables.rows=[{name: A, table: 1, space: {loss.tau: [1, 2]}}]", "tables.tuning={trials: 1}"),
+     "space key 'loss.tau': unknown key; allowed keys in loss: name, temperature"),
+    (("tables.tuning={trials: 0}",), "tables.tuning.trials"),
+])
+def test_a_space_the_budget_cannot_search_is_refused_naming_the_key(overrides, needle):
+    with pytest.raises(ParamsError) as info:
+        params(*overrides)
+    assert needle in str(info.value)
+
+
+def test_a_point_its_table_refuses_is_named_before_any_work():
+    from pipeline.evaluation.tables_rows import tuning_rows
+
+    p = params("tables.rows=[{name: A, table: 1, space: {train.batch_size: [64, 512]}}]", "tables.tuning={trials: 2}")
+    with pytest.raises(ParamsError, match=r"A · tuning 2.*train.batch_size 512 exceeds the training set"):
+        tuning_rows(p, resolve_rows(p, n_train=300), n_train=300)
+
+
+def test_the_report_gives_each_rows_choice_its_edge_and_the_untuned_rows():
+    import json
+
+    from pipeline.evaluation.tuning_report import at_edge, chosen_points, tuning_section
+
+    p = params(SEARCHED, "tables.tuning={trials: 2, epochs: 2, seed: 1}")
+    records = [{"of": 0, "name": "InfoNCE", "point": json.dumps({"loss.temperature": t, "train.lr": lr}),
+                "knn_acc": acc} for t, lr, acc in [(0.1, 0.001, 0.74), (0.1, 0.01, 0.74)]]
+    records += [{"of": 1, "name": "JSD", "point": json.dumps({"loss.power": w}), "knn_acc": acc}
+                for w, acc in [(1.0, 0.6), (16.0, 0.8)]]
+    best = chosen_points(records)
+    assert json.loads(best[0]["point"]) == {"loss.temperature": 0.1, "train.lr": 0.001}  # a tie: the first
+    assert chosen_points([{"of": 0, "knn_acc": None}]) == {}  # no trial scored: no choice
+    assert json.loads(best[1]["point"]) == {"loss.power": 16.0}
+    assert at_edge([1.0, 16.0], 16.0) and not at_edge([0.05, 0.1, 0.2], 0.1) and not at_edge(["a", "b"], "a")
+    text = "\n".join(tuning_section(records, p))
+    assert "2 trial(s) of 2 epoch(s), train.seed 1" in text
+    assert "| InfoNCE | 1 | `loss.temperature` | 0.05, 0.1, 0.2 | 0.1 | 0.7400 | 2 |  |" in text
+    assert "| InfoNCE | 1 | `train.lr` | 0.001, 0.01 | 0.001 | 0.7400 | 2 | at the edge of its grid" in text
+    assert "| JSD | 1 | `loss.power` | 1, 16 | 16 | 0.8000 | 2 | at the edge of its grid" in text
+    assert "Untuned (run as written, no space): DCL (table 1)." in text
+    assert tuning_section([], params()) == []  # no searched row: no section

@@ -4,6 +4,7 @@ real Ray Tune and a real MLflow sqlite store; bad rows and missing data refused 
 from __future__ import annotations
 
 import csv
+import json
 import re
 import shutil
 
@@ -101,3 +102,73 @@ def test_the_default_job_as_shipped_over_two_seeds(prepared, ray_session):
         assert by_trial[r["trial_id"]].data.metrics["probe.ffn"] == pytest.approx(float(r["ffn"]))
     # a finished job is forgotten (only the staged data, content-addressed, stays for the next job)
     assert {p.name for p in (project / "ray_results").iterdir()} <= {"prepared-data"}
+
+
+# ---------------------------------------------------------------------------------------------- the tuning phase
+TUNED_ROWS = ("tables.rows=[{name: InfoNCE, table: 1, params: {loss.name: infonce}, "
+              "space: {loss.temperature: [0.05, 0.5]}}, "
+              "{name: JSD, table: 1, params: {loss.name: jsd}, space: {loss.power: [1.0, 4.0, 16.0]}}, "
+              "{name: DCL, table: 1, params: {loss.name: dcl}}]")
+TUNED = ("-S", TUNED_ROWS, "-S", "tables.tuning={trials: 2, epochs: 2, seed: 3}", "-S", "tables.seeds=[0]",
+         "-S", "tables.controls=[]", "-S", "train.epochs=1", "-S", "probe.probes=[knn200]",
+         "-S", "tables.reference=DCL")
+
+
+def poison_test_split(data_dir) -> None:
+    """Replace the prepared test split by noise (random inputs, shuffled labels), its manifest's digests updated."""
+    import numpy as np
+
+    from pipeline.data.prepared import write_npy
+
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    rng = np.random.default_rng(11)
+    x, y = np.load(data_dir / "test_x.npy"), np.load(data_dir / "test_y.npy")
+    for name, array in (("test_x.npy", rng.random(x.shape).astype(x.dtype)), ("test_y.npy", rng.permutation(y))):
+        manifest["files"][name]["sha256"] = write_npy(data_dir / name, array.shape, array.dtype, [array])
+    (data_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def read_csv(path) -> list[dict[str, str]]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_rows_are_tuned_on_the_same_budget_on_validation_and_the_test_split_never_moves_a_choice(prepared,
+                                                                                                ray_session):
+    """Two searched rows and an untuned one: the tuning phase gives each searched row the same budget (its own record
+    says so: 2 trials of 2 epochs, seed 3), picks each row's best validation kNN, then the final rows run with the
+    chosen points and are probed on test; MLflow tells the phases apart. With the test split replaced by noise, every
+    tuning score and choice is the same; only the final test probes move."""
+    clean = invoke("tables", *TUNED)
+    assert clean.exit_code == 0, clean.output
+    tuning = read_csv(prepared / "tables/tuning.csv")
+    assert [(r["name"], r["status"]) for r in tuning] == [("InfoNCE", "TERMINATED")] * 2 + [("JSD", "TERMINATED")] * 2
+    for name in ("InfoNCE", "JSD"):  # the budget, from the job's own record: the same trials x epochs x seed
+        mine = [r for r in tuning if r["name"] == name]
+        assert len(mine) == 2 and {(r["epochs"], r["seed"]) for r in mine} == {("2", "3")}
+    assert [json.loads(r["point"]) for r in tuning[:2]] == [{"loss.temperature": 0.05}, {"loss.temperature": 0.5}]
+    finals = {r["name"]: r for r in read_csv(prepared / "tables/results.csv")}
+    assert set(finals) == {"InfoNCE", "JSD", "DCL"} and all(r["epochs"] == "1" for r in finals.values())
+    report = (prepared / "reports/TABLES.md").read_text()
+    assert "## Tuning on the validation split" in report
+    assert "Untuned (run as written, no space): DCL (table 1)" in report
+    assert "at the edge of its grid" in report  # a choice among two values always is
+    best = {name: max((r for r in tuning if r["name"] == name), key=lambda r: float(r["knn_acc"]))["point"]
+            for name in ("InfoNCE", "JSD")}
+    for name, point in best.items():
+        assert f"| {name} |" in report and f"`{point}`" in report  # the rows table: the chosen point
+    runs = mlflow.search_runs(experiment_names=["transfusion"], tracking_uri=f"sqlite:///{prepared}/mlflow.db",
+                              filter_string="tags.stage = 'tables-row'")
+    assert sorted(runs["tags.phase"]) == ["final"] * 3 + ["tuning"] * 4
+
+    data = prepared / "data/prepared"
+    poison_test_split(data)
+    shutil.rmtree(prepared / "tables")
+    poisoned = invoke("tables", *TUNED)  # a new job: the data's digests changed
+    assert poisoned.exit_code == 0, poisoned.output
+    again = read_csv(prepared / "tables/tuning.csv")
+    assert [(r["point"], r["knn_acc"]) for r in again] == [(r["point"], r["knn_acc"]) for r in tuning]
+    moved = {r["name"]: r for r in read_csv(prepared / "tables/results.csv")}
+    assert all(float(moved[n]["knn200"]) < float(finals[n]["knn200"]) - 0.2 for n in finals)  # noise: near chance
