@@ -18,7 +18,9 @@ from pathlib import Path
 
 import click
 
-from pipeline.config.base import ParamsError
+from pydantic import ValidationError
+
+from pipeline.config.base import ParamsError, format_error
 from pipeline.config.params import Params, load_params
 from pipeline.data.storage import StorageError
 from pipeline.data.types import DatasetError
@@ -53,12 +55,15 @@ def read_study(out: Path) -> tuple[dict, Params]:
         raise click.ClickException(f"no {path} to render: run `transfusion tables` first")
     try:
         saved = json.loads(path.read_text())
-        job = Params.model_validate({**saved["params"], "tables": saved["tables"]}, strict=False)  # the job's own
+        try:
+            job = Params.model_validate({**saved["params"], "tables": saved["tables"]}, strict=False)  # the job's own
+        except ValidationError as e:  # its params, each problem named by key
+            raise ParamsError("; ".join(format_error(e, str(path), Params).splitlines()[1:4]).strip()) from None
         if not isinstance(saved["hours_unit"], str) or not isinstance(saved["dataset"], str):
             raise TypeError("hours_unit and dataset must be strings")
         if not isinstance(saved.get("tuning", []), list):
             raise TypeError("tuning must be a list of records")
-    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and pydantic's ValidationError are ValueErrors
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError and ParamsError are ValueErrors
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise click.ClickException(f"{path} is damaged ({type(e).__name__}: {reason}); it was not rendered and "
                                    "nothing was written: restore it, or run `transfusion tables` again") from None

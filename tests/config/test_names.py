@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pipeline.config.names import data_digest, evaluate_label, pretrain_label, stable_name, sweep_label, tables_label
 from tests.conftest import ROOT
 
@@ -54,3 +56,18 @@ def test_one_digest_names_the_data_and_every_run_as_before():
     assert stable_name("sweep", keyed, MANIFEST) == "sweep-" + sha({**keyed, "data": files})[:16]
     assert stable_name("sweep", keyed, {**MANIFEST, "files": {"x": {"sha256": "c" * 64}}}) != stable_name(
         "sweep", keyed, MANIFEST)
+
+
+@pytest.mark.parametrize(("flat", "fusing", "words"), [
+    ({"model.depth": 0}, 0, "no projector, no head"),
+    ({"model.depth": 1, "model.head": "truncated", "model.projector": "mlp"}, 0,
+     "MLP projector, 1 block truncated (fusing 0)"),
+    ({"model.depth": 2, "model.head": "truncated", "model.projector": "linear", "model.projector_dim": 64}, 1,
+     "linear projector (64-d), 2 blocks truncated (fusing 1)"),
+    ({"model.depth": 1, "model.head": "appendix_e"}, 1, "no projector, 1 block (fusing 1)"),
+    ({"model.depth": 1, "model.method": "abc", "model.abc.blocks": 2}, 2, "no projector, ABC 2 SABs (fusing 2)"),
+])
+def test_a_runs_head_says_its_projector_and_how_many_blocks_fuse(flat, fusing, words):
+    from pipeline.config.names import fusing_blocks, head_description
+
+    assert fusing_blocks(flat) == fusing and head_description(flat) == words

@@ -271,3 +271,43 @@ def test_build_model_abc_passes_set_norm_and_pre_embed_to_the_head(set_norm):
     cfg = ModelConfig(method="abc", backbone="mlp", embed_dim=8, abc=AbcConfig(width=8, heads=2, pre_embed=False))
     model = build_model(cfg, (1, 4, 4))
     assert model.head.pre is None and model.head(torch.randn(5, 8)).kernel.shape == (5, 5)
+
+
+# ------------------------------------------------------------------ model.projector
+@pytest.mark.parametrize("projector,projector_dim,params", [("none", None, 0), ("linear", None, 16 * 16 + 16),
+                                                            ("linear", 6, 16 * 6 + 6),
+                                                            ("mlp", 6, 16 * 16 + 16 + 16 * 6 + 6)])
+@pytest.mark.parametrize("truncated", [False, True])
+def test_the_projector_sits_between_the_backbone_and_the_head_and_the_probes_read_the_backbone(
+        projector, projector_dim, params, truncated):
+    cfg = ModelConfig(backbone="mlp", embed_dim=16, hidden_dim=8, depth=2, projector=projector,
+                      projector_dim=projector_dim, head="truncated" if truncated else "appendix_e")
+    torch.manual_seed(0)
+    model = build_model(cfg, (1, 4, 4))
+    width = projector_dim or 16
+    assert (model.embed_dim, model.head_dim, cfg.head_width()) == (16, width, width)
+    assert sum(p.numel() for p in model.projector.parameters()) == params
+    x = torch.rand(9, 1, 4, 4)
+    z = model.backbone(x)  # (9, 16)
+    p = z if projector == "none" else (
+        model.projector(z) if projector == "linear" else
+        F.linear(F.relu(F.linear(z, model.projector[0].weight, model.projector[0].bias)),
+                 model.projector[2].weight, model.projector[2].bias))  # Linear, ReLU, Linear by hand
+    torch.testing.assert_close(model.encode(x), p)
+    out = model(x, collect=True)
+    torch.testing.assert_close(out.q, model.head(p).q)  # the head reads the projector's output
+    assert out.hidden[0] is not None and torch.equal(out.hidden[0], z)  # the probes read the backbone's
+    dense, tiled = model.embed(x), model.embed(x, tile=4)
+    assert [tuple(r.shape) for r in dense] == [(9, 16)] + [(9, width)] * (2 - int(truncated))
+    for a, b in zip(dense, tiled, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_no_projector_keeps_the_state_dict_and_abc_refuses_one():
+    plain = build_model(ModelConfig(backbone="mlp", embed_dim=8), (1, 4, 4))
+    assert not any(k.startswith("projector.") for k in plain.state_dict())  # models saved before it load as they did
+    with pytest.raises(ValueError, match="model.projector_dim: 6 is the width of a projector, but model.projector is "
+                                         "none"):
+        ModelConfig(projector_dim=6)
+    with pytest.raises(ValueError, match="model.projector: mlp: method abc has its own projection"):
+        ModelConfig(method="abc", projector="mlp", qk_init="default")

@@ -26,6 +26,30 @@ def test_bad_rows_exit_2_and_missing_data_exit_1_before_ray(project, ray_starts)
     assert not ray_starts and not (project / "reports").exists() and not (project / "mlflow.db").exists()
 
 
+def snapshot(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(("results", "needle"), [
+    ('{"dataset": "digits", "hours_unit": "worker-hou', "JSONDecodeError"),  # cut off mid-write
+    ("[1, 2, 3]", "TypeError"),  # a list where the study's record is a mapping
+    ('{"dataset": "digits", "hours_unit": "worker-hours", "rows": []}', "KeyError: 'params'"),
+    ('{"dataset": "digits", "hours_unit": "worker-hours", "params": {"train": {"lr": "fast"}}, "tables": {}}',
+     "ParamsError"),
+])
+def test_render_of_a_damaged_study_exits_1_naming_the_file_and_changes_nothing(project, results, needle):
+    (project / "tables").mkdir()
+    (project / "tables/results.json").write_text(results)
+    (project / "tables/results.csv").write_text("table,name\n1,InfoNCE\n")
+    (project / "reports").mkdir()
+    (project / "reports/TABLES.md").write_text("the last good report\n")
+    before = snapshot(project)
+    result = invoke("tables", "--render")
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "tables/results.json is damaged" in result.output and needle in result.output, result.output
+    assert "Traceback" not in result.output and snapshot(project) == before  # nothing written, nothing removed
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_default_job_as_shipped_over_two_seeds(prepared, ray_session):
@@ -44,7 +68,9 @@ def test_the_default_job_as_shipped_over_two_seeds(prepared, ray_session):
                                                           ("random init", "1")]
     trained = rows[3:]
     assert len(trained) == 16 and {r["epochs"] for r in trained} == {"2"}
-    assert all(float(r["knn200"]) > 0.3 and 0 < float(r["knn_acc"]) <= 1 for r in trained)
+    # kNN-200 on 1,293 digits (129 a class: k outnumbers a class) sits at 0.3-0.4; twice chance is far from noise
+    assert all(float(r["knn200"]) > 0.2 and 0.3 < float(r["knn_acc"]) <= 1 for r in trained), [
+        (r["name"], r["knn200"], r["knn_acc"]) for r in trained]
     with open(project / "tables/curves.csv") as f:
         curves = list(csv.DictReader(f))
     assert len(curves) == 16 * 2 and all(float(c["knn_acc"]) > 0 for c in curves)
@@ -69,7 +95,7 @@ def test_the_default_job_as_shipped_over_two_seeds(prepared, ray_session):
             at = lines.index(m.group(0))  # beside the paper's row of the same name
             assert lines[at - 1].startswith(f"| paper: {m['name']} |")
         assert len([line for line in lines if line.startswith("| paper: ")]) == len(paper)
-    assert "| TransFusion 9-Layer | 2 | 2/2 | 2 |" in text
+    assert "| TransFusion 9-Layer | 2 | no projector, 9 blocks (fusing 9) | 2/2 | 2 |" in text
     figure = project / "plots/tables/curves.png"
     assert figure.stat().st_size > 10_000
     (project / "reports/TABLES.md").unlink()
@@ -159,8 +185,7 @@ def test_rows_are_tuned_on_the_same_budget_on_validation_and_the_test_split_neve
             for name in ("InfoNCE", "JSD")}
     for name, point in best.items():
         assert f"| {name} |" in report and f"`{point}`" in report  # the rows table: the chosen point
-    runs = mlflow.search_runs(experiment_names=["transfusion"], tracking_uri=f"sqlite:///{prepared}/mlflow.db",
-                              filter_string="tags.stage = 'tables-row'")
+    runs = mlflow.search_runs(experiment_names=["transfusion"], filter_string="tags.stage = 'tables-row'")
     assert sorted(runs["tags.phase"]) == ["final"] * 3 + ["tuning"] * 4
 
     data = prepared / "data/prepared"

@@ -94,7 +94,9 @@ def test_channels_last_trains_the_same_model(digits_dir):
         assert seen and all(x.is_contiguous(memory_format=loop.memory_format) for x in seen)
         runs[fmt] = numbers(loop.history)
     for a, b in zip(runs["contiguous"], runs["channels_last"], strict=True):
-        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-3) for k in a), (a, b)
+        # the health's shares count pairs over a threshold: a summation order flips a few of them (0.5 % at most)
+        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-3, abs=5e-3 if "." in k else 1e-3)
+                                            for k in a), (a, b)
 
 
 def test_channels_last_leaves_vectors_alone():

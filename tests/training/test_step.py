@@ -13,7 +13,7 @@ import torch
 from pipeline.core.backbones import build_backbone
 from pipeline.core.batchnorm import GlobalBatchNorm, convert_batchnorm
 from pipeline.core.losses import make_loss
-from pipeline.core.model import TransFusion, TransFusionHead
+from pipeline.core.model import TransFusion, TransFusionHead, build_projector
 from pipeline.training.step import GlobalBatchStep, NonFiniteLossError
 from tests.training.ranks import run_ranks, shard
 from tests.training.small import digits, small_loop
@@ -36,14 +36,18 @@ class Spec:
     no_gather: bool = False  # the control: a step that forgets to gather sees only its shard
     reduce_scatter: bool | None = None  # force the all-gather's backward collective (None: the default)
     layout: str | None = None  # GlobalBatchStep's layout hint (pipeline.core.losses): None, two_view or labels
+    projector: str = "none"  # model.projector: none | linear | mlp (row-wise, between the backbone and the head)
 
 
 def make_model(seed: int = 0, depth: int = 2, truncated: bool = False, backbone: str = "cnn_small",
-               shape: tuple[int, ...] = SHAPE, dtype: torch.dtype = torch.float64) -> TransFusion:
+               shape: tuple[int, ...] = SHAPE, dtype: torch.dtype = torch.float64,
+               projector: str = "none") -> TransFusion:
     torch.manual_seed(seed)
     embed = None if backbone in ("pixels", "resnet18_cifar", "resnet18") or backbone.startswith("torchvision:") else 16
     bb, dim = build_backbone(backbone, shape, embed_dim=embed)
-    return TransFusion(bb, dim, TransFusionHead(dim, depth, truncate_last=truncated)).to(dtype)
+    width = dim if projector == "none" else 12  # a projector narrower than the backbone
+    return TransFusion(bb, dim, TransFusionHead(width, depth, truncate_last=truncated),
+                       build_projector(projector, dim, width), width).to(dtype)
 
 
 def make_batch(mode: str, shape: tuple[int, ...] = SHAPE, dtype: torch.dtype = torch.float64):
@@ -67,7 +71,8 @@ def bn_buffers(model):
 def run_step(spec: Spec, rank: int = 0, world: int = 1):
     """One step on this rank's shard (default: one process on the whole batch); returns (loss, grads, BN buffers,
     this rank's embeddings (2b, m))."""
-    model = make_model(truncated=spec.truncated, backbone=spec.backbone, shape=spec.shape, dtype=spec.dtype)
+    model = make_model(truncated=spec.truncated, backbone=spec.backbone, shape=spec.shape, dtype=spec.dtype,
+                       projector=spec.projector)
     if world > 1 and spec.global_bn:
         convert_batchnorm(model)
     captured = []
@@ -113,7 +118,10 @@ CASES = [pytest.param(Spec(), id="jsd"), slow(Spec("supcon", "sup"), "supcon"), 
          pytest.param(Spec(layout="two_view"), id="jsd-two_view"),
          # the all-gather's two backward collectives (gloo in torch 2.14 has reduce_scatter too)
          slow(Spec("supcon", "sup", reduce_scatter=False), "supcon-allreduce-slice"),
-         slow(Spec("supcon", "sup", reduce_scatter=True), "supcon-reduce-scatter")]
+         slow(Spec("supcon", "sup", reduce_scatter=True), "supcon-reduce-scatter"),
+         # a projector any loss may have (model.projector), with gradient caching through it
+         pytest.param(Spec(projector="mlp", chunk=3), id="mlp-projector-chunk3"),
+         slow(Spec("infonce", projector="linear"), "infonce-linear-projector")]
 
 
 @pytest.mark.parametrize("spec", CASES)
