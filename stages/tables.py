@@ -47,9 +47,10 @@ def write_outputs(base: Path, records: list[dict], curves: list[dict], params: P
     return [base / REPORT, base / FIGURE]
 
 
-def read_study(out: Path) -> tuple[dict, Params]:
-    """``out/results.json`` (what ``--render`` renders from) and the job's params in it; a missing, truncated or
-    wrongly shaped file is a :class:`click.ClickException` naming it, before anything is written."""
+def read_study(out: Path, reference: str | None = None) -> tuple[dict, Params]:
+    """``out/results.json`` (what ``--render`` renders from) and the job's params in it, with ``tables.reference``
+    set to ``reference`` if given (validated as the job validates it); a missing, truncated or wrongly shaped file is a
+    :class:`click.ClickException` naming it, before anything is written."""
     path = out / "results.json"
     if not path.is_file():
         raise click.ClickException(f"no {path} to render: run `transfusion tables` first")
@@ -59,6 +60,12 @@ def read_study(out: Path) -> tuple[dict, Params]:
             job = Params.model_validate({**saved["params"], "tables": saved["tables"]}, strict=False)  # the job's own
         except ValidationError as e:  # its params, each problem named by key
             raise ParamsError("; ".join(format_error(e, str(path), Params).splitlines()[1:4]).strip()) from None
+        if reference is not None:
+            try:
+                job = job.model_copy(update={"tables": type(job.tables).model_validate(
+                    {**job.tables.model_dump(), "reference": reference})})
+            except ValidationError as e:
+                raise ParamsUsageError(f"--reference: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
         if not isinstance(saved["hours_unit"], str) or not isinstance(saved["dataset"], str):
             raise TypeError("hours_unit and dataset must be strings")
         if not isinstance(saved.get("tuning", []), list):
@@ -80,8 +87,12 @@ def read_study(out: Path) -> tuple[dict, Params]:
 @click.option("--render", "render_only", is_flag=True,
               help=f"Only render {REPORT} and {FIGURE} again from {OUT}/ (the job's params, results.csv, curves.csv): "
                    "no training, no params read.")
+@click.option("--reference", default=None, metavar="ROW",
+              help="With --render: test every row against this row (or control) of the study, paired by seed, "
+                   "instead of the job's tables.reference.")
 @runtime_errors(DatasetError, TrackingError, ClusterError, StorageError)
-def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, render_only: bool) -> None:
+def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, render_only: bool,
+               reference: str | None) -> None:
     """Run tables.rows x tables.seeds (and the controls) as one Ray Tune job; write reports/TABLES.md."""
     from pipeline.evaluation.tables_report import (
         COLUMNS,
@@ -98,7 +109,7 @@ def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, re
 
     out = base / OUT
     if render_only:
-        saved, job = read_study(out)
+        saved, job = read_study(out, reference)
         try:
             records, curves = read_records(out / "results.csv"), read_curves(out / "curves.csv")
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -112,6 +123,9 @@ def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, re
                                        "was written: restore them, or run `transfusion tables` again") from None
         click.echo(f"tables: {' and '.join(map(str, files))} rendered from {out}/ ({len(records)} runs)")
         return
+    if reference is not None:
+        raise ParamsUsageError("--reference re-renders a finished study (with --render); a job reads "
+                               "tables.reference (-S tables.reference=ROW)")
     try:  # every row, and every point of a row's space, resolves to valid params of its table before any work
         tuning_rows(params, resolve_rows(params))
     except ParamsError as exc:

@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(items):
     And every test that uses the session's Ray (:func:`ray_session`) in one test process (``xdist_group``): one local
     Ray for the suite instead of one per test process. An idle local Ray takes ~7 % of a core (its dashboard, agents,
     raylet, GCS and prestarted workers: 4.2 CPU-s a minute, measured), so a second one kept for the whole suite
-    cost ~60 CPU-s (4.2 CPU-s a minute over a ~14-minute suite), and its start ~5 more (ray.init: 4.9 CPU-s)."""
+    cost 4.2 CPU-s a minute of the suite, and its start ~5 more (ray.init: 4.9 CPU-s)."""
     items.sort(key=lambda item: item.get_closest_marker("first") is None)
     for item in items:
         if "ray_session" in getattr(item, "fixturenames", ()) and item.get_closest_marker("xdist_group") is None:
@@ -81,7 +81,8 @@ def ray_session():
     if not ray.is_initialized():  # as a stage starts its local Ray (its own GCS port, that address in its processes)
         from pipeline.runs.cluster import start_local_ray
 
-        start_local_ray(num_cpus=2, object_store_memory=200 * 1024**2)
+        # no dashboard: no test reads it, and it cost ~70 CPU-s over a suite (benchmarks/suite_cpu.py)
+        start_local_ray(num_cpus=2, object_store_memory=200 * 1024**2, include_dashboard=False)
     yield ray
     ray.shutdown()
 

@@ -8,6 +8,9 @@ control key as the file ships it and changes only the keys of :data:`SIZE_KEYS`,
 - data, backbone and width: anything (digits and ``cnn_small`` by default);
 - epochs: at least 2 (an epoch inside the run, and the last); with ASHA, ``sweep.epochs`` beyond
   ``sweep.grace_period`` (else ASHA would never stop a trial, and the rehearsal would not rehearse it);
+- the validation split (``data.val_size``): anything (a share of the rehearsal's digits by default);
+- the tuning budget (``tables.tuning``): ``trials`` from 1 to the shipped count (2 by default), ``epochs`` as epochs;
+  the rows' spaces as shipped;
 - grid lengths (``sweep.depth``/``batch_size``/``strength``/``lr``, ``tables.rows``, ``tables.seeds``): a non-empty
   subset of the shipped values, in their order (never a value the file does not have); a grid's seeds per point
   (``sweep.num_samples``): from 1 to the shipped count;
@@ -45,12 +48,14 @@ GRID_KEYS = ("sweep.depth", "sweep.batch_size", "sweep.strength", "sweep.lr", "t
 #: The keys a rehearsal may change, and the rule each follows (see the module docstring). Everything else is control.
 SIZE_KEYS: dict[str, str] = {
     "data.dataset": "data", "data.root": "data", "data.limit_train": "data", "data.limit_test": "data",
+    "data.val_size": "data",
     "data.image_size": "data", "data.synthetic.n_samples": "data", "data.synthetic.dim": "data",
     "probe.max_train": "data", "probe.tsne_points": "data", "probe.affinity_points": "data",
     "model.backbone": "backbone", "model.weights": "backbone", "model.embed_dim": "width", "model.hidden_dim": "width",
     "model.projector_dim": "width",
     "train.epochs": "epochs", "sweep.epochs": "epochs",
     **{k: "grid" for k in GRID_KEYS}, "sweep.num_samples": "samples",
+    "tables.tuning.trials": "samples", "tables.tuning.epochs": "epochs",
     "ray.num_workers": "workers",
     "ray.cpus_per_worker": "cpus", "sweep.cpus_per_worker": "cpus",
     "ray.storage_path": "storage",
@@ -107,7 +112,7 @@ def default_sizes(shipped: dict[str, Any], cpus: int, gpus: int = 0) -> dict[str
     workers cut to at most 2 (never below the shipped count's min with 2) of CPUs that let two trials run at once."""
     sizes: dict[str, Any] = {
         "data.dataset": "digits", "data.root": "data/raw", "data.limit_train": 512, "data.limit_test": 200,
-        "data.image_size": None, "model.backbone": "cnn_small", "model.weights": None, "model.embed_dim": 16,
+        "data.image_size": None, "data.val_size": 0.1, "model.backbone": "cnn_small", "model.weights": None, "model.embed_dim": 16,
         "probe.max_train": 500, "probe.tsne_points": 200, "probe.affinity_points": 200,
         "ray.storage_path": "ray_results",
     }
@@ -131,6 +136,11 @@ def default_sizes(shipped: dict[str, Any], cpus: int, gpus: int = 0) -> dict[str
         sizes["sweep.num_samples"] = 1
     if get(shipped, "tables.seeds"):  # its first seed (tests/stages/test_tables.py runs two: the mean and spread)
         sizes["tables.seeds"] = list(get(shipped, "tables.seeds"))[:1]
+    tuning = get(shipped, "tables.tuning")
+    if tuning:  # the same budget for every row, shrunk: two points a row (a choice stays a choice), 2 epochs each
+        sizes["tables.tuning.trials"] = min(int(tuning.get("trials", 4)), 2)
+        if tuning.get("epochs") is not None:
+            sizes["tables.tuning.epochs"] = min(int(tuning["epochs"]), 2)
     if not get(shipped, "tables.rows"):
         sizes["tables.rows"] = [r for r in with_default_rows(shipped)["tables"]["rows"]
                                 if r["name"] == "TransFusion 1-Layer"]
@@ -182,7 +192,8 @@ def violation(shipped: dict[str, Any], key: str, value: Any, gpus: int = 0) -> s
             return (f"{key}: {value!r}; a rehearsal shortens a grid to a non-empty subset of the shipped values "
                     f"{old!r}, in their order")
     if kind == "samples" and not (isinstance(value, int) and 1 <= value <= int(old or 1)):
-        return f"{key}: {value!r}; a rehearsal runs from 1 to the shipped {int(old or 1)} seeds a grid point"
+        return (f"{key}: {value!r}; a rehearsal runs from 1 to the shipped {int(old or 1)} (seeds a grid point, "
+                "trials a row)")
     if kind == "workers":
         old = int(old or 1)
         if not (isinstance(value, int) and min(old, 2) <= value <= old):

@@ -85,5 +85,5 @@ def test_a_short_pretrain_and_evaluate_on_a_stratified_subset(project, ray_sessi
     report = invoke("report", *small)
     assert report.exit_code == 0, report.output
     text = (project / "reports/REPORT.md").read_text()
-    assert "## Recorded studies on fashion_mnist" in text and "| TransFusion 1-Layer | 1 | 2/2 | 3 | 0.6" in text
+    assert "## Recorded studies on fashion_mnist" in text and "| TransFusion 1-Layer | 1 | n/a | 2/2 | 3 | 0.6" in text
     assert "### temperature-cpu-10k-3epochs: 10,000 training images, 3 epochs, batch 256" in text

@@ -107,6 +107,13 @@ def test_the_default_job_as_shipped_over_two_seeds(prepared, ray_session):
     assert invoke("tables", "--render", "--out", "studies/mine").exit_code == 0
     assert (project / "studies/mine/reports/TABLES.md").read_text() == text
     assert (project / "studies/mine/plots/tables/curves.png").is_file()
+    # a finished study tested against another row, paired by seed, without training; a name not in it refused
+    against = invoke("tables", "--render", "--out", "studies/mine", "--reference", "InfoNCE")
+    assert against.exit_code == 0, against.output
+    stats = (project / "studies/mine/reports/TABLES.md").read_text().split("## Statistics over seeds")[1]
+    assert "Against the reference row **InfoNCE**" in stats and "| DCL | 1 | 2 |" in stats
+    unknown = invoke("tables", "--render", "--out", "studies/mine", "--reference", "SimCLR")
+    assert unknown.exit_code == 2 and "'SimCLR' is not a row of this job" in unknown.output, unknown.output
 
     client = mlflow.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("transfusion").experiment_id])
