@@ -17,7 +17,6 @@ import json
 from pathlib import Path
 
 import click
-
 from pydantic import ValidationError
 
 from pipeline.config.base import ParamsError, format_error

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import gc
+import json
 import os
 import shutil
 from pathlib import Path
@@ -81,8 +82,7 @@ def ray_session():
     if not ray.is_initialized():  # as a stage starts its local Ray (its own GCS port, that address in its processes)
         from pipeline.runs.cluster import start_local_ray
 
-        # no dashboard: no test reads it, and it cost ~70 CPU-s over a suite (benchmarks/suite_cpu.py)
-        start_local_ray(num_cpus=2, object_store_memory=200 * 1024**2, include_dashboard=False)
+        start_local_ray(num_cpus=2, object_store_memory=200 * 1024**2)
     yield ray
     ray.shutdown()
 
@@ -170,3 +170,17 @@ def ray_starts(monkeypatch) -> list[str]:
     monkeypatch.setattr(pipeline.runs.cluster, "init_ray", refuse)
     monkeypatch.setattr(pipeline.runs.cluster, "ray_up", lambda: False)
     return calls
+
+
+def poison_test_split(data_dir) -> None:
+    """Replace the prepared test split by noise (random inputs, shuffled labels), its manifest's digests updated."""
+    import numpy as np
+
+    from pipeline.data.prepared import write_npy
+
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    rng = np.random.default_rng(11)
+    x, y = np.load(data_dir / "test_x.npy"), np.load(data_dir / "test_y.npy")
+    for name, array in (("test_x.npy", rng.random(x.shape).astype(x.dtype)), ("test_y.npy", rng.permutation(y))):
+        manifest["files"][name]["sha256"] = write_npy(data_dir / name, array.shape, array.dtype, [array])
+    (data_dir / "manifest.json").write_text(json.dumps(manifest))

@@ -112,7 +112,8 @@ def default_sizes(shipped: dict[str, Any], cpus: int, gpus: int = 0) -> dict[str
     workers cut to at most 2 (never below the shipped count's min with 2) of CPUs that let two trials run at once."""
     sizes: dict[str, Any] = {
         "data.dataset": "digits", "data.root": "data/raw", "data.limit_train": 512, "data.limit_test": 200,
-        "data.image_size": None, "data.val_size": 0.1, "model.backbone": "cnn_small", "model.weights": None, "model.embed_dim": 16,
+        "data.image_size": None, "data.val_size": 0.1, "model.backbone": "cnn_small", "model.weights": None,
+        "model.embed_dim": 16,
         "probe.max_train": 500, "probe.tsne_points": 200, "probe.affinity_points": 200,
         "ray.storage_path": "ray_results",
     }

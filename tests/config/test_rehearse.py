@@ -100,8 +100,8 @@ def test_every_key_outside_the_whitelist_is_refused():
     ("sweep.epochs=5", "more epochs than the grace period"),
     ("ray.use_gpu=true", "needs GPUs"),
     ("ray.backend=nccl", "ray.backend"),
-    ("sweep.num_samples=2", "from 1 to the shipped 1 (seeds a grid point"),
-    ("sweep.num_samples=0", "from 1 to the shipped 1 seeds"),
+    ("sweep.num_samples=2", r"from 1 to the shipped 1 \(seeds a grid point"),
+    ("sweep.num_samples=0", r"from 1 to the shipped 1 \(seeds"),
 ])
 def test_a_size_beyond_its_rule_is_refused(override, message):
     with pytest.raises(RehearsalError, match=message):

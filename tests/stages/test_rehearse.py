@@ -87,9 +87,9 @@ def jobs_to_rehearse(name: str) -> tuple[str, ...]:
 @pytest.mark.slow
 def test_a_preset_that_is_anothers_but_for_its_rows_rehearses_its_tables():
     assert PRESETS == ["presets/digits-fusion.yaml", "presets/fashion-mnist-fair.yaml",
-                       "presets/fashion-mnist-figure5.yaml", "presets/fashion-mnist-head.yaml", "presets/fashion-mnist-regime.yaml",
-                       "presets/fashion-mnist-ssl.yaml", "presets/fashion-mnist-temperature.yaml",
-                       "presets/paper-tables.yaml"]
+                       "presets/fashion-mnist-figure5.yaml", "presets/fashion-mnist-head.yaml",
+                       "presets/fashion-mnist-regime.yaml", "presets/fashion-mnist-ssl.yaml",
+                       "presets/fashion-mnist-temperature.yaml", "presets/paper-tables.yaml"]
     assert [len(jobs_to_rehearse(name)) for name in PRESETS] == [2, 6, 6, 2, 2, 2, 2, 6]
 
 

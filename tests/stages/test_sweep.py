@@ -116,3 +116,25 @@ def test_a_diverged_trial_is_failed_with_its_reason(prepared, ray_session, insta
     assert failed.data.tags["stopped_early"] == "False"
     assert [m.step for m in client.get_metric_history(failed.info.run_id, "loss")] == [1]  # the epoch before the NaN
     assert finished.info.status == "FINISHED" and "error" not in finished.data.tags
+
+
+@pytest.mark.timeout(300)
+def test_the_test_split_never_moves_a_sweeps_choice(prepared, ray_session):
+    """Tune's metric, every trial's online kNN and the sweep's best.json read the validation split: with the test
+    split replaced by noise (a new job: the data's digests changed), each is the same."""
+    from tests.conftest import poison_test_split
+
+    point = [*TINY[:2], "-S", "sweep.depth=[0,1]", "-S", "sweep.batch_size=[32]", "-S", "sweep.strength=[1.0]",
+             "-S", "sweep.epochs=2"]
+    clean = invoke("sweep", *point)
+    assert clean.exit_code == 0, clean.output
+    rows, best = read_csv(prepared / "sweeps/results.csv"), (prepared / "sweeps/best.json").read_text()
+    poison_test_split(prepared / "data/prepared")
+    poisoned = invoke("sweep", *point)
+    assert poisoned.exit_code == 0, poisoned.output
+    again = read_csv(prepared / "sweeps/results.csv")
+    key = ("model.depth", "knn_acc", "best_knn_acc", "epochs", "loss")
+    assert sorted(tuple(r[k] for k in key) for r in again) == sorted(tuple(r[k] for k in key) for r in rows)
+    chosen = json.loads((prepared / "sweeps/best.json").read_text())
+    assert [chosen[k] for k in key] == [json.loads(best)[k] for k in key] and chosen["trial_id"] != json.loads(best)[
+        "trial_id"]  # the same choice, by a new job

@@ -12,7 +12,7 @@ import mlflow
 import pytest
 
 from pipeline.evaluation.report import PAPER_TABLE_1, PAPER_TABLE_2
-from tests.conftest import invoke
+from tests.conftest import invoke, poison_test_split
 
 OURS = re.compile(r"^\| \*\*ours: (?P<name>[^*]+)\*\* \| 128 \| (?P<accs>[^|]+\|[^|]+\|[^|]+\|[^|]+)\| "
                   r"(?P<min>[^|]+) \| (?P<hours>[^|]+) \|$")
@@ -145,20 +145,6 @@ TUNED_ROWS = ("tables.rows=[{name: InfoNCE, table: 1, params: {loss.name: infonc
 TUNED = ("-S", TUNED_ROWS, "-S", "tables.tuning={trials: 2, epochs: 2, seed: 3}", "-S", "tables.seeds=[0]",
          "-S", "tables.controls=[]", "-S", "train.epochs=1", "-S", "probe.probes=[knn200]",
          "-S", "tables.reference=DCL")
-
-
-def poison_test_split(data_dir) -> None:
-    """Replace the prepared test split by noise (random inputs, shuffled labels), its manifest's digests updated."""
-    import numpy as np
-
-    from pipeline.data.prepared import write_npy
-
-    manifest = json.loads((data_dir / "manifest.json").read_text())
-    rng = np.random.default_rng(11)
-    x, y = np.load(data_dir / "test_x.npy"), np.load(data_dir / "test_y.npy")
-    for name, array in (("test_x.npy", rng.random(x.shape).astype(x.dtype)), ("test_y.npy", rng.permutation(y))):
-        manifest["files"][name]["sha256"] = write_npy(data_dir / name, array.shape, array.dtype, [array])
-    (data_dir / "manifest.json").write_text(json.dumps(manifest))
 
 
 def read_csv(path) -> list[dict[str, str]]:

@@ -94,8 +94,9 @@ def test_channels_last_trains_the_same_model(digits_dir):
         assert seen and all(x.is_contiguous(memory_format=loop.memory_format) for x in seen)
         runs[fmt] = numbers(loop.history)
     for a, b in zip(runs["contiguous"], runs["channels_last"], strict=True):
-        # the health's shares count pairs over a threshold: a summation order flips a few of them (0.5 % at most)
-        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-3, abs=5e-3 if "." in k else 1e-3)
+        # the health's shares count the pairs over a threshold, many of them near it: another summation order moves
+        # 0.9 % of them at epoch 1 (measured), where the loss moves by 1e-4
+        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-3, abs=0.02 if "." in k else 1e-3)
                                             for k in a), (a, b)
 
 
