@@ -178,8 +178,10 @@ def test_rows_are_tuned_on_the_same_budget_on_validation_and_the_test_split_neve
             for name in ("InfoNCE", "JSD")}
     for name, point in best.items():
         assert f"| {name} |" in report and f"`{point}`" in report  # the rows table: the chosen point
-    runs = mlflow.search_runs(experiment_names=["transfusion"], filter_string="tags.stage = 'tables-row'")
-    assert sorted(runs["tags.phase"]) == ["final"] * 3 + ["tuning"] * 4
+    client = mlflow.MlflowClient(f"sqlite:///{prepared / 'mlflow.db'}")  # this project's store, not the process's
+    runs = client.search_runs([client.get_experiment_by_name("transfusion").experiment_id],
+                              filter_string="tags.stage = 'tables-row'")
+    assert sorted(r.data.tags["phase"] for r in runs) == ["final"] * 3 + ["tuning"] * 4
 
     data = prepared / "data/prepared"
     poison_test_split(data)
