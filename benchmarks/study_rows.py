@@ -56,8 +56,8 @@ def run_one(job: tuple[str, int, dict[str, object], int, str, str, int]) -> dict
     from pipeline.config.space import trial_params
     from pipeline.data.prepared import load_prepared
     from pipeline.evaluation.evaluate import probe_frozen, resolve_device
-    from pipeline.evaluation.tables_report import CURVE_COLUMNS, curve_rows
-    from pipeline.training.loop import PretrainLoop
+    from pipeline.evaluation.tables_report import curve_columns, curve_rows
+    from pipeline.training.loop import PretrainLoop, epoch_record
 
     torch.set_num_threads(threads)
     params = trial_params(base, {"train.seed": seed}, source=f"row {name!r}, seed {seed}")
@@ -65,8 +65,9 @@ def run_one(job: tuple[str, int, dict[str, object], int, str, str, int]) -> dict
     loop = PretrainLoop(params, data, resolve_device(params.train.device))
 
     def report(m, _checkpoint_now: bool) -> None:
-        line = curve_rows([{"table": table, "name": name, "seed": seed, "history": loop.history}])[-1]
-        append(Path(out) / "tables" / "curves.csv", list(CURVE_COLUMNS), line)
+        history = [epoch_record(h) for h in loop.history]
+        line = curve_rows([{"table": table, "name": name, "seed": seed, "history": history}])[-1]
+        append(Path(out) / "tables" / "curves.csv", curve_columns([line]), line)
         knn = "" if m.knn_acc is None else f" knn {m.knn_acc:.4f}"
         print(f"[{name} / seed {seed}] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
               f"{m.seconds:.1f} s", flush=True)

@@ -17,12 +17,12 @@ import torch
 from pipeline.config.params import Params, load_params
 from pipeline.data.storage import StorageError
 from pipeline.data.types import DatasetError
-from pipeline.evaluation.health import is_health_key, unflat, warnings_for
+from pipeline.evaluation.health import unflat, warnings_for
 from pipeline.io import atomic_dir, save_torch, write_csv, write_json
 from pipeline.runs.cluster import ClusterError
 from pipeline.runs.job import close_job
 from pipeline.runs.tracking import TrackingError
-from pipeline.runs.train import PretrainError, PretrainResult, pretrain
+from pipeline.runs.train import PretrainError, PretrainResult, epoch_metric_names, pretrain
 from stages._common import (
     around,
     params_options,
@@ -31,8 +31,6 @@ from stages._common import (
     time_line,
 )
 from stages._job import run_job
-
-CURVE_COLUMNS = ("epoch", "loss", "lr", "knn_acc", "view_noise", "samples_per_s", "seconds")
 
 
 def write_outputs(params: Params, res: PretrainResult, models: Path, metrics: Path, plots: Path) -> dict:
@@ -54,8 +52,7 @@ def write_outputs(params: Params, res: PretrainResult, models: Path, metrics: Pa
         "mlflow_run_id": run_id,
     }
     write_json(metrics, summary)
-    health_columns = tuple(k for k in last if is_health_key(k))
-    write_csv(plots, history, CURVE_COLUMNS + health_columns)
+    write_csv(plots, history, ("epoch", *epoch_metric_names(history)))  # the per-epoch metrics, then the health
     return summary
 
 

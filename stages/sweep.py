@@ -27,6 +27,7 @@ from pipeline.data.types import DatasetError
 from pipeline.io import atomic_dir, write_csv, write_json
 from pipeline.runs.cluster import ClusterError
 from pipeline.runs.tracking import TrackingError
+from pipeline.training.loop import epoch_metrics
 from stages._common import (
     ParamsUsageError,
     around,
@@ -37,11 +38,22 @@ from stages._common import (
 )
 from stages._job import run_job
 
-COLUMNS = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "loss.name", "train.seed",
-           "view_noise", "knn_acc", "best_knn_acc", "loss", "min_positive", "max_uniform_rows", "dead_blocks",
-           "epochs", "stopped_early", "seconds", "workers", "gpu_ids", "status", "error")
+POINT = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "loss.name", "train.seed")
 LINES = ("loss.name", "model.depth", "train.batch_size", "augment.strength")  # plots/sweep/lr.png: a line per value
-CURVE_COLUMNS = ("trial_id", "epoch", "loss", "knn_acc", "view_noise", "samples_per_s")
+
+
+def columns() -> tuple[str, ...]:
+    """``sweeps/results.csv``'s columns: the point, the last epoch's per-epoch metrics
+    (:func:`~pipeline.training.loop.epoch_metrics`; ``seconds`` is the trial's training in all), the best online kNN,
+    the blocks' health, how it ended."""
+    return (*POINT, *(m for m in epoch_metrics() if m != "seconds"), "best_knn_acc", "min_positive",
+            "max_uniform_rows", "dead_blocks", "epochs", "stopped_early", "seconds", "workers", "gpu_ids", "status",
+            "error")
+
+
+def curve_columns() -> tuple[str, ...]:
+    """``plots/sweep/curves.csv``'s columns: a trial's every epoch and its per-epoch metrics."""
+    return ("trial_id", "epoch", *epoch_metrics())
 
 
 def best_trial(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -75,9 +87,9 @@ def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plot
                     title=f"final online kNN accuracy against the learning rate, {epochs}"
                     + (f" ({dataset})" if dataset else ""))
         curves = [{"trial_id": r["trial_id"], **h} for r in rows for h in r["history"]]
-        write_csv(out / "curves.csv", curves, CURVE_COLUMNS)
-    write_csv(sweeps / "results.csv", rows, COLUMNS)
-    write_json(sweeps / "best.json", {k: best[k] for k in COLUMNS if k in best} if best else {})
+        write_csv(out / "curves.csv", curves, curve_columns())
+    write_csv(sweeps / "results.csv", rows, columns())
+    write_json(sweeps / "best.json", {k: best[k] for k in columns() if k in best} if best else {})
     return best
 
 

@@ -25,7 +25,7 @@ from scipy import stats
 
 from pipeline.config.params import Params
 from pipeline.config.probe import PROBES as ALL_PROBES
-from pipeline.evaluation.health import KERNEL, dead_blocks, unflat
+from pipeline.evaluation.health import KERNEL, dead_blocks, is_health_key, unflat
 from pipeline.evaluation.report import HEADER, NA, PAPER_TABLES, RULE, fmt_cell, table_row
 from pipeline.evaluation.tuning_report import chosen_points, tuning_section
 from pipeline.plots import new_figure, save_figure
@@ -37,7 +37,7 @@ COLUMNS = ("table", "name", "paper", "seed", "control", "trial_id", "train.mode"
            "model.projector", "model.head", "fusing", "head", "model.backbone", "train.batch_size", "epochs",
            *ALL_PROBES, "knn_acc", "train_minutes", "fit_seconds", "eval_seconds", "workers", "gpus", "hours",
            "hours_unit", "probe_cpus", "probe_gpus", "status", "error")
-CURVE_COLUMNS = ("table", "name", "seed", "epoch", "seconds", "loss", "knn_acc")  # then the blocks' health
+CURVE_COLUMNS = ("table", "name", "seed", "epoch", "seconds")  # then the per-epoch metrics, then the health
 AVERAGED = (*ALL_PROBES, "knn_acc", "train_minutes", "hours")  # what aggregate() averages over seeds
 RISE = 0.005  # the online kNN "stops rising" at the first epoch that no later epoch beats by more than this
 HEADLINE = ("knn200", "logreg")  # the probes statistics_section() reads, those the rows have
@@ -78,23 +78,24 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def curve_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``tables/curves.csv``: one line per trained (row, seed) and epoch: the wall-clock seconds of training so far
-    (the online kNN and health included), the loss, the online kNN, and the blocks' health."""
+    """``tables/curves.csv``: one line per trained (row, seed) and epoch: every number of its kept epoch record
+    (``pipeline.training.loop.epoch_record``: the per-epoch metrics, then the blocks' health), except that
+    ``seconds`` is the wall-clock seconds of training so far (the online kNN and health included)."""
     out = []
     for r in records:
         seconds = 0.0
         for h in r.get("history") or []:
             seconds += float(h.get("seconds") or 0.0)
-            extra = {k: v for k, v in h.items() if k not in ("epoch", "seconds", "loss", "knn_acc", "lr",
-                                                             "samples_per_s", "view_noise", "ended_at")}
-            out.append({"table": r["table"], "name": r["name"], "seed": r["seed"], "epoch": int(h["epoch"]),
-                        "seconds": round(seconds, 2), "loss": h.get("loss"), "knn_acc": h.get("knn_acc"), **extra})
+            out.append({"table": r["table"], "name": r["name"], "seed": r["seed"], **h, "epoch": int(h["epoch"]),
+                        "seconds": round(seconds, 2)})
     return out
 
 
 def curve_columns(curves: list[dict[str, Any]]) -> list[str]:
-    """:data:`CURVE_COLUMNS`, then every health key the curves carry (sorted)."""
-    return [*CURVE_COLUMNS, *sorted({k for c in curves for k in c} - set(CURVE_COLUMNS))]
+    """:data:`CURVE_COLUMNS`, then the per-epoch metrics the curves carry (in their order), then the health keys
+    (sorted)."""
+    keys = [k for k in dict.fromkeys(k for c in curves for k in c) if k not in CURVE_COLUMNS]
+    return [*CURVE_COLUMNS, *(k for k in keys if not is_health_key(k)), *sorted(k for k in keys if is_health_key(k))]
 
 
 def read_curves(path: Path) -> list[dict[str, Any]]:

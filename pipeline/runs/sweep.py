@@ -19,6 +19,7 @@ from pipeline.data.prepared import load_prepared
 from pipeline.evaluation.health import dead_blocks, unflat
 from pipeline.runs.job import TRAINING, WorkerSpec, flat_sections, open_job, read_manifest
 from pipeline.runs.tune import JobResult, Outcome, TrialTracker, fit_trial, inline, trainable, trial_placement, tune_job
+from pipeline.training.loop import epoch_metrics
 
 # The params.yaml keys a sweep's result depends on (dvc.yaml's sweep stage lists them; tests/test_dvc_deps.py checks):
 # its section and the trials' base (`base_params`) without what that overwrites or always sweeps; of ray what counts.
@@ -86,8 +87,9 @@ def trial_rows(trials: list[Outcome], epochs: int) -> list[dict[str, object]]:
         knn = [h["knn_acc"] for h in t.history if isinstance(h.get("knn_acc"), float) and not math.isnan(h["knn_acc"])]
         rows.append({
             "trial_id": t.trial_id, **point_of(t.config),
-            "view_noise": float(last.get("view_noise", math.nan)), "knn_acc": float(last.get("knn_acc", math.nan)),
-            "best_knn_acc": max(knn, default=math.nan), "loss": float(last.get("loss", math.nan)),
+            # the last epoch's per-epoch metrics (seconds: below, the trial's in all)
+            **{m: math.nan if last.get(m) is None else float(last[m]) for m in epoch_metrics()},
+            "best_knn_acc": max(knn, default=math.nan),
             "min_positive": min((h.get("positive", math.nan) for h in blocks.values()), default=math.nan),
             "max_uniform_rows": max((h.get("uniform_rows", math.nan) for h in blocks.values()), default=math.nan),
             "dead_blocks": len(dead_blocks(blocks)), "epochs": epoch,

@@ -39,13 +39,12 @@ from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import TRAIN_CONSOLE_LEVEL, with_worker_cpus
 from pipeline.runs.job import TRAINING, Job, WorkerSpec, error_reason, fail_job, flat_sections, open_job, say
 from pipeline.runs.undocumented import checkpoint_dirs, poll_reports_fast, run_torn_down, torn_snapshot
-from pipeline.training.loop import EpochMetrics, PretrainLoop, data_budget
+from pipeline.training.loop import EpochMetrics, PretrainLoop, data_budget, epoch_metrics
 from pipeline.training.step import NonFiniteLossError
 
 if TYPE_CHECKING:
     import ray.train
 
-EPOCH_METRICS = ("loss", "lr", "samples_per_s", "view_noise", "knn_acc", "seconds")  # per-epoch, in MLflow
 STATE_FILE = "state.pt"
 HISTORY_FILE = "history.json"  # per-epoch metrics up to the checkpoint, beside STATE_FILE
 WORKERS_FILE = "workers.json"  # where each rank ran (node, host, device, Ray's GPU ids), beside STATE_FILE
@@ -82,8 +81,9 @@ class TrainedState:
 
 
 def epoch_metric_names(history: Sequence[Mapping[str, object]]) -> tuple[str, ...]:
-    """The per-epoch metrics MLflow gets: :data:`EPOCH_METRICS` and the health keys of ``history``'s last epoch."""
-    return EPOCH_METRICS + tuple(k for k in (history[-1] if history else {}) if is_health_key(k))
+    """The per-epoch metrics MLflow gets: :func:`~pipeline.training.loop.epoch_metrics` and the health keys of
+    ``history``'s last epoch."""
+    return epoch_metrics() + tuple(k for k in (history[-1] if history else {}) if is_health_key(k))
 
 
 class PretrainError(RuntimeError):

@@ -26,13 +26,11 @@ from pipeline.config.ray import TRIAL_CPU
 from pipeline.config.resources import TrialShape
 from pipeline.config.space import describe, point_of
 from pipeline.data.storage import PLACEMENT_FILE, STATUS_FILE, clear_status, join, read_json
-from pipeline.evaluation.health import is_health_key
 from pipeline.io import write_json
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import TRIAL_CONSOLE_LEVEL
 from pipeline.runs.job import Job, SweepError, Tracked, TrialFailed, WorkerSpec, close_job, error_reason, fail_job, say
 from pipeline.runs.train import (
-    EPOCH_METRICS,
     HISTORY_FILE,
     WORKERS_FILE,
     Epoch,
@@ -47,6 +45,7 @@ from pipeline.runs.train import (
     worker_device,
 )
 from pipeline.runs.undocumented import checkpoint_dirs, trial_error
+from pipeline.training.loop import epoch_record
 
 Config = dict[str, object]  # a trial's config: its point, or its row
 Trial = tune.experiment.Trial
@@ -310,7 +309,6 @@ class Outcome:
 def outcomes(grid: tune.ResultGrid, storage: str | None = None) -> list[Outcome]:
     """An :class:`Outcome` per trial of ``grid``. Its history: the newest complete checkpoint's (every epoch across a
     resume; Tune's table of a restored trial starts at the resumed epoch), then Tune's results after it."""
-    keep = ("epoch", *EPOCH_METRICS)
     out = []
     for result in grid:
         df = result.metrics_dataframe
@@ -330,7 +328,7 @@ def outcomes(grid: tune.ResultGrid, storage: str | None = None) -> list[Outcome]
         history = next((h for h in (read_json(path, HISTORY_FILE) for path in newest) if h), [])
         seen = int(history[-1]["epoch"]) if history else 0
         history = [*history, *(h for h in reported if int(h.get("epoch", 0) or 0) > seen)]
-        history = [{k: v for k, v in h.items() if k in keep or is_health_key(k)} for h in history]
+        history = [epoch_record(h) for h in history]
         out.append(Outcome(trial_id, dict(result.config), last, history, workers, error_reason(result.error)))
     return out
 

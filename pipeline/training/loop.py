@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -45,7 +45,15 @@ from pipeline.data.augment import BatchAugment, view_noise
 from pipeline.data.prepared import gather_rows
 from pipeline.data.split import to_float
 from pipeline.data.types import Dataset
-from pipeline.evaluation.health import QKAffinity, block_stats, flat, health_line, kernel_health, read_health
+from pipeline.evaluation.health import (
+    QKAffinity,
+    block_stats,
+    flat,
+    health_line,
+    is_health_key,
+    kernel_health,
+    read_health,
+)
 from pipeline.evaluation.knn import knn_accuracy
 from pipeline.host import device_memory
 from pipeline.training.precision import for_device
@@ -136,6 +144,24 @@ class EpochMetrics:
         knn = f" knn {self.knn_acc:.4f}" if self.knn_acc is not None else ""
         return (f"epoch {self.epoch}/{epochs} loss {self.loss:.5f}{knn} eps {self.view_noise:.4f} "
                 f"{self.samples_per_s:,.0f} samples/s{health_line(self.health)}")
+
+
+NOT_METRICS = ("epoch", "ended_at", "health")  # EpochMetrics' fields that are not a per-epoch metric of their own
+
+
+def epoch_metrics() -> tuple[str, ...]:
+    """The per-epoch metrics of :class:`EpochMetrics`, in its field order: every field but the epoch, the wall clock
+    it ended at and the health dict (whose keys flow by their prefix, ``pipeline.evaluation.health.is_health_key``).
+    The one list every consumer reads (MLflow, Tune's reports, the pretrain CSV, the sweep's results and curves, the
+    tables' curves), at call time: a field added to the record reaches them all."""
+    return tuple(f.name for f in fields(EpochMetrics) if f.name not in NOT_METRICS)
+
+
+def epoch_record(epoch: Mapping[str, Any]) -> dict[str, Any]:
+    """One epoch of a history (:meth:`EpochMetrics.as_dict`) as it is kept: its epoch, :func:`epoch_metrics` and the
+    health keys, in that order."""
+    names = ("epoch", *epoch_metrics())
+    return {**{k: epoch[k] for k in names if k in epoch}, **{k: v for k, v in epoch.items() if is_health_key(k)}}
 
 
 class PretrainLoop:

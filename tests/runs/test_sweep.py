@@ -19,7 +19,7 @@ from pipeline.config.space import axes, base_params, check_points, grid_points, 
 from pipeline.runs.job import job_name
 from pipeline.runs.sweep import trial_rows
 from pipeline.runs.tune import inline, outcomes, trial_placement
-from stages.sweep import COLUMNS, best_trial, write_outputs
+from stages.sweep import best_trial, columns, write_outputs
 from tests.conftest import ROOT
 
 MANIFEST = {"files": {"train.pt": {"sha256": "a"}, "test.pt": {"sha256": "b"}}}
@@ -162,7 +162,7 @@ def test_write_outputs_tables_plot_and_best(tmp_path):
     with open(tmp_path / "sweeps/results.csv") as f:
         table = list(csv.DictReader(f))
     assert [r["trial_id"] for r in table] == ["t_00000", "t_00001", "t_00002", "t_00003"]
-    assert list(table[0]) == list(COLUMNS)
+    assert list(table[0]) == list(columns())
     assert table[0]["train.lr"] == str(p.train.lr) and table[3]["status"] == "ERROR"
     assert table[2]["stopped_early"] == "True" and table[2]["epochs"] == "2"
     saved = json.loads((tmp_path / "sweeps/best.json").read_text())
@@ -216,7 +216,7 @@ def test_rows_carry_the_last_epochs_block_health():
     assert math.isnan(c["min_positive"]) and c["dead_blocks"] == 0
     assert "block_2.positive" in b["history"][-1]  # the curves keep the health too
     for col in ("min_positive", "max_uniform_rows", "dead_blocks"):
-        assert col in COLUMNS
+        assert col in columns()
 
 
 def test_where_ranks_ran_comes_from_the_newest_checkpoint_that_has_it(tmp_path):
