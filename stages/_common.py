@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import ParamSpec, TypeVar
 
 import click
 
@@ -19,11 +19,16 @@ from pipeline.io import OutputError
 STARTED_ENV = "TRANSFUSION_STAGE_STARTED"  # a stage's start (time.time()) when it does not start its own process
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+C = TypeVar("C")
+
+
 class ParamsUsageError(click.ClickException):
     exit_code = 2
 
 
-def params_options(load: Callable[[str, Sequence[str]], Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def params_options(load: Callable[[str, Sequence[str]], C]) -> Callable[[Callable[..., R]], Callable[..., R]]:
     """Add ``--params PATH`` and repeatable ``-S key=value``; pass what ``load(path, overrides)`` validated.
 
     A stage names its loader, and so its import closure holds only the config it reads: most stages pass
@@ -31,13 +36,13 @@ def params_options(load: Callable[[str, Sequence[str]], Any]) -> Callable[[Calla
     alone (:func:`pipeline.config.base.load_section`), so no other section's names are among its DVC deps.
     """
 
-    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def deco(fn: Callable[..., R]) -> Callable[..., R]:
         @click.option("--params", "params_path", default="params.yaml", show_default=True,
                       type=click.Path(dir_okay=False), help="Params file.")
         @click.option("-S", "--set", "overrides", multiple=True, metavar="KEY=VALUE",
                       help="Override a param, like `dvc exp run -S` (repeatable), e.g. -S model.depth=3.")
         @functools.wraps(fn)
-        def wrapper(params_path: str, overrides: tuple[str, ...], **kwargs: Any) -> Any:
+        def wrapper(params_path: str, overrides: tuple[str, ...], **kwargs: object) -> R:
             try:
                 params = load(params_path, overrides)
             except ParamsError as exc:
@@ -49,13 +54,13 @@ def params_options(load: Callable[[str, Sequence[str]], Any]) -> Callable[[Calla
     return deco
 
 
-def runtime_errors(*kinds: type[Exception]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def runtime_errors(*kinds: type[Exception]) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Turn the given expected runtime errors (and any :class:`OutputError`) into ``Error: ...`` and exit code 1."""
     caught = (*kinds, OutputError)
 
-    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def deco(fn: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             try:
                 return fn(*args, **kwargs)
             except caught as exc:

@@ -11,7 +11,7 @@ import csv
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -19,10 +19,13 @@ from pipeline.config.base import flatten
 from pipeline.config.names import evaluate_label
 from pipeline.config.params import Params, load_params
 from pipeline.data.types import DatasetError
-from pipeline.evaluation.evaluate import Evaluation, evaluate, load_data, load_pretrained
+from pipeline.evaluation.evaluate import Evaluation, PretrainedConfig, evaluate, load_data, load_pretrained
 from pipeline.io import TensorFileError, atomic_dir, json_safe, write_csv, write_json
 from pipeline.runs.tracking import TrackingError
 from stages._common import params_options, process_started, runtime_errors, time_line
+
+if TYPE_CHECKING:
+    from pipeline.core.model import ABCModel, TransFusion
 
 PLOTS = Path("plots/evaluate")
 
@@ -76,7 +79,7 @@ class ModelError(RuntimeError):
     """The pretrained model is missing, unreadable or does not fit the data; the message names the file."""
 
 
-def load_model(model_dir: Path) -> tuple[Any, dict[str, Any]]:
+def load_model(model_dir: Path) -> tuple[TransFusion | ABCModel, PretrainedConfig]:
     """The pretrained model and its config; a missing or unreadable one raises :class:`ModelError`."""
     hint = "run `transfusion pretrain` (or `dvc repro`)"
     if not (model_dir / "config.json").is_file():

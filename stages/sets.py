@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import csv
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import click
 
@@ -75,7 +74,7 @@ def circles_study(path: Path = set_report.CIRCLES_STUDY) -> dict | None:
 
 
 def run(cfg: SetsConfig, plots: Path = PLOTS, metrics: Path = METRICS_PATH, report: Path = REPORT,
-        progress: Any = click.echo, track: bool = True) -> dict:
+        progress: Callable[[str], object] | None = click.echo, track: bool = True) -> dict:
     """The study, its files and (``track``) its MLflow runs; returns what ``metrics`` holds. The recorded circles
     study (``benchmarks/results/circles.csv``), when there, joins the report, the metrics and the plots."""
     start = time.perf_counter()
@@ -108,7 +107,7 @@ def run(cfg: SetsConfig, plots: Path = PLOTS, metrics: Path = METRICS_PATH, repo
 @click.option("--quiet", is_flag=True, help="No per-run progress lines.")
 @click.option("--no-mlflow", "no_mlflow", is_flag=True, help="Do not log MLflow runs.")
 @runtime_errors(FileNotFoundError, DatasetError)
-def sets_cmd(params: Any, quiet: bool, no_mlflow: bool) -> None:
+def sets_cmd(params: SimpleNamespace, quiet: bool, no_mlflow: bool) -> None:
     """ABC's set-clustering protocol: five methods on sets of unseen classes, k known and estimated."""
     try:  # before any work: the data the study reads (exit 1 when missing), the sets it can draw (exit 2)
         check_inputs(params.sets)

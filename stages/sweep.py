@@ -16,7 +16,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -38,6 +38,9 @@ from stages._common import (
 )
 from stages._job import run_job
 
+if TYPE_CHECKING:
+    from pipeline.runs.tune import JobResult
+
 POINT = ("trial_id", "model.depth", "train.batch_size", "augment.strength", "train.lr", "loss.name", "train.seed")
 LINES = ("loss.name", "model.depth", "train.batch_size", "augment.strength")  # plots/sweep/lr.png: a line per value
 
@@ -56,14 +59,14 @@ def curve_columns() -> tuple[str, ...]:
     return ("trial_id", "epoch", *epoch_metrics())
 
 
-def best_trial(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+def best_trial(rows: list[dict[str, object]]) -> dict[str, object] | None:
     """The finished trial with the highest final online kNN accuracy (ties: the earliest trial id)."""
     done = [r for r in rows if r["status"] == "TERMINATED" and not math.isnan(r["knn_acc"])]
     return max(sorted(done, key=lambda r: str(r["trial_id"])), key=lambda r: r["knn_acc"]) if done else None
 
 
-def write_outputs(params: Params, rows: list[dict[str, Any]], sweeps: Path, plots: Path,
-                  dataset: str = "") -> dict[str, Any] | None:
+def write_outputs(params: Params, rows: list[dict[str, object]], sweeps: Path, plots: Path,
+                  dataset: str = "") -> dict[str, object] | None:
     """results.csv, best.json (the best finished trial; {} if none) and plots/sweep/; returns the best row."""
     from pipeline import plots as P
     for r in rows:
@@ -128,9 +131,9 @@ def sweep_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool) -> 
     click.echo(time_line("sweep", started, time_parts(started, result, now), now))
 
 
-def time_parts(started: float, result: Any, now: float) -> list[tuple[str, float]]:
+def time_parts(started: float, result: JobResult, now: float) -> list[tuple[str, float]]:
     """Where the stage's time went: before Ray Tune's run (imports, Ray's start, the checks, the MLflow parent run),
-    the trials (``result``: a ``pipeline.runs.tune.JobResult``), after them (outputs, figures, MLflow)."""
+    the trials, after them (outputs, figures, MLflow)."""
     before, after = around(started, result.started, result.seconds, now)
     return [("start (imports, Ray, checks, MLflow run)", before), ("trials", result.seconds),
             ("outputs, figures and MLflow", after)]

@@ -9,10 +9,9 @@ the seeds in the params (see :mod:`pipeline.theory.experiments` and :mod:`pipeli
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import click
 from pydantic import ValidationError
@@ -35,7 +34,7 @@ def load_theory(path: str, overrides: Sequence[str] = ()) -> SimpleNamespace:
     return SimpleNamespace(theory=load_section(path, "theory", TheoryConfig, overrides))
 
 
-def grids(cfg: Any) -> tuple[TheoryGrid, EmpiricalGrid]:
+def grids(cfg: object) -> tuple[TheoryGrid, EmpiricalGrid]:
     """The two grids from the ``theory`` params section: a :class:`TheoryConfig`, or any object with its
     attributes (validated into one here).
 
@@ -53,7 +52,8 @@ def grids(cfg: Any) -> tuple[TheoryGrid, EmpiricalGrid]:
     return tg, EmpiricalGrid.from_config(cfg)
 
 
-def run(params: Any, plots: Path = PLOTS, metrics: Path = METRICS, progress: Any = click.echo,
+def run(params: object, plots: Path = PLOTS, metrics: Path = METRICS,
+        progress: Callable[[str], object] | None = click.echo,
         report: Path | None = None) -> dict:
     """Formula table, empirical grid, figures and tables into ``plots`` (swapped in whole), metrics to ``metrics``,
     the Markdown report to ``report`` (None: none; the command's default is ``reports/theory.md``).
@@ -81,7 +81,7 @@ def run(params: Any, plots: Path = PLOTS, metrics: Path = METRICS, progress: Any
               show_default=True, help="Markdown report (setup, verdict, tables).")
 @click.option("--quiet", is_flag=True, help="No per-run progress lines.")
 @runtime_errors()
-def theory_cmd(params: Any, plots_dir: Path, metrics_path: Path, report_path: Path, quiet: bool) -> None:
+def theory_cmd(params: SimpleNamespace, plots_dir: Path, metrics_path: Path, report_path: Path, quiet: bool) -> None:
     """Theorem 2's γ regions per batch size, and the measured counterpart on union-of-subspaces data."""
     try:
         m = run(params, plots_dir, metrics_path, progress=None if quiet else click.echo, report=report_path)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -41,7 +41,17 @@ from pipeline.io import load_torch
 from pipeline.theory.measures import affinity_contrast, quantile_sharpness, sharpness
 
 
-def load_pretrained(models_dir: Path) -> tuple[TransFusion | ABCModel, dict[str, Any]]:
+class PretrainedConfig(TypedDict):
+    """``models/pretrain/config.json``: what the pretrain stage writes beside ``model.pt``."""
+
+    params: dict[str, Any]  # the resolved params (Params.model_dump())
+    input_shape: list[int]
+    n_classes: int
+    run_name: str
+    mlflow_run_id: str | None
+
+
+def load_pretrained(models_dir: Path) -> tuple[TransFusion | ABCModel, PretrainedConfig]:
     """The model written by the pretrain stage, rebuilt from its resolved params; weights_only loading."""
     config = json.loads((models_dir / "config.json").read_text())
     abc = config["params"]["model"].get("abc")
