@@ -4,9 +4,9 @@ trained and probed in one process without Ray or MLflow.
 Both run the same (row, seed) trials on the same Fashion-MNIST subset, one after the other in one run of this script,
 with the same torch threads:
 
-- **one process**: for each trial, ``pipeline.training.loop.PretrainLoop`` (the loop a tables trial runs: online
-  kNN and health every epoch, no checkpoint) on the row's params with the seed, then
-  ``pipeline.evaluation.evaluate.probe_frozen`` (the trial's probes); the controls the same way, untrained;
+- **one process**: for each trial, ``pipeline.training.rows.train_and_probe`` on the row's params with the seed as
+  the job seeds them: ``PretrainLoop`` (the loop a tables trial runs: online kNN and health every epoch, no
+  checkpoint), then the trial's probes; the controls the same way, untrained;
 - **tables job**: :func:`pipeline.runs.tables.run_tables` as ``transfusion tables`` calls it, with MLflow tracking
   (a sqlite store in a temporary folder): Ray's start, Tune, each trial's checkpoints and reports, the MLflow runs.
 
@@ -39,31 +39,18 @@ ROWS = ("tables.rows=[{name: TransFusion 1-Layer, table: 1, params: {loss.name: 
 
 
 def one_process(params: Params, data, device: torch.device) -> tuple[float, float, float, float]:
-    """Every (row, seed) trial of the job (and its controls) trained and probed in this process; wall seconds, and
-    of them the training's, its steps' and the probes'."""
-    from pipeline.core.model import build_model
-    from pipeline.evaluation.evaluate import probe_frozen
-    from pipeline.evaluation.tables_rows import resolve_rows, trial_configs
-    from pipeline.training.loop import PretrainLoop
+    """Every (row, seed) trial of the job (and its controls) trained and probed in this process, each as the job seeds
+    it (``trial_row_params``) by ``pipeline.training.rows.train_and_probe``; wall seconds, and of them the
+    training's, its steps' and the probes'."""
+    from pipeline.evaluation.tables_rows import resolve_rows, trial_configs, trial_row_params
+    from pipeline.training.rows import train_and_probe
 
     start = time.perf_counter()
     train = steps = probe = 0.0
-    rows = {r.index: r for r in resolve_rows(params)}
-    for config in trial_configs(params, list(rows.values())):
-        t0 = time.perf_counter()
-        if config["control"]:
-            p = params.model_copy(update={"train": params.train.model_copy(update={"seed": config["seed"]})})
-            torch.manual_seed(config["seed"])
-            model = None if config["control"] == "raw_pixels" else build_model(p.model, data.input_shape)
-        else:
-            p = rows[config["index"]].params
-            p = p.model_copy(update={"train": p.train.model_copy(update={"seed": config["seed"]})})
-            loop = PretrainLoop(p, data, device)
-            loop.fit(lambda m, ckpt: None)
-            model, steps = loop.model, steps + sum(h["seconds"] for h in loop.history)
-        t1 = time.perf_counter()
-        probe_frozen(p, data, model)
-        train, probe = train + t1 - t0, probe + time.perf_counter() - t1
+    for config in trial_configs(params, resolve_rows(params)):
+        done = train_and_probe(trial_row_params(params, config), data, device, control=config["control"])
+        train, probe = train + done.train_seconds, probe + done.probe_seconds
+        steps += sum(h["seconds"] for h in done.history)
     return time.perf_counter() - start, train, steps, probe
 
 

@@ -48,51 +48,46 @@ def append(path: Path, fields: list[str], row: dict[str, object]) -> None:
         w.writerow(row)
 
 
-def run_one(job: tuple[str, int, dict[str, object], int, str, str, int]) -> dict[str, object]:
-    """Train and probe one (row, seed) in this process; returns its line of ``rows.csv``."""
-    name, table, base, seed, data_dir, out, threads = job
+def run_one(job: tuple[str, int, dict[str, object], dict[str, object], int, str, str, int]) -> dict[str, object]:
+    """Train and probe one (row, seed) in this process (``pipeline.training.rows.train_and_probe``); returns its line
+    of ``rows.csv``."""
+    name, table, base, overrides, seed, data_dir, out, threads = job  # base: the file's params, dumped
     import torch
 
-    from pipeline.config.space import trial_params
+    from pipeline.config.params import Params
     from pipeline.data.prepared import load_prepared
-    from pipeline.evaluation.evaluate import probe_frozen, resolve_device
+    from pipeline.evaluation.evaluate import resolve_device
     from pipeline.evaluation.tables_report import curve_columns, curve_rows
-    from pipeline.training.loop import PretrainLoop, epoch_record
+    from pipeline.evaluation.tables_rows import trial_row_params
+    from pipeline.training.rows import train_and_probe
 
     torch.set_num_threads(threads)
-    params = trial_params(base, {"train.seed": seed}, source=f"row {name!r}, seed {seed}")
+    params = trial_row_params(Params.model_validate(base), {"name": name, "params": overrides, "seed": seed})
     data = load_prepared(Path(data_dir))
-    loop = PretrainLoop(params, data, resolve_device(params.train.device))
 
-    def report(m, _checkpoint_now: bool) -> None:
-        history = [epoch_record(h) for h in loop.history]
+    def each(history: list[dict[str, float]]) -> None:
         line = curve_rows([{"table": table, "name": name, "seed": seed, "history": history}])[-1]
         append(Path(out) / "tables" / "curves.csv", curve_columns([line]), line)
-        knn = "" if m.knn_acc is None else f" knn {m.knn_acc:.4f}"
-        print(f"[{name} / seed {seed}] epoch {m.epoch}/{params.train.epochs} loss {m.loss:.5f}{knn} "
-              f"{m.seconds:.1f} s", flush=True)
+        knn = "" if line.get("knn_acc") is None else f" knn {line['knn_acc']:.4f}"
+        print(f"[{name} / seed {seed}] epoch {line['epoch']}/{params.train.epochs} loss {line['loss']:.5f}{knn} "
+              f"{history[-1]['seconds']:.1f} s", flush=True)
 
-    start = time.time()
-    loop.fit(report)
-    trained = time.time() - start
-    accuracies, n_probe = probe_frozen(params, data, loop.model)
-    knn = [h["knn_acc"] for h in loop.history if h.get("knn_acc") is not None]
-    return {"row": name, "seed": seed, "epochs": loop.epoch, **{f"probe.{k}": v for k, v in accuracies.items()},
-            "n_probe_train": n_probe, "knn_acc": knn[-1] if knn else None, "gpus": int(loop.device.type == "cuda"),
-            "train_seconds": round(trained, 1), "probe_seconds": round(time.time() - start - trained, 1)}
+    done = train_and_probe(params, data, resolve_device(params.train.device), on_epoch=each)
+    return {"row": name, "seed": seed, "epochs": len(done.history),
+            **{f"probe.{k}": v for k, v in done.accuracies.items()}, "n_probe_train": done.n_probe,
+            "knn_acc": done.knn_acc, "gpus": int(resolve_device(params.train.device).type == "cuda"),
+            "train_seconds": round(done.train_seconds, 1), "probe_seconds": round(done.probe_seconds, 1)}
 
 
 def record(line: dict[str, str], row: Row) -> dict[str, object]:
     """A line of ``rows.csv`` as the tables job's record of a (row, seed) (``pipeline.runs.tables.collect``)."""
-    p, gpus = row.params, int(line["gpus"])
+    gpus = int(line["gpus"])
     seconds = float(line["train_seconds"])
     def number(v: str) -> float | None:
         return float(v) if v not in ("", "None") else None
 
-    return {"index": row.index, "table": row.table, "name": row.name, "paper": row.paper, "seed": int(line["seed"]),
-            "control": "", "trial_id": f"study_{row.index}_{line['seed']}", "train.mode": p.train.mode,
-            "loss.name": p.loss.name, "model.depth": p.model.depth, "model.backbone": p.model.backbone,
-            "train.batch_size": p.train.batch_size, "epochs": int(line["epochs"]),
+    return {**row.record(int(line["seed"])), "trial_id": f"study_{row.index}_{line['seed']}",
+            "epochs": int(line["epochs"]),
             **{k: number(line.get(f"probe.{k}", "")) for k in ALL_PROBES}, "knn_acc": number(line["knn_acc"]),
             "train_minutes": seconds / 60, "fit_seconds": seconds, "eval_seconds": float(line["probe_seconds"]),
             "workers": 1, "gpus": gpus, "hours": seconds / 3600, "hours_unit": unit_of(gpus),
@@ -126,7 +121,8 @@ def write_study(out: Path, params: Params, rows: list[Row]) -> list[str]:
     write_json(out / "tables" / "results.json", {
         "dataset": params.data.dataset, "hours_unit": unit, "rows": csv_records(records),
         "params": job.model_dump(mode="json"), "tables": tables.model_dump(mode="json")})
-    files = write_outputs(out, records, read_curves(out / "tables" / "curves.csv"), job, unit, params.data.dataset)
+    files = write_outputs(out, records, read_curves(out / "tables" / "curves.csv"), job, unit, params.data.dataset,
+                          tuning=[])  # no tuning phase here: rows run as written
     return [*probe_table(aggregate(records)), f"rendered {', '.join(map(str, files))}"]
 
 
@@ -164,8 +160,8 @@ def main() -> int:
         save_prepared(load_dataset(params.data), Path(tmp) / "prepared")
         print(f"prepared in {time.time() - started:.1f} s; {len(chosen)} row(s) x {len(seeds)} seed(s), "
               f"{args.jobs} at once, {threads} thread(s) each", flush=True)
-        jobs = [(r.name, r.table, r.params.model_dump(), s, str(Path(tmp) / "prepared"), str(args.out), threads)
-                for r in chosen for s in seeds]
+        jobs = [(r.name, r.table, params.model_dump(), r.overrides, s, str(Path(tmp) / "prepared"), str(args.out),
+                 threads) for r in chosen for s in seeds]
         ctx = mp.get_context("spawn")  # CUDA in the children
         with ctx.Pool(args.jobs, maxtasksperchild=1) as pool:
             pending = [pool.apply_async(run_one, (job,)) for job in jobs]

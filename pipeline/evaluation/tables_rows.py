@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.config.base import ParamsError
+from pipeline.config.base import ParamsError, flatten
+from pipeline.config.names import fusing_blocks, head_description
 from pipeline.config.params import Params
 from pipeline.config.space import trial_params
 from pipeline.config.tables import CONTROLS, TableRow
@@ -32,6 +33,23 @@ class Row:
         """What the Tune trial of this row with ``train.seed`` ``seed`` gets (plain values)."""
         return {"index": self.index, "name": self.name, "table": self.table, "paper": self.paper,
                 "params": self.overrides, "seed": seed, "control": self.control}
+
+    def record(self, seed: int) -> dict[str, object]:
+        """The first fields of a (row, seed)'s record in ``tables/results.csv``: who it is and what it trains (with
+        what sits on the backbone: ``head``, :func:`pipeline.config.names.head_description`, and ``fusing``)."""
+        p, model = self.params, flatten(self.params.model, "model.")
+        return {"index": self.index, "table": self.table, "name": self.name, "paper": self.paper, "seed": seed,
+                "control": self.control or "", "train.mode": p.train.mode, "loss.name": p.loss.name,
+                "model.depth": p.model.depth, "model.projector": p.model.projector, "model.head": p.model.head,
+                "fusing": fusing_blocks(model), "head": head_description(model), "model.backbone": p.model.backbone,
+                "train.batch_size": p.train.batch_size}
+
+
+def trial_row_params(base: Params, config: dict[str, object]) -> Params:
+    """A (row, seed) trial's params from its config (:meth:`Row.config`): ``base`` (the job's params) with the row's
+    params and ``train.seed`` the seed, validated as every row is."""
+    return trial_params(base.model_dump(), {**config["params"], "train.seed": config["seed"]},
+                        source=f"tables row {config['name']!r}")
 
 
 def seeds_of(params: Params) -> list[int]:

@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 from ray import tune
 
-from pipeline.config.base import flatten
-from pipeline.config.names import fusing_blocks, head_description, row_label, tables_label
+from pipeline.config.names import row_label, tables_label
 from pipeline.config.params import Params
 from pipeline.config.ray import TRIAL_CPU, torch_threads
 from pipeline.config.resources import max_concurrent, trial_shape
@@ -36,6 +35,7 @@ from pipeline.evaluation.tables_rows import (
     resolve_rows,
     seeds_of,
     trial_configs,
+    trial_row_params,
     tuning_rows,
     with_choices,
 )
@@ -78,19 +78,11 @@ def probe_row(params: Params, data_dir: str, manifest: Manifest, model_state: di
     the Ray resources it ran with (``{"CPU": 3.0, "GPU": 1.0}``)."""
     import ray
 
-    from pipeline.core.model import build_model
     from pipeline.data.storage import fetch_prepared
-    from pipeline.evaluation.evaluate import probe_frozen
+    from pipeline.training.rows import probe_row_model
 
     use_threads(torch_threads(params.ray.cpus_per_worker))  # a control's trial, a Ray task: Ray's OMP_NUM_THREADS
-    data = fetch_prepared(data_dir, manifest)
-    model = None
-    if control != "raw_pixels":
-        torch.manual_seed(params.train.seed)  # as pipeline.training.loop.PretrainLoop before it builds the model
-        model = build_model(params.model, data.input_shape)
-        if model_state is not None:
-            model.load_state_dict(model_state)
-    accuracies, n_probe = probe_frozen(params, data, model)
+    accuracies, n_probe = probe_row_model(params, fetch_prepared(data_dir, manifest), model_state, control)
     held = ray.get_runtime_context().get_assigned_resources() if ray.is_initialized() else {}
     return accuracies, n_probe, {k: float(v) for k, v in held.items() if k in ("CPU", "GPU")}
 
@@ -114,8 +106,7 @@ def _row_trial(config: Config, job: WorkerSpec) -> None:
     """One (row, seed): the Train trial with ``train.seed`` the seed, then the probes (a control's only); a tuning
     trial only trains, scored by its online kNN on the validation split."""
     row = config["row"]
-    params = trial_params(job.params.model_dump(), {**row["params"], "train.seed": row["seed"]},
-                          source=f"tables row {row['name']!r}")
+    params = trial_row_params(job.params, row)
     run = None if row["control"] else fit_trial(job, params)
     if row.get("phase") == "tuning":
         assert run is not None  # a tuning row is never a control
@@ -202,8 +193,8 @@ def trial_label(row: Config) -> str:
 
 # -------------------------------------------------------------------------------------------------- driver
 def collect(trials: list[Outcome], rows: list[Row], unit: str) -> list[dict[str, object]]:
-    """One record per (row, seed) in ``tables.rows``' order, controls first: params (with what sits on the backbone:
-    ``head``, :func:`pipeline.config.names.head_description`, and ``fusing``), accuracies, cost, history."""
+    """One record per (row, seed) in ``tables.rows``' order, controls first: who it is (:meth:`Row.record`),
+    accuracies, cost, history."""
     by_index = {r.index: r for r in rows}
     out = []
     for t in trials:
@@ -213,12 +204,7 @@ def collect(trials: list[Outcome], rows: list[Row], unit: str) -> list[dict[str,
         done = not t.error and bool(m.get("evaluated"))
         knn = m.get("knn_acc") if done else None
         out.append({
-            "index": row.index, "table": row.table, "name": row.name, "paper": row.paper, "seed": config["seed"],
-            "control": row.control or "", "trial_id": t.trial_id,
-            "train.mode": p.train.mode, "loss.name": p.loss.name, "model.depth": p.model.depth,
-            "model.projector": p.model.projector, "model.head": p.model.head,
-            "fusing": fusing_blocks(flatten(p.model, "model.")), "head": head_description(flatten(p.model, "model.")),
-            "model.backbone": p.model.backbone, "train.batch_size": p.train.batch_size,
+            **row.record(config["seed"]), "trial_id": t.trial_id,
             "epochs": int(m["epoch"]) if done else max((int(h["epoch"]) for h in t.history), default=0),
             **{k: (m.get(f"probe.{k}") if done else None) for k in ALL_PROBES},
             "knn_acc": knn if knn is not None and math.isfinite(knn) else None,
