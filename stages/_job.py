@@ -17,6 +17,25 @@ from pipeline.runs.tracking import project_root
 from stages._common import ParamsUsageError, check_weights
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def job_options(outputs: str) -> Callable[[F], F]:
+    """The options of every stage that runs a Ray job: ``--data`` (the prepared data), ``--out`` (the folder its
+    ``outputs`` go under: the project, or a recorded study's folder), ``--no-tracking``."""
+
+    def deco(fn: F) -> F:
+        for option in reversed((
+            click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path),
+                         default=Path("data/prepared"), show_default=True, help="Prepared data (`prepare`'s output)."),
+            click.option("--out", "base", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
+                         help=f"Where {outputs} go (a recorded study's folder)."),
+            click.option("--no-tracking", is_flag=True, help="Do not log to MLflow."),
+        )):
+            fn = option(fn)
+        return fn
+
+    return deco
 
 
 @contextlib.contextmanager

@@ -12,7 +12,6 @@ exits 1 without touching the outputs; rerunning it resumes without redoing finis
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -20,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import click
 
-from pipeline.config.base import ParamsError
 from pipeline.config.params import Params, load_params
 from pipeline.data.storage import StorageError
 from pipeline.data.types import DatasetError
@@ -29,14 +27,13 @@ from pipeline.runs.cluster import ClusterError
 from pipeline.runs.tracking import TrackingError
 from pipeline.training.loop import epoch_metrics
 from stages._common import (
-    ParamsUsageError,
     around,
     params_options,
     process_started,
     runtime_errors,
     time_line,
 )
-from stages._job import run_job
+from stages._job import job_options, run_job
 
 if TYPE_CHECKING:
     from pipeline.runs.tune import JobResult
@@ -98,28 +95,18 @@ def write_outputs(params: Params, rows: list[dict[str, object]], sweeps: Path, p
 
 @click.command("sweep")
 @params_options(load_params)
-@click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
-              show_default=True)
-@click.option("--out", "base", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
-              help="Where sweeps/ and plots/sweep/ go (a recorded study's folder).")
-@click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
+@job_options("sweeps/ and plots/sweep/")
 @runtime_errors(DatasetError, TrackingError, ClusterError, ValueError, StorageError)
 def sweep_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool) -> None:
     """Sweep depth, batch size and augmentation strength with Ray Tune (each trial a Ray Train run)."""
-    from pipeline.config.space import SPACE_KEYS, check_points
     from pipeline.runs.sweep import run_sweep
     from pipeline.runs.tune import close_tune_job
 
     started = process_started()
-    try:  # every point of the grid is valid params (e.g. batch vs workers) before any work
-        check_points(params)
-    except ParamsError as exc:
-        axes = ", ".join(f"sweep.{k} (sets {v})" for k, v in SPACE_KEYS.items())
-        raise ParamsUsageError(f"{exc}\n  the point comes from {axes}: change those lists or the base params") from None
     sweeps, plots = base / "sweeps", base / "plots/sweep"
-    with run_job(run_sweep, params, data_dir, no_tracking) as result:  # the MLflow run ends with the block
-        dataset = json.loads((data_dir / "manifest.json").read_text()).get("dataset", "")
-        best = write_outputs(params, result.rows, sweeps, plots, dataset)
+    # every point of the grid is checked (exit 2) before Ray starts; the MLflow run ends with the block
+    with run_job(run_sweep, params, data_dir, no_tracking) as result:
+        best = write_outputs(params, result.rows, sweeps, plots, result.job.spec.manifest.get("dataset", ""))
         close_tune_job(result, [sweeps / "results.csv", sweeps / "best.json", plots / "phase.png",
                                 plots / "phase.csv", plots / "lr.png", plots / "lr.csv", plots / "curves.csv"], best)
     failed = sum(r["status"] == "ERROR" for r in result.rows)

@@ -27,7 +27,7 @@ from pipeline.io import write_csv, write_json, write_text
 from pipeline.runs.cluster import ClusterError
 from pipeline.runs.tracking import TrackingError
 from stages._common import ParamsUsageError, params_options, runtime_errors
-from stages._job import run_job
+from stages._job import job_options, run_job
 
 REPORT = Path("reports/TABLES.md")
 OUT = Path("tables")
@@ -78,11 +78,7 @@ def read_study(out: Path, reference: str | None = None) -> tuple[dict, Params]:
 
 @click.command("tables")
 @params_options(load_params)
-@click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/prepared"),
-              show_default=True)
-@click.option("--out", "base", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
-              help=f"Where {OUT}/, {REPORT} and {FIGURE} go (a recorded study's folder).")
-@click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
+@job_options(f"{OUT}/, {REPORT} and {FIGURE}")
 @click.option("--render", "render_only", is_flag=True,
               help=f"Only render {REPORT} and {FIGURE} again from {OUT}/ (the job's params, results.csv, curves.csv): "
                    "no training, no params read.")
@@ -101,7 +97,6 @@ def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, re
         read_curves,
         read_records,
     )
-    from pipeline.evaluation.tables_rows import resolve_rows, tuning_rows
     from pipeline.evaluation.tuning_report import TUNING_COLUMNS
     from pipeline.runs.tables import run_tables
     from pipeline.runs.tune import close_tune_job
@@ -125,12 +120,10 @@ def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, re
     if reference is not None:
         raise ParamsUsageError("--reference re-renders a finished study (with --render); a job reads "
                                "tables.reference (-S tables.reference=ROW)")
-    try:  # every row, and every point of a row's space, resolves to valid params of its table before any work
-        tuning_rows(params, resolve_rows(params))
-    except ParamsError as exc:
-        raise ParamsUsageError(str(exc)) from None
-    with run_job(run_tables, params, data_dir, no_tracking) as (result, unit):  # the MLflow run ends with the block
-        dataset = json.loads((data_dir / "manifest.json").read_text()).get("dataset", "")
+    # every row, and every point of a row's space, is checked (exit 2) before Ray starts; the MLflow run ends with
+    # the block
+    with run_job(run_tables, params, data_dir, no_tracking) as (result, unit):
+        dataset = result.job.spec.manifest.get("dataset", "")
         curves = curve_rows(result.rows)
         write_csv(out / "results.csv", csv_records(result.rows), COLUMNS)
         write_csv(out / "curves.csv", curves, curve_columns(curves))

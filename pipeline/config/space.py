@@ -63,12 +63,18 @@ def point_params(base: dict[str, Any], point: dict[str, Any]) -> Params:
 
 
 def check_points(params: Params, n_train: int | None = None) -> None:
-    """Validate every point of the space before any work; raises ParamsError naming the point and the key."""
+    """Validate every point of the space before any work; raises ParamsError naming the point, the key and the
+    sweep's lists it comes from."""
     base = base_params(params)
-    for point in grid_points(params):
-        p = point_params(base, point)
-        if n_train is not None and p.train.batch_size > n_train:
-            raise ParamsError(f"sweep.batch_size: {p.train.batch_size} exceeds the training set ({n_train} samples)")
+    try:
+        for point in grid_points(params):
+            p = point_params(base, point)
+            if n_train is not None and p.train.batch_size > n_train:
+                raise ParamsError(f"sweep.batch_size: {p.train.batch_size} exceeds the training set ({n_train} "
+                                  "samples)")
+    except ParamsError as exc:
+        axes = ", ".join(f"sweep.{k} (sets {v})" for k, v in SPACE_KEYS.items())
+        raise ParamsError(f"{exc}\n  the point comes from {axes}: change those lists or the base params") from None
 
 
 def trial_params(base: dict[str, Any], point: dict[str, Any], source: str | None = None) -> Params:

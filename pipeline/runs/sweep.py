@@ -50,9 +50,10 @@ def run_sweep(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tr
     """Run (or resume) the sweep (``rows``: :func:`trial_rows`); ``SweepError`` if interrupted or every trial failed."""
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
+    check_points(params)  # the params first, every point of the grid: exit 2 before the data is read
     load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here (mapped: never read whole)
     base = base_params(params)
-    check_points(params, read_manifest(data_dir).get("n_train"))
+    check_points(params, read_manifest(data_dir).get("n_train"))  # and each batch against the training set
     s = params.sweep
     samples = 1 if s.search == "grid" else s.num_samples
     n = len(grid_points(params)) if s.search == "grid" else samples

@@ -256,6 +256,7 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     and the hours' unit. Raises ``ParamsError`` for bad rows (before Ray) and ``SweepError`` if interrupted or every
     row failed."""
     params = with_worker_cpus(params, TRIAL_CPU)  # null: this machine's CPUs less the trial's own
+    tuning_rows(params, resolve_rows(params))  # the params first, every row and point of a space: exit 2 before data
     load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here (mapped: never read whole)
     n_train = read_manifest(data_dir).get("n_train")
     rows = resolve_rows(params, n_train)
