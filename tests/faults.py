@@ -43,7 +43,7 @@ import torch
 from pipeline.config.base import flatten
 from pipeline.io import atomic_path
 from pipeline.runs.job import CALLBACKS_ENV
-from pipeline.runs.train import HISTORY_FILE
+from pipeline.runs.train import RECORD_FILE
 from pipeline.training.loop import Callback, EpochMetrics, PretrainLoop
 
 ENV = "TRANSFUSION_TEST_FAULTS"  # the plan, as JSON (FaultPlan's fields)
@@ -171,8 +171,8 @@ def wait_for_checkpoint(epoch: int) -> None:
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is not None:
             with checkpoint.as_directory() as d:
-                history = json.loads(Path(d, HISTORY_FILE).read_text())
-            if history and int(history[-1]["epoch"]) >= epoch:
+                record = json.loads(Path(d, RECORD_FILE).read_text())
+            if int(record["epoch"]) >= epoch:
                 return
         time.sleep(0.05)
     raise AssertionError(f"the checkpoint of epoch {epoch} was not persisted in {CHECKPOINT_WAIT_S:.0f} s")

@@ -45,9 +45,9 @@ from pipeline.training.step import NonFiniteLossError
 if TYPE_CHECKING:
     import ray.train
 
-STATE_FILE = "state.pt"
-HISTORY_FILE = "history.json"  # per-epoch metrics up to the checkpoint, beside STATE_FILE
-WORKERS_FILE = "workers.json"  # where each rank ran (node, host, device, Ray's GPU ids), beside STATE_FILE
+# a checkpoint is two files: the state that resumes the run, and its record, readable without torch
+STATE_FILE = "state.pt"  # PretrainLoop.state_dict(): model, optimizer, schedule, epoch, history, head plan
+RECORD_FILE = "record.json"  # {"epoch", "history": every epoch's metrics, "workers": where each rank ran}
 Epoch = dict[str, float]  # one epoch's metrics (pipeline.training.loop.EpochMetrics.as_dict)
 
 
@@ -73,11 +73,23 @@ class TrainedState:
     head_plan: HeadPlan | None = None
 
     @classmethod
-    def of(cls, state: Mapping[str, object], workers: list[Worker] | None = None) -> TrainedState:
+    def of(cls, state: Mapping[str, object], workers: list[Worker]) -> TrainedState:
         plan = state.get("head_plan")
         return cls(model=state["model"], history=list(state["history"]), epoch=int(state["epoch"]),
-                   workers=list(workers if workers is not None else state.get("workers", [])),
-                   head_plan=HeadPlan(**plan) if isinstance(plan, dict) else None)
+                   workers=list(workers), head_plan=HeadPlan(**plan) if isinstance(plan, dict) else None)
+
+
+class CheckpointRecord(TypedDict):
+    """A checkpoint's :data:`RECORD_FILE`."""
+
+    epoch: int
+    history: list[Epoch]
+    workers: list[Worker]
+
+
+def checkpoint_record(path: str) -> CheckpointRecord | None:
+    """The :data:`RECORD_FILE` of the checkpoint at ``path`` (a local path or a URI), or None where it has none."""
+    return read_json(path, RECORD_FILE)
 
 
 def epoch_metric_names(history: Sequence[Mapping[str, object]]) -> tuple[str, ...]:
@@ -204,9 +216,9 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
             say(f"[pretrain] {m.line(params.train.epochs)}")
         if checkpoint_now and rank == 0:
             d = tempfile.mkdtemp(prefix="transfusion-ckpt-")
-            torch.save({**loop.state_dict(), "workers": workers}, Path(d) / STATE_FILE)
-            Path(d, HISTORY_FILE).write_text(json.dumps(loop.history))  # readable without loading the model
-            Path(d, WORKERS_FILE).write_text(json.dumps(workers))
+            torch.save(loop.state_dict(), Path(d) / STATE_FILE)
+            record: CheckpointRecord = {"epoch": loop.epoch, "history": loop.history, "workers": workers}
+            Path(d, RECORD_FILE).write_text(json.dumps(record))
             session.report(metrics, d)
         else:
             session.report(metrics, None)
@@ -350,4 +362,5 @@ def fit_run(spec: WorkerSpec, callbacks: list[ray.train.UserCallback], keep: int
     if result.checkpoint is None:
         return None, None
     with result.checkpoint.as_directory() as d:
-        return TrainedState.of(load_torch(Path(d) / STATE_FILE)), result.checkpoint.path
+        record = json.loads(Path(d, RECORD_FILE).read_text())
+        return TrainedState.of(load_torch(Path(d) / STATE_FILE), record["workers"]), result.checkpoint.path

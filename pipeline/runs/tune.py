@@ -31,12 +31,11 @@ from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import TRIAL_CONSOLE_LEVEL
 from pipeline.runs.job import Job, SweepError, Tracked, TrialFailed, WorkerSpec, close_job, error_reason, fail_job, say
 from pipeline.runs.train import (
-    HISTORY_FILE,
-    WORKERS_FILE,
     Epoch,
     Session,
     TrainedState,
     Worker,
+    checkpoint_record,
     epoch_metric_names,
     fit_run,
     recover,
@@ -220,7 +219,7 @@ class TrialTracker(tune.Callback):
         if child:
             # epochs checkpointed before an interruption but never reported: the run shows every epoch once
             path = last_checkpoint_path(trial.last_result, trial)
-            history = (read_json(path, HISTORY_FILE) if path else None) or []
+            history = ((checkpoint_record(path) if path else None) or {}).get("history", [])
             trk.log_missing_epochs(self.run.uri, child, history, epoch_metric_names(history))
             trk.end_run(self.run.uri, child, status,
                         tags={"stopped_early": early, **({"error": reason} if reason else {})})
@@ -322,10 +321,10 @@ def outcomes(grid: tune.ResultGrid, storage: str | None = None) -> list[Outcome]
         newest = [p for p in dict.fromkeys([last_checkpoint_path(paths[-1] if paths else None, result),
                                             *reversed(paths), *(checkpoint_dirs(run_dir) if run_dir else [])]) if p]
         # where each rank ran: the run dir's, else the newest checkpoint's with it (ASHA may stop a trial mid-upload)
+        records = [r for r in map(checkpoint_record, newest) if r]  # newest first
         placed = read_json(run_dir, PLACEMENT_FILE) if run_dir else None
-        found = (read_json(path, WORKERS_FILE) for path in newest)
-        workers = sorted(placed or next((w for w in found if w), []), key=lambda w: w["rank"])
-        history = next((h for h in (read_json(path, HISTORY_FILE) for path in newest) if h), [])
+        workers = sorted(placed or next((r["workers"] for r in records if r["workers"]), []), key=lambda w: w["rank"])
+        history = next((r["history"] for r in records if r["history"]), [])
         seen = int(history[-1]["epoch"]) if history else 0
         history = [*history, *(h for h in reported if int(h.get("epoch", 0) or 0) > seen)]
         history = [epoch_record(h) for h in history]

@@ -154,7 +154,8 @@ def test_a_deliberately_dead_block_is_reported_dead_in_training_and_warned_about
     assert lines[-1]["block_1.uniform_rows"] == 1.0
     assert lines[-1]["block_1.other_view"] == pytest.approx(1 / 64)  # uniform over 2B = 64 rows
     job = Job("pretrain", params, tmp_path, False, {}, WorkerSpec(params, "", {}, "", "x", False), None)
-    res = PretrainResult(state=TrainedState.of(loop.state_dict()), job=job, input_shape=data.input_shape, n_classes=10)
+    res = PretrainResult(state=TrainedState.of(loop.state_dict(), workers=[]), job=job, input_shape=data.input_shape,
+                         n_classes=10)
     summary = write_outputs(params, res, tmp_path / "models", tmp_path / "metrics.json", tmp_path / "curves.csv")
     assert list(summary["health"]) == ["block_1", "block_2"]
     header = (tmp_path / "curves.csv").read_text().splitlines()[0].split(",")

@@ -220,15 +220,15 @@ def test_rows_carry_the_last_epochs_block_health():
 
 
 def test_where_ranks_ran_comes_from_the_newest_checkpoint_that_has_it(tmp_path):
-    """A multi-worker trial stopped by ASHA while its last checkpoint was still uploading: its workers.json is in
-    the checkpoint before."""
-    from pipeline.runs.train import WORKERS_FILE
+    """A multi-worker trial stopped by ASHA while its last checkpoint was still uploading: its record (where the ranks
+    ran) is in the checkpoint before."""
+    from pipeline.runs.train import RECORD_FILE
 
     ranks = [{"rank": 1, "gpu_ids": ["3"]}, {"rank": 0, "gpu_ids": ["2"]}]
     done, torn = tmp_path / "checkpoint_000008", tmp_path / "checkpoint_000009"
     done.mkdir()
     torn.mkdir()  # the upload never finished: nothing in it
-    (done / WORKERS_FILE).write_text(json.dumps(ranks))
+    (done / RECORD_FILE).write_text(json.dumps({"epoch": 8, "history": [], "workers": ranks}))
 
     result = tune_result(tmp_path / "trial-x", [{"epoch": 9, "loss": 1.0, "checkpoint_path": str(done)},
                                                 {"epoch": 10, "loss": 0.9, "checkpoint_path": str(torn)}])
@@ -237,7 +237,7 @@ def test_where_ranks_ran_comes_from_the_newest_checkpoint_that_has_it(tmp_path):
 
 
 def test_where_ranks_ran_comes_from_the_run_directory_when_no_checkpoint_has_it(tmp_path):
-    """Seen on a resumed two-worker trial that ASHA stopped: none of its reported checkpoints held workers.json. The
+    """Seen on a resumed two-worker trial that ASHA stopped: none of its reported checkpoints held a record. The
     placement rank 0 left in the trial's Ray Train run directory (``storage/trial-<id>``) gives the row its GPUs."""
     from pipeline.data.storage import PLACEMENT_FILE, write_json
 
@@ -256,13 +256,14 @@ def test_a_resumed_trial_stopped_mid_upload_keeps_every_epoch(tmp_path):
     """A trial resumed at epoch 5 reports epochs 6-8 to Tune (a restored trial's table starts there), and ASHA stops
     it while epoch 8's checkpoint is still uploading: its curve still starts at epoch 1, from the newest complete
     checkpoint in the trial's run directory, followed by what Tune reported after it."""
-    from pipeline.runs.train import HISTORY_FILE
+    from pipeline.runs.train import RECORD_FILE
 
     run_dir = tmp_path / "trial-z"
     old, torn = run_dir / "checkpoint_2026-11-26_10-00-05.000000", run_dir / "checkpoint_2026-11-26_10-00-08.000000"
     old.mkdir(parents=True)
     torn.mkdir()  # the upload never finished
-    (old / HISTORY_FILE).write_text(json.dumps([{"epoch": e, "loss": 2.0 - e / 10} for e in range(1, 6)]))
+    history = [{"epoch": e, "loss": 2.0 - e / 10} for e in range(1, 6)]
+    (old / RECORD_FILE).write_text(json.dumps({"epoch": 5, "history": history, "workers": []}))
 
     reported = [{"epoch": e, "loss": 1 - e / 100, "checkpoint_path": str(torn) if e == 8 else None} for e in (6, 7, 8)]
     result = tune_result(tmp_path / "tune" / "trial-z", reported)

@@ -29,7 +29,7 @@ import torch
 from pipeline.config.params import load_params
 from pipeline.data.prepared import load_prepared
 from pipeline.host import one_thread
-from pipeline.runs.train import HISTORY_FILE, STATE_FILE, recover
+from pipeline.runs.train import RECORD_FILE, STATE_FILE, recover
 from pipeline.runs.undocumented import SNAPSHOT_FILE
 from pipeline.training.loop import PretrainLoop
 from tests import faults
@@ -117,9 +117,9 @@ def last_recorded_epoch(project) -> int:
     for snapshot in (project / "ray_results").glob(f"pretrain-*/{SNAPSHOT_FILE}"):
         with contextlib.suppress(OSError):
             text = snapshot.read_text()
-            for history in snapshot.parent.glob(f"checkpoint_*/{HISTORY_FILE}"):
-                if history.parent.name in text:
-                    epochs.append(int(json.loads(history.read_text())[-1]["epoch"]))
+            for record in snapshot.parent.glob(f"checkpoint_*/{RECORD_FILE}"):
+                if record.parent.name in text:
+                    epochs.append(int(json.loads(record.read_text())["epoch"]))
     return max(epochs)
 
 
