@@ -55,6 +55,7 @@ def check_outputs(work, output, jobs=("prepare", "pretrain", "evaluate", "report
 
 
 ON_DECLARED_GPUS = "presets/cluster-sweep.yaml"  # rehearsed end to end on declared GPUs, as shipped (use_gpu: true)
+RAY_JOBS = ("prepare", "pretrain", "sweep", "tables")  # its jobs that run on Ray: where the declared GPUs count
 
 
 def check_controls(name, work):
@@ -176,11 +177,12 @@ def interrupt_mid_sweep(args, env, cwd) -> tuple[str, set[str], float, list[floa
 @pytest.mark.first  # the suite's longest test: started first, beside the rest
 @pytest.mark.timeout(900)
 def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
-    """cluster-sweep.yaml end to end (all its jobs, every check of the test above) on a Ray that declares 4 GPUs (none
-    exist: ray.backend gloo), so with ray.use_gpu as shipped: each worker its own GPU, the sweep and the tables as
-    many trials at once as pipeline.config.resources computes, probes on a worker's GPU bundle. Ctrl-C while its sweep
-    of two-worker trials runs ends the rehearsal in 30 s, with no partial sweep outputs and MLflow's sweep run KILLED;
-    the command it prints resumes it: the unfinished trials only, every epoch logged once, the same MLflow run."""
+    """cluster-sweep.yaml's Ray jobs (pretrain, sweep, tables: every check of the test above; evaluate and report run
+    on the driver, rehearsed by every other preset) on a Ray that declares 4 GPUs (none exist: ray.backend gloo), so
+    with ray.use_gpu as shipped: each worker its own GPU, the sweep and the tables as many trials at once as
+    pipeline.config.resources computes, probes on a worker's GPU bundle. Ctrl-C while its sweep of two-worker trials
+    runs ends the rehearsal in 30 s, with no partial sweep outputs and MLflow's sweep run KILLED; the command it
+    prints resumes it: the unfinished trials only, every epoch logged once, the same MLflow run."""
     from pipeline.config.ray import TRIAL_CPU
     from pipeline.config.resources import TrialShape, trials_at_once
 
@@ -189,7 +191,8 @@ def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
     env = faults.environment(count_file=str(log))
     shipped = str(ROOT / ON_DECLARED_GPUS)
     out, ended, waited, gaps, code = interrupt_mid_sweep(
-        ["rehearse", "--params", shipped, "--gpus", "4", "--dir", str(work)], env, tmp_path)
+        ["rehearse", "--params", shipped, "--gpus", "4", "--dir", str(work), "--jobs", ",".join(RAY_JOBS)], env,
+        tmp_path)
     assert gaps and max(gaps) < 30, f"the next trial started {gaps} s after one ended\n{out}"
     assert waited < 30, f"{waited:.0f} s after Ctrl-C\n{out}"
     assert code == 1, out
@@ -213,7 +216,7 @@ def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
     assert resumed.returncode == 0, out
     assert "[sweep] resuming" in resumed.stdout
     assert f"[rehearse] {shipped}: sweep, tables passed" in resumed.stdout
-    check_outputs(work, out)
+    check_outputs(work, out, RAY_JOBS)
     check_controls(ON_DECLARED_GPUS, work)
     assert yaml.safe_load((work / "params.yaml").read_text())["ray"]["use_gpu"] is True
     trials = read_csv(work / "sweeps/results.csv")
