@@ -72,10 +72,11 @@ def run_one(job: tuple[str, int, dict[str, object], dict[str, object], int, str,
         print(f"[{name} / seed {seed}] epoch {line['epoch']}/{params.train.epochs} loss {line['loss']:.5f}{knn} "
               f"{history[-1]['seconds']:.1f} s", flush=True)
 
-    done = train_and_probe(params, data, resolve_device(params.train.device), on_epoch=each)
+    device = resolve_device(params.train.device)
+    done = train_and_probe(params, data, device, on_epoch=each)
     return {"row": name, "seed": seed, "epochs": len(done.history),
             **{f"probe.{k}": v for k, v in done.accuracies.items()}, "n_probe_train": done.n_probe,
-            "knn_acc": done.knn_acc, "gpus": int(resolve_device(params.train.device).type == "cuda"),
+            "knn_acc": done.knn_acc, "gpus": int(device.type == "cuda"),
             "train_seconds": round(done.train_seconds, 1), "probe_seconds": round(done.probe_seconds, 1)}
 
 

@@ -70,7 +70,7 @@ def train_and_probe(params: Params, data: Dataset, device: torch.device, control
         loop = PretrainLoop(params, data, device)
 
         def each(_metrics: object, _checkpoint_now: bool) -> None:
-            history[:] = [epoch_record(h) for h in loop.history]
+            history.append(epoch_record(loop.history[-1]))  # the epoch just ended
             if on_epoch:
                 on_epoch(list(history))
 
