@@ -1,4 +1,5 @@
-"""``pretrain`` stage: distributed TransFusion pretraining on Ray Train, tracked in MLflow.
+"""``pretrain`` stage: TransFusion pretraining, on Ray Train (several workers, a cluster) or in this process (one
+local worker: ``pipeline.runs.train.in_process``), tracked in MLflow.
 
 Reads params: ``model``, ``loss``, ``augment``, ``train``, ``ray``; input ``data/prepared/``.
 Writes (atomically): ``models/pretrain/{model.pt,config.json}``, ``metrics/pretrain.json``,
@@ -22,7 +23,7 @@ from pipeline.io import atomic_dir, save_torch, write_csv, write_json
 from pipeline.runs.cluster import ClusterError
 from pipeline.runs.job import close_job
 from pipeline.runs.tracking import TrackingError
-from pipeline.runs.train import PretrainError, PretrainResult, epoch_metric_names, pretrain
+from pipeline.runs.train import PretrainError, PretrainResult, Worker, epoch_metric_names, pretrain
 from stages._common import (
     around,
     params_options,
@@ -62,14 +63,29 @@ def health_warnings(summary: dict) -> list[str]:
 
 
 def time_parts(started: float, res: PretrainResult, now: float) -> list[tuple[str, float]]:
-    """Where the stage's time went: before Ray Train's run (imports, Ray's start, the checks, the MLflow run); the
+    """Where the stage's time went: before the run (imports, Ray's start when on Ray, the checks, the MLflow run); the
     run (``res.fit_seconds``) and, within it, the training steps of the epochs it trained (a resumed run's earlier
-    epochs are not counted; the rest of the run is Ray Train's start and stop and each epoch's kNN, health, report and
-    checkpoint); after it, the outputs and the MLflow model."""
+    epochs are not counted; the rest of the run is each epoch's kNN, health, report and checkpoint, and on Ray Train
+    its start and stop); after it, the outputs and the MLflow model."""
     before, after = around(started, res.fit_started, res.fit_seconds, now)
     steps = sum(h["seconds"] for h in res.state.history if h["ended_at"] >= res.fit_started)
-    return [("start (imports, Ray, checks, MLflow run)", before), ("Ray Train's run", res.fit_seconds),
-            ("of which training steps", steps), ("outputs and MLflow model", after)]
+    start, run = (("start (imports, Ray, checks, MLflow run)", "Ray Train's run") if res.in_ray else
+                  ("start (imports, checks, MLflow run)", "the run in this process"))
+    return [(start, before), (run, res.fit_seconds), ("of which training steps", steps),
+            ("outputs and MLflow model", after)]
+
+
+def placement_line(workers: list[Worker]) -> str:
+    """``1 worker(s) on 1 node(s): rank 0 on node 1a2b3c4d5e6f (host, cpu)``, or ``1 worker in this process (host,
+    cpu)`` for a run outside Ray."""
+    def where(w: Worker) -> str:
+        return f"({w['host']}, {w['device']}" + (f", GPU {','.join(w['gpu_ids'])}" if w.get("gpu_ids") else "") + ")"
+
+    if len(workers) == 1 and not workers[0]["node_id"]:
+        return f"1 worker in this process, no Ray {where(workers[0])}"
+    nodes = sorted({w["node_id"] for w in workers})
+    return f"{len(workers)} worker(s) on {len(nodes)} node(s): " + ", ".join(
+        f"rank {w['rank']} on node {w['node_id'][:12]} {where(w)}" for w in workers)
 
 
 def trained_model(params: Params, res: PretrainResult) -> torch.nn.Module:
@@ -88,7 +104,8 @@ def trained_model(params: Params, res: PretrainResult) -> torch.nn.Module:
 @click.option("--no-tracking", is_flag=True, help="Do not log to MLflow.")
 @runtime_errors(DatasetError, PretrainError, TrackingError, ClusterError, StorageError)
 def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
-    """Pretrain TransFusion on the prepared data with Ray Train (resumes an interrupted run)."""
+    """Pretrain TransFusion on the prepared data: on Ray Train, or in this process for one local worker (resumes an
+    interrupted run)."""
     started = process_started()
     paths = (Path("models/pretrain"), Path("metrics/pretrain.json"), Path("plots/pretrain.csv"))
     with run_job(pretrain, params, data_dir, no_tracking) as res:  # the MLflow run ends with the block
@@ -96,10 +113,7 @@ def pretrain_cmd(params: Params, data_dir: Path, no_tracking: bool) -> None:
         workers = res.state.workers
         close_job(res.job, [paths[0] / "config.json", paths[1], paths[2]], tags={"workers": json.dumps(workers)},
                   model=trained_model(params, res) if res.job.run else None)
-    nodes = sorted({w["node_id"] for w in workers})
-    click.echo(f"[pretrain] {len(workers)} worker(s) on {len(nodes)} node(s): " + ", ".join(
-        f"rank {w['rank']} on node {w['node_id'][:12]} ({w['host']}, {w['device']}"
-        + (f", GPU {','.join(w['gpu_ids'])}" if w.get("gpu_ids") else "") + ")" for w in workers))
+    click.echo(f"[pretrain] {placement_line(workers)}")
     knn = f", kNN acc {summary['knn_acc']:.4f}" if summary["knn_acc"] is not None else ""
     click.echo(f"pretrained {summary['epochs']} epochs: loss {summary['loss']:.5f}{knn}, "
                f"{summary['samples_per_s']:,.0f} samples/s -> models/pretrain/")

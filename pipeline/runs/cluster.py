@@ -199,10 +199,7 @@ def connect(params: Params, root: Path | None = None, *, tracking: bool = True, 
     """What every Ray stage does first, cheapest first: the tracking store is sound; a local Ray's request fits this
     machine (exit 2, before Ray starts); connect; a local Ray's nodes (also a rehearsal's) fit it. Returns whether
     the workers train on GPUs, and the cluster's resources (a cluster may still grow: :func:`wait_for_workers`)."""
-    if tracking:
-        from pipeline.runs.tracking import check_reachable, tracking_uri
-
-        check_reachable(tracking_uri(root))
+    check_tracking(root, tracking)
     request = {"cpus_per_worker": cpus_per_worker, "trial_cpu": trial_cpu, "what": what}
     local = address_of(params) is None
     if local and not ray_up():  # a Ray this process already runs is checked below, as it is
@@ -216,6 +213,25 @@ def connect(params: Params, root: Path | None = None, *, tracking: bool = True, 
     if local:
         check_request(params, live_nodes(), gpu=gpu, **request)
     return gpu, totals
+
+
+def check_tracking(root: Path | None, tracking: bool) -> None:
+    """The tracking store is sound (when tracking): a job's first check."""
+    if tracking:
+        from pipeline.runs.tracking import check_reachable, tracking_uri
+
+        check_reachable(tracking_uri(root))
+
+
+def check_here(params: Params, root: Path | None = None, *, tracking: bool = True) -> tuple[bool, dict[str, float]]:
+    """What a run in this process (``pipeline.runs.train.in_process``: no Ray) checks first: the tracking store is
+    sound, its one worker fits this machine (exit 2). Returns whether it trains on a GPU, and this machine's
+    resources."""
+    check_tracking(root, tracking)
+    nodes = local_nodes()
+    gpu = use_gpu(params, nodes[0]["GPU"])
+    check_request(params, nodes, gpu=gpu)
+    return gpu, nodes[0]
 
 
 def start_local_ray(num_gpus: int = 0, **init: object) -> None:

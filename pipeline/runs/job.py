@@ -22,7 +22,7 @@ from pipeline.config.names import stable_name
 from pipeline.config.params import Params
 from pipeline.data.storage import check_storage, is_uri, join, stage_prepared
 from pipeline.runs import tracking as trk
-from pipeline.runs.cluster import connect, wait_for_workers
+from pipeline.runs.cluster import check_here, connect, wait_for_workers
 from pipeline.runs.undocumented import failure_causes
 from pipeline.training.loop import Callback
 
@@ -151,8 +151,6 @@ def load_callbacks(refs: str | None = None) -> list[Callback]:
     """The loop callbacks named by ``refs`` (default ``$TRANSFUSION_CALLBACKS``): ``module:attr,...``, each a
     ``Callback`` subclass or instance. Made in the driver (it may read its environment) and shipped to the workers,
     their modules pickled by value, so that a worker needs no copy. Raises :class:`ParamsError` for a bad name."""
-    import ray.cloudpickle
-
     refs = os.environ.get(CALLBACKS_ENV, "") if refs is None else refs
     callbacks = []
     for ref in (r.strip() for r in refs.split(",") if r.strip()):
@@ -167,6 +165,8 @@ def load_callbacks(refs: str | None = None) -> list[Callback]:
         if not isinstance(callback, Callback):
             raise ParamsError(f"{CALLBACKS_ENV}: {ref!r} is a {type(found).__name__}, not a Callback subclass or "
                               "instance (pipeline.training.loop.Callback)")
+        import ray.cloudpickle  # only with callbacks: a run in this process imports no Ray
+
         ray.cloudpickle.register_pickle_by_value(module)
         callbacks.append(callback)
     return callbacks
@@ -174,22 +174,27 @@ def load_callbacks(refs: str | None = None) -> list[Callback]:
 
 def open_job(stage: str, params: Params, data_dir: Path, root: Path, *, tracking: bool, title: str,
              logged: Mapping[str, object], worker_params: Params | None = None, cpus_per_worker: float | None = None,
-             trial_cpu: float = 0.0, what: str = "pretraining") -> Job:
+             trial_cpu: float = 0.0, what: str = "pretraining", here: bool = False) -> Job:
     """Open (or resume) the job ``stage`` on ``data_dir``: its MLflow run ``title`` logs ``logged``, its workers get
-    ``worker_params`` (default ``params``); ``cpus_per_worker``, ``trial_cpu``, ``what``: a Tune job's request."""
+    ``worker_params`` (default ``params``); ``cpus_per_worker``, ``trial_cpu``, ``what``: a Tune job's request;
+    ``here``: its one worker runs in this process (no Ray), on ``data_dir`` as it is."""
     callbacks = load_callbacks()  # a wrong name fails here, before Ray starts
     manifest = read_manifest(data_dir)
     name = job_name(stage, params, manifest)
     storage = storage_location(params, root)
     check_storage(storage)
-    gpu, totals = connect(params, root, tracking=tracking, cpus_per_worker=cpus_per_worker, trial_cpu=trial_cpu,
-                          what=what)
-    wait_for_workers(params, gpu=gpu, cpus_per_worker=cpus_per_worker, trial_cpu=trial_cpu)
+    if here:
+        gpu, totals = check_here(params, root, tracking=tracking)
+    else:
+        gpu, totals = connect(params, root, tracking=tracking, cpus_per_worker=cpus_per_worker, trial_cpu=trial_cpu,
+                              what=what)
+        wait_for_workers(params, gpu=gpu, cpus_per_worker=cpus_per_worker, trial_cpu=trial_cpu)
     run = mlflow_run(root, name, stage=stage, title=title, logged=logged, manifest=manifest,
                      data_dir=data_dir) if tracking else None  # only once the cluster can serve the job
     if run:
         run_opened(run)  # from here on, ending_runs ends it if anything fails
-    spec = WorkerSpec(params=worker_params or params, data_dir=stage_prepared(data_dir, storage), manifest=manifest,
+    staged = str(data_dir.resolve()) if here else stage_prepared(data_dir, storage)
+    spec = WorkerSpec(params=worker_params or params, data_dir=staged, manifest=manifest,
                       storage=storage, name=name, use_gpu=gpu, callbacks=callbacks)
     return Job(stage=stage, params=params, root=root, gpu=gpu, totals=totals, spec=spec, run=run)
 

@@ -16,6 +16,7 @@ import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -198,44 +199,86 @@ def save_view(uri: str, exp_id: str) -> str:
     return save_shared_view(_client(uri), exp_id, VIEW_KEY, columns)
 
 
+class EpochLog:
+    """Log one epoch's metrics (rank 0's report) to ``run_id``, one small write each; tracking never stops training:
+    a failure is one warning line, then nothing more is logged (the driver logs the missing epochs at the end from
+    the checkpoints, :func:`log_missing_epochs`). Pickles without its client (a Ray Train callback's ships).
+
+    As a context manager (a run in this process), each write runs on a thread of its own, in order, so that the
+    training loop does not wait for the store; leaving the block waits for the last one."""
+
+    def __init__(self, uri: str, run_id: str) -> None:
+        self.uri, self.run_id = uri, run_id
+        self.client: MlflowClient | None = None
+        self.warned = False
+        self.writer: ThreadPoolExecutor | None = None
+
+    def __getstate__(self) -> dict:
+        return {"uri": self.uri, "run_id": self.run_id, "warned": self.warned}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.client, self.writer = None, None
+
+    def __enter__(self) -> EpochLog:
+        self.open()
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-epochs")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.shutdown(wait=True)
+
+    def open(self) -> None:
+        """Open the store (the first MLflow import and store initialisation take seconds): before the first epoch."""
+        try:
+            self.client = _client(self.uri)
+            self.client.get_run(self.run_id)
+        except Exception as exc:
+            self._warn(exc)
+
+    def _warn(self, exc: Exception) -> None:
+        if not self.warned:
+            self.warned = True
+            print(f"[pretrain] warning: MLflow logging to {self.uri} failed ({exc}); the driver logs the epochs "
+                  "from the checkpoints when training ends")
+
+    def __call__(self, metrics: Mapping[str, object]) -> None:
+        if self.writer is not None:
+            self.writer.submit(self._write, dict(metrics))
+        else:
+            self._write(metrics)
+
+    def _write(self, metrics: Mapping[str, object]) -> None:
+        if "epoch" not in metrics or self.warned:
+            return
+        try:
+            log_metrics_batch(self.uri, self.run_id, [metrics],
+                              tuple(k for k in metrics if k not in ("epoch", "ended_at")), client=self.client)
+        except Exception as exc:
+            self._warn(exc)
+
+
 def epoch_logger(uri: str, run_id: str):
-    """A Ray Train callback that logs rank 0's per-epoch metrics to ``run_id`` from the controller (on the driver's
-    node). ``after_report`` runs in the loop that registers checkpoints: MLflow is imported and the store opened on
-    arrival (``__setstate__``), leaving one small write per epoch; the driver logs what a killed controller did not."""
+    """A Ray Train callback that logs rank 0's per-epoch metrics (:class:`EpochLog`) from the controller (on the
+    driver's node). ``after_report`` runs in the loop that registers checkpoints: the store is opened on arrival
+    (``__setstate__``), leaving one small write per epoch."""
     import ray.train
 
     class EpochLogger(ray.train.UserCallback):
         def __init__(self) -> None:
-            self.client = None
-            self.warned = False
+            self.log = EpochLog(uri, run_id)
 
         def __getstate__(self) -> dict:
-            return {"warned": self.warned}
+            return {"log": self.log}
 
         def __setstate__(self, state: dict) -> None:
             self.__dict__.update(state)
-            self.client = None
-            try:  # warm up: the first MLflow import and store initialisation take seconds
-                self.client = _client(uri)
-                self.client.get_run(run_id)
-            except Exception as exc:
-                self._warn(exc)
-
-        def _warn(self, exc: Exception) -> None:
-            if not self.warned:  # tracking must never stop training; say it once
-                self.warned = True
-                print(f"[pretrain] warning: MLflow logging to {uri} failed ({exc}); the driver logs the epochs "
-                      "from the checkpoints when training ends")
+            self.log.open()
 
         def after_report(self, run_context, metrics, checkpoint) -> None:
-            m = metrics[0] if metrics else {}
-            if "epoch" not in m or self.warned:
-                return
-            try:
-                log_metrics_batch(uri, run_id, [m], tuple(k for k in m if k not in ("epoch", "ended_at")),
-                                  client=self.client)
-            except Exception as exc:
-                self._warn(exc)
+            self.log(metrics[0] if metrics else {})
 
     return EpochLogger()
 

@@ -1,16 +1,19 @@
-"""Distributed pretraining on Ray Train (V2 ``TorchTrainer``): the workers' loop (:func:`run_worker`), a Ray Train
-run of it (:func:`fit_run`, also a Tune trial's of several workers) and the pretraining job (:func:`pretrain`).
+"""Pretraining: the workers' loop (:func:`run_worker`), a Ray Train (V2 ``TorchTrainer``) run of it (:func:`fit_run`,
+also a Tune trial's of several workers), its run in this process (:func:`train_here`) and the pretraining job
+(:func:`pretrain`), which trains in this process when Ray Train would add nothing but its cost (:func:`in_process`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
@@ -36,9 +39,15 @@ from pipeline.evaluation.health import is_health_key
 from pipeline.host import use_threads
 from pipeline.io import load_torch
 from pipeline.runs import tracking as trk
-from pipeline.runs.cluster import TRAIN_CONSOLE_LEVEL, with_worker_cpus
+from pipeline.runs.cluster import TRAIN_CONSOLE_LEVEL, address_of, with_worker_cpus
 from pipeline.runs.job import TRAINING, Job, WorkerSpec, error_reason, fail_job, flat_sections, open_job, say
-from pipeline.runs.undocumented import checkpoint_dirs, poll_reports_fast, run_torn_down, torn_snapshot
+from pipeline.runs.undocumented import (
+    CHECKPOINT_PREFIX,
+    checkpoint_dirs,
+    poll_reports_fast,
+    run_torn_down,
+    torn_snapshot,
+)
 from pipeline.training.loop import EpochMetrics, PretrainLoop, data_budget, epoch_metrics
 from pipeline.training.step import NonFiniteLossError
 
@@ -102,19 +111,25 @@ class PretrainError(RuntimeError):
     """Training stopped (non-finite loss, failed workers); the last good checkpoint is kept."""
 
 
-def node_name() -> str:
-    """``node 1a2b3c4d5e6f (host)``: where this worker runs, for its errors."""
+def node_name(in_ray: bool = True) -> str:
+    """``node 1a2b3c4d5e6f (host)``: where this worker runs, for its errors (``in_ray``: a Ray process's)."""
+    if not in_ray:
+        return f"this process ({socket.gethostname()})"
     import ray
 
     return f"node {ray.get_runtime_context().get_node_id()[:12]} ({socket.gethostname()})"
 
 
-def _placement(rank: int, world: int, device: torch.device) -> list[Worker]:
-    """Where every rank runs, gathered on all ranks."""
-    import ray
+def _placement(rank: int, world: int, device: torch.device, in_ray: bool = True) -> list[Worker]:
+    """Where every rank runs, gathered on all ranks (outside Ray: ``node_id`` "")."""
+    if in_ray:
+        import ray
 
-    me: Worker = {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(),
-          "pid": os.getpid(), "device": str(device), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+        node_id, gpu_ids = ray.get_runtime_context().get_node_id(), [str(g) for g in ray.get_gpu_ids()]
+    else:
+        node_id, gpu_ids = "", [str(device.index or 0)] if device.type == "cuda" else []
+    me: Worker = {"rank": rank, "node_id": node_id, "host": socket.gethostname(), "pid": os.getpid(),
+                  "device": str(device), "gpu_ids": gpu_ids}
     if world == 1 or not torch.distributed.is_initialized():
         return [me]
     everyone: list[Worker] = [me] * world
@@ -149,9 +164,14 @@ def worker_device(use_gpu: bool, backend: str, *, ray_train: bool = True) -> tor
 
 
 class Session:
-    """Where a worker's checkpoint comes from and its reports go: :class:`TrainSession` or ``tune.TuneSession``."""
+    """Where a worker's checkpoint comes from and its reports go: :class:`TrainSession`, ``tune.TuneSession`` or, in
+    this process, :class:`LocalSession`. ``scratch``: where a checkpoint is written before :meth:`report` takes it
+    (None: the system's temp dir)."""
 
-    def get_checkpoint(self) -> ray.train.Checkpoint | None:  # Tune's is the same class
+    in_ray = True  # the worker is a Ray process
+    scratch: str | None = None
+
+    def get_checkpoint(self) -> ray.train.Checkpoint | LocalCheckpoint | None:  # Tune's is Ray Train's class
         raise NotImplementedError
 
     def report(self, metrics: Epoch, checkpoint_dir: str | None) -> None:
@@ -179,31 +199,68 @@ class TrainSession(Session):
                          delete_local_checkpoint_after_upload=True)
 
 
+@dataclass(frozen=True)
+class LocalCheckpoint:
+    """A checkpoint folder of a run in this process (as Ray's ``Checkpoint`` is read)."""
+
+    path: str
+
+    @contextlib.contextmanager
+    def as_directory(self) -> Iterator[str]:
+        yield self.path
+
+
+class LocalSession(Session):
+    """A run in this process: each checkpoint becomes the folder ``checkpoint_<epoch>`` of ``run_dir`` whole (written
+    beside it, then renamed: a crash leaves the one before), the ``keep`` newest kept; every epoch goes to ``log``."""
+
+    in_ray = False
+
+    def __init__(self, run_dir: str, keep: int, log: Callable[[Epoch], None] | None = None) -> None:
+        self.run_dir, self.keep, self.log = run_dir, keep, log
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        for torn in Path(run_dir).glob(".transfusion-ckpt-*"):  # a checkpoint an interruption left half-written
+            shutil.rmtree(torn, ignore_errors=True)
+        self.scratch = run_dir
+
+    def get_checkpoint(self) -> LocalCheckpoint | None:
+        found = checkpoint_dirs(self.run_dir)  # newest first
+        return LocalCheckpoint(found[0]) if found else None
+
+    def report(self, metrics: Epoch, checkpoint_dir: str | None) -> None:
+        if checkpoint_dir is not None:
+            final = Path(self.run_dir, f"{CHECKPOINT_PREFIX}{int(metrics['epoch']):06d}")
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(checkpoint_dir, final)
+            for old in checkpoint_dirs(self.run_dir)[self.keep:]:
+                shutil.rmtree(old, ignore_errors=True)
+        if self.log is not None:
+            self.log(metrics)
+
+
 def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1,
                device: torch.device | None = None) -> PretrainLoop | None:
     """One worker's pretraining: resume from the session's checkpoint (or ``spec.resume_dir``), train the remaining
     epochs, report each through ``session`` (rank 0: with a checkpoint every ``train.checkpoint_every`` epochs).
     Returns the loop, or None when the loss became non-finite (rank 0 wrote ``STATUS_FILE`` in ``spec.run_dir``)."""
-    import ray.train
-
     params = spec.params
     use_threads(torch_threads(params.ray.cpus_per_worker))  # torch's and BLAS's (Ray set OMP_NUM_THREADS)
     device = device or torch.device("cpu")
     # mapped, not read, when the loop will stream it (beyond the data budget) or put it on a GPU
     budget = data_budget(params.train.data_budget_mb, device)
-    data = fetch_prepared(spec.data_dir, spec.manifest, where=node_name(),
+    data = fetch_prepared(spec.data_dir, spec.manifest, where=node_name(session.in_ray),
                           mmap=device.type == "cuda" or prepared_nbytes(spec.manifest) > budget)
     loop = PretrainLoop(params, data, device, rank=rank, world_size=world, budget=budget)
     if rank == 0 and not spec.quiet:
         say(f"[pretrain] {loop.data_line()}")
         say(f"[pretrain] {loop.head_plan.describe()}")
-    workers = _placement(rank, world, device)
+    workers = _placement(rank, world, device, session.in_ray)
     if rank == 0:
         write_json(spec.run_dir, PLACEMENT_FILE, workers)
 
     checkpoint = session.get_checkpoint()
     if checkpoint is None and spec.resume_dir:  # Ray's own record of the run was lost: ours is the checkpoint
-        checkpoint = ray.train.Checkpoint.from_directory(spec.resume_dir)
+        checkpoint = LocalCheckpoint(spec.resume_dir)
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             restore(loop, Path(d))
@@ -215,7 +272,7 @@ def run_worker(spec: WorkerSpec, session: Session, rank: int = 0, world: int = 1
         if rank == 0 and not spec.quiet:
             say(f"[pretrain] {m.line(params.train.epochs)}")
         if checkpoint_now and rank == 0:
-            d = tempfile.mkdtemp(prefix="transfusion-ckpt-")
+            d = tempfile.mkdtemp(prefix=".transfusion-ckpt-", dir=session.scratch)
             torch.save(loop.state_dict(), Path(d) / STATE_FILE)
             record: CheckpointRecord = {"epoch": loop.epoch, "history": loop.history, "workers": workers}
             Path(d, RECORD_FILE).write_text(json.dumps(record))
@@ -270,6 +327,27 @@ def train_loop_per_worker(config: dict[str, WorkerSpec]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- driver
+def in_process(params: Params) -> bool:
+    """Whether pretraining runs in this process instead of on Ray Train: one worker, no cluster (``ray.address``,
+    ``RAY_ADDRESS``), no restarts asked for (``ray.max_failures``: 0; a rerun resumes) and a local storage. Ray Train
+    would add only its start and stop and a report per epoch through its controller (docs/distributed.md)."""
+    return (params.ray.num_workers == 1 and address_of(params) is None and params.ray.max_failures == 0
+            and not is_uri(params.ray.storage_path))
+
+
+def train_here(spec: WorkerSpec, log: Callable[[Epoch], None] | None, keep: int) -> TrainedState | None:
+    """Train ``spec``'s one worker in this process (resuming from its last checkpoint in ``spec.run_dir``, keeping the
+    ``keep`` newest), each epoch to ``log``; returns the final checkpoint's state (None without one)."""
+    session = LocalSession(spec.run_dir, keep, log)
+    device = worker_device(spec.use_gpu, spec.params.ray.backend, ray_train=False)
+    run_worker(spec, session, device=device)
+    found = session.get_checkpoint()
+    if found is None:
+        return None
+    record = json.loads(Path(found.path, RECORD_FILE).read_text())
+    return TrainedState.of(load_torch(Path(found.path) / STATE_FILE), record["workers"])
+
+
 def recover(run_dir: str | None) -> str | None:
     """When an interruption tore Ray's run record in a local ``run_dir``: the newest checkpoint that loads, or None."""
     if not run_dir or is_uri(run_dir) or not torn_snapshot(run_dir):
@@ -292,28 +370,37 @@ class PretrainResult:
     job: Job
     input_shape: tuple[int, ...]
     n_classes: int
-    fit_started: float = 0.0  # when Ray Train's run started (time.time())
-    fit_seconds: float = 0.0  # its wall time: Ray Train's start and stop, the epochs and their reports
+    fit_started: float = 0.0  # when the run started (time.time())
+    fit_seconds: float = 0.0  # its wall time: (Ray Train's start and stop,) the epochs and their reports
+    in_ray: bool = True  # it ran on Ray Train (else in this process: in_process)
 
 
 def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = True) -> PretrainResult:
-    """Run (or resume) distributed pretraining; returns the final state. Raises ``ParamsError`` (a request the
-    cluster can never satisfy), ``ClusterError`` (unreachable, resources never free), :class:`PretrainError`."""
+    """Run (or resume) pretraining, in this process (:func:`in_process`) or on Ray Train; returns the final state.
+    Raises ``ParamsError`` (a request the cluster can never satisfy), ``ClusterError`` (unreachable, resources never
+    free), :class:`PretrainError`."""
+    here = in_process(params)
     params = with_worker_cpus(params)
     data = load_prepared(data_dir, verify=True, mmap=True)  # a corrupt input fails here, before Ray starts
     if params.train.batch_size > len(data.train.y):
         raise ParamsError(f"train.batch_size ({params.train.batch_size}) exceeds the training set "
                           f"({len(data.train.y)} samples in {data_dir}); lower it or prepare more data")
     flat = flat_sections(params, TRAINING, ("ray.num_workers", "ray.use_gpu"))
-    job = open_job("pretrain", params, data_dir, root, tracking=tracking, title=pretrain_label(flat), logged=flat)
+    job = open_job("pretrain", params, data_dir, root, tracking=tracking, title=pretrain_label(flat), logged=flat,
+                   here=here)
     clear_status(job.run_dir)
-    job.spec.resume_dir = recover(job.run_dir)
     run = job.run
+    if not here:
+        job.spec.resume_dir = recover(job.run_dir)
     fit_started, fit_start = time.time(), time.perf_counter()
-    try:  # the driver's node's system metrics while Ray trains
+    try:  # the driver's node's system metrics while it trains
         with trk.system_metrics(run.uri if run else None, run.run_id if run else None):
-            state, _ = fit_run(job.spec, [trk.epoch_logger(run.uri, run.run_id)] if run else [], keep=2,
-                               max_failures=params.ray.max_failures)
+            if here:
+                with trk.EpochLog(run.uri, run.run_id) if run else contextlib.nullcontext() as log:
+                    state = train_here(job.spec, log, keep=2)
+            else:
+                state, _ = fit_run(job.spec, [trk.epoch_logger(run.uri, run.run_id)] if run else [], keep=2,
+                                   max_failures=params.ray.max_failures)
     except Exception as exc:
         message = error_reason(exc)
         if "prepared data" not in message:  # a worker that cannot read the data has nothing to resume
@@ -335,7 +422,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
         if state.head_plan:  # the head's path on the workers (pipeline.core.plan): dense|tiled, sharded
             trk.set_tags(run.run_id, state.head_plan.tags(), uri=run.uri)
     return PretrainResult(state=state, job=job, input_shape=data.input_shape, n_classes=len(data.classes),
-                          fit_started=fit_started, fit_seconds=fit_seconds)
+                          fit_started=fit_started, fit_seconds=fit_seconds, in_ray=not here)
 
 
 def fit_run(spec: WorkerSpec, callbacks: list[ray.train.UserCallback], keep: int, max_failures: int = 0,

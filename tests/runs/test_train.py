@@ -17,6 +17,7 @@ import torch
 from pipeline.evaluation.health import health_line
 from pipeline.runs.job import job_name
 from pipeline.runs.train import epoch_metric_names, worker_device
+from tests.conftest import ROOT
 
 
 @pytest.fixture()
@@ -79,3 +80,21 @@ def test_stable_names_follow_what_each_run_reads():
     tables = job_name("tables", p(), manifest)
     assert tables.startswith("tables-") and tables == job_name("tables", p("sweep.epochs=3"), manifest)
     assert job_name("tables", p("probe.seed=4"), manifest) != tables
+
+
+@pytest.mark.parametrize(("overrides", "env", "here"), [
+    ((), {}, True),                                          # the default: one local worker
+    (("ray.num_workers=2",), {}, False),                     # workers that fuse their batches
+    (("ray.max_failures=1",), {}, False),                    # restarts: Ray Train's
+    (("ray.address=10.0.0.1:6379",), {}, False),             # a cluster
+    ((), {"RAY_ADDRESS": "10.0.0.1:6379"}, False),
+    (("ray.storage_path=s3://bucket/runs",), {}, False),     # a storage for a cluster
+])
+def test_one_local_worker_without_restarts_trains_in_this_process(monkeypatch, overrides, env, here):
+    from pipeline.config.params import load_params
+    from pipeline.runs.train import in_process
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert in_process(load_params(ROOT / "params.yaml", list(overrides))) is here

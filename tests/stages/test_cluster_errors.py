@@ -87,13 +87,14 @@ def test_resources_that_never_come_free_end_after_the_resources_timeout(prepared
     assert hog.wait(timeout_seconds=60)
     try:
         start = time.monotonic()
-        result = invoke("pretrain", "-S", "ray.resources_timeout_s=3", "-S", "train.epochs=1")
+        result = invoke("pretrain", "-S", "ray.num_workers=2", "-S", "ray.resources_timeout_s=3",
+                        "-S", "train.epochs=1")
         seconds = time.monotonic() - start
     finally:
         remove_placement_group(hog)
     assert result.exit_code == 1, result.output
     error = one_paragraph(result.output)
-    assert re.search(r"waited [34] s for 1 worker\(s\) of .*, 3 s \(ray.resources_timeout_s\) of them with no node "
+    assert re.search(r"waited [34] s for 2 worker\(s\) of .*, 3 s \(ray.resources_timeout_s\) of them with no node "
                      r"on its way", error), error
     assert seconds < 60, seconds
     assert not (prepared / "models").exists()

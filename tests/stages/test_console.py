@@ -1,4 +1,5 @@
-"""A default `transfusion pretrain` prints our progress lines and real errors, not Ray's internal chatter.
+"""`transfusion pretrain` prints our progress lines and real errors, not Ray's internal chatter: on Ray Train (two
+workers) and in this process (the default's one worker, which starts no Ray at all).
 
 Each test runs the CLI as its own process, as `dvc repro` does, with its own local Ray under a temp ``RAY_TMPDIR`` (so
 that Ray's logs can be checked on disk and everything it leaves behind can be stopped) and its own ``HOME`` (no Ray
@@ -87,10 +88,28 @@ def session_logs(tmp: str) -> Path:
     return sessions[0]
 
 
-def test_a_default_run_prints_our_lines_and_ray_keeps_its_own_logs(sandbox):
-    """Also: a Ray killed without `ray stop` left <Ray temp dir>/ray/ray_current_cluster naming a dead address, which
-    ray.init() without an address would retry for minutes; with ray.address null the stage names it in one line and
-    trains on a fresh local Ray."""
+def test_the_default_one_worker_trains_in_this_process_and_starts_no_ray(sandbox):
+    """The default (one worker, no cluster) trains in the stage's own process: our lines only, no Ray session, no
+    Ray process; the same outputs and MLflow run as on Ray Train."""
+    project, tmp, home = sandbox
+    code, lines = pretrain(project, tmp, home)
+    console = "\n".join(lines)
+    assert code == 0, console
+    assert not not_ours(lines), console
+    assert "[pretrain] 1 worker in this process, no Ray (" in console, console
+    assert "start (imports, checks, MLflow run)" in console and "the run in this process" in console, console
+    assert not list(Path(tmp).glob("**/session_*")), console  # Ray never started
+    assert (project / "models" / "pretrain" / "model.pt").is_file()
+    client = mlflow.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("transfusion").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2]
+
+
+def test_a_ray_train_run_prints_our_lines_and_ray_keeps_its_own_logs(sandbox):
+    """Two workers train on Ray Train. Also: a Ray killed without `ray stop` left <Ray temp
+    dir>/ray/ray_current_cluster naming a dead address, which ray.init() without an address would retry for minutes;
+    with ray.address null the stage names it in one line and trains on a fresh local Ray."""
     project, tmp, home = sandbox
     os.makedirs(os.path.join(tmp, "ray"))
     with socket.socket() as s:
@@ -98,7 +117,7 @@ def test_a_default_run_prints_our_lines_and_ray_keeps_its_own_logs(sandbox):
         dead = s.getsockname()[1]
     Path(tmp, "ray", "ray_current_cluster").write_text(f"127.0.0.1:{dead}")
     start = time.monotonic()
-    code, lines = pretrain(project, tmp, home)
+    code, lines = pretrain(project, tmp, home, *TWO_WORKERS)
     console = "\n".join(lines)
     assert code == 0, console
     assert time.monotonic() - start < 150, console
@@ -111,7 +130,7 @@ def test_a_default_run_prints_our_lines_and_ray_keeps_its_own_logs(sandbox):
     assert sum(line.startswith("[mlflow] new tracking store ") for line in lines) == 1, console  # a fresh store
     assert any("[pretrain] epoch 1/2 loss" in line for line in lines), console
     assert any("[pretrain] epoch 2/2 loss" in line for line in lines), console
-    assert sum("[pretrain] head on one worker (" in line and ", dense: " in line for line in lines) == 1, console
+    assert sum("[pretrain] head sharded over 2 workers (" in line for line in lines) == 1, console
     assert any(line.startswith("pretrained 2 epochs: loss") for line in lines), console
     assert any(line.startswith("[pretrain] ") and " s in all: " in line for line in lines), console  # where time went
     # token authentication is still on (Ray created the token for this fresh HOME), only not announced
@@ -131,7 +150,7 @@ def test_a_worker_error_reaches_the_console_as_one_line_that_says_to_rerun(sandb
     console = "\n".join(lines)
     assert code == 1, console
     error = [line for line in lines if line.startswith("Error: ")]
-    assert len(error) == 1 and "rank 0: RuntimeError: injected crash after epoch 2 (tests.faults)" in error[0], console
+    assert len(error) == 1 and "RuntimeError: injected crash after epoch 2 (tests.faults)" in error[0], console
     assert "rerun the stage to resume" in error[0], console
     assert any("[pretrain] epoch 2/3 loss" in line for line in lines), console
     assert not ray_chatter(lines), console

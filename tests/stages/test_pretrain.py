@@ -8,6 +8,7 @@ import mlflow
 import pytest
 import torch
 
+from pipeline.data.storage import PLACEMENT_FILE
 from tests.conftest import invoke, pretrain_curve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -79,3 +80,58 @@ def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(prepa
     assert [c.name for c in runs_dir[0].glob("checkpoint_*")], "the epoch-1 checkpoint must be kept"
     _, runs = mlflow_runs(prepared)
     assert runs[0].info.status == "FAILED"
+
+
+def test_one_worker_in_this_process_equals_its_ray_train_run(prepared, ray_session):
+    """The default's one local worker trains in the stage's own process: the same model, curve and MLflow run as that
+    worker on Ray Train (``ray.max_failures: 1`` asks for Ray Train's restarts, so it runs there)."""
+    here = invoke("pretrain", *TINY)
+    assert here.exit_code == 0, here.output
+    assert "[pretrain] 1 worker in this process, no Ray (" in here.output
+    assert "the run in this process" in here.output
+    model = prepared / "models/pretrain/model.pt"
+    state_here, curve_here = torch.load(model, weights_only=True), pretrain_curve(prepared)
+    on_ray = invoke("pretrain", *TINY, "-S", "ray.max_failures=1")
+    assert on_ray.exit_code == 0, on_ray.output
+    assert "[pretrain] 1 worker(s) on 1 node(s): rank 0 on node " in on_ray.output
+    assert "Ray Train's run" in on_ray.output
+    state_ray, curve_ray = torch.load(model, weights_only=True), pretrain_curve(prepared)
+    assert state_here.keys() == state_ray.keys()
+    for name, tensor in state_here.items():
+        torch.testing.assert_close(tensor, state_ray[name], rtol=0, atol=0, msg=name)
+    measured = {"seconds", "samples_per_s", "ended_at"}  # wall-clock, not results
+    assert [{k: v for k, v in r.items() if k not in measured} for r in curve_here] == [
+        {k: v for k, v in r.items() if k not in measured} for r in curve_ray]
+    client, runs = mlflow_runs(prepared)
+    assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
+    assert [[m.value for m in client.get_metric_history(r.info.run_id, "loss")] for r in runs] == [
+        [float(r["loss"]) for r in curve_here]] * 2
+    assert [p.name for p in (prepared / "ray_results").iterdir()] == ["prepared-data"]  # both forgotten once done
+
+
+def test_an_interrupted_run_in_this_process_resumes_from_its_last_checkpoint(prepared, install_faults):
+    """A run in the stage's process that fails after epoch 2 keeps its checkpoints (each a folder written whole) and
+    its MLflow run FAILED; the rerun resumes after epoch 2, continues the same MLflow run, and ends where an
+    uninterrupted run does."""
+    install_faults(crash_at_epoch=2)
+    failed = invoke("pretrain", *TINY)
+    assert failed.exit_code == 1
+    assert "injected crash after epoch 2" in failed.output and "rerun the stage to resume" in failed.output
+    (run_dir,) = [d for d in (prepared / "ray_results").iterdir() if d.name.startswith("pretrain-")]
+    assert sorted(c.name for c in run_dir.iterdir()) == ["checkpoint_000001", "checkpoint_000002", PLACEMENT_FILE]
+    client, (run,) = mlflow_runs(prepared)
+    assert run.info.status == "FAILED" and "injected crash after epoch 2" in run.data.tags["error"]
+    install_faults()
+    resumed = invoke("pretrain", *TINY)
+    assert resumed.exit_code == 0, resumed.output
+    assert "[pretrain] resumed from the checkpoint after epoch 2" in resumed.output
+    assert "[pretrain] epoch 1/3" not in resumed.output and "[pretrain] epoch 3/3" in resumed.output
+    client, (run,) = mlflow_runs(prepared)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]
+    state_resumed = torch.load(prepared / "models/pretrain/model.pt", weights_only=True)
+    whole = invoke("pretrain", *TINY)  # the finished job was forgotten: it trains afresh, uninterrupted
+    assert whole.exit_code == 0 and "resumed" not in whole.output
+    state_whole = torch.load(prepared / "models/pretrain/model.pt", weights_only=True)
+    for name, tensor in state_whole.items():
+        torch.testing.assert_close(state_resumed[name], tensor, rtol=0, atol=0, msg=name)
