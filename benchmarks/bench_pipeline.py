@@ -7,15 +7,16 @@ in one run of this script, with the same torch threads:
   ``pipeline.core.model.build_model`` in ``train.memory_format``'s layout, Adam, ``BatchAugment``'s two views, the
   loss of ``make_loss``, and nothing else;
 - **pipeline**: the pretrain stage's :func:`pipeline.runs.train.pretrain` as the stage calls it, MLflow tracking on
-  (a sqlite store in a temporary folder): Ray's start, Ray Train's worker, the per-epoch online kNN, fusion health,
-  report and checkpoint, the MLflow epoch logging; ``--no-ray`` runs the pipeline's ``PretrainLoop`` in this process
-  instead (a GPU machine without Ray: what the loop's per-epoch work costs).
+  (a sqlite store in a temporary folder): its one worker in this process (``pipeline.runs.train.in_process``; on Ray
+  Train with ``-S ray.num_workers=2`` or ``-S ray.max_failures=1``), the per-epoch online kNN, fusion health, report
+  and checkpoint, the MLflow epoch logging; ``--no-ray`` runs the pipeline's ``PretrainLoop`` alone instead (what the
+  loop's per-epoch work costs, without the job around it).
 
 It prints samples/s of both, ``pipeline / plain loop: R`` (wall time over the same steps), and where the pipeline's
-extra time goes: Ray and MLflow before the run, Ray Train's start, the steps, the work between epochs (kNN, health,
-report, checkpoint), the last epoch's work and Ray Train's stop. The two runs' steps differ by up to ~10 % on a shared
-2-core machine (the same steps, measured one after the other), as much as the overhead itself, so it also prints the
-pipeline's wall time over its own training steps.
+extra time goes: MLflow (and Ray) before the run, the run's start (Ray Train's, on Ray), the steps, the work between
+epochs (kNN, health, report, checkpoint), the last epoch's work (and Ray Train's stop). The two runs' steps differ
+by up to ~10 % on a shared 2-core machine (the same steps, measured one after the other), as much as the overhead
+itself, so it also prints the pipeline's wall time over its own training steps.
 
     python benchmarks/bench_pipeline.py                        # 10,000 images, 6 epochs, 2 threads (a few minutes)
     python benchmarks/bench_pipeline.py --no-ray --device cuda # on a GPU machine (60,000 images: --limit-train 0)
@@ -89,11 +90,11 @@ def breakdown(history: list[dict], fit_started: float, fit_seconds: float, calle
     steps = sum(h["seconds"] for h in history)
     first, last = history[0], history[-1]
     between = (last["ended_at"] - first["ended_at"]) - sum(h["seconds"] for h in history[1:])
-    return {"before the run (Ray, MLflow)": fit_started - called,
-            "Ray Train's start": first["ended_at"] - first["seconds"] - fit_started,
+    return {"before the run (MLflow; Ray on Ray Train)": fit_started - called,
+            "the run's start (data, model; Ray Train's)": first["ended_at"] - first["seconds"] - fit_started,
             "training steps": steps,
             "between epochs (kNN, health, report, checkpoint)": between,
-            "last epoch's kNN/health/checkpoint + Ray Train's stop": fit_started + fit_seconds - last["ended_at"]}
+            "last epoch's kNN/health/checkpoint (+ Ray Train's stop)": fit_started + fit_seconds - last["ended_at"]}
 
 
 def main() -> int:
@@ -145,7 +146,7 @@ def main() -> int:
           f"{params.loss.name}, batch {b}, {args.epochs} epochs ({samples:,} samples), online kNN every "
           f"{params.train.knn_every} epoch(s), checkpoint every {params.train.checkpoint_every}")
     print(f"  plain loop: {plain:7.1f} s, {samples / plain:8,.0f} samples/s")
-    which = "PretrainLoop (no Ray)" if args.no_ray else "pipeline (Ray Train, MLflow)"
+    which = "PretrainLoop alone" if args.no_ray else f"pipeline ({'Ray Train' if res.in_ray else 'in process'}, MLflow)"
     print(f"  {which}: {total:7.1f} s, {samples / total:8,.0f} samples/s")
     parts = breakdown(history, fit_started, fit_seconds, called)
     for part, seconds in parts.items():

@@ -122,7 +122,7 @@ def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, re
                                "tables.reference (-S tables.reference=ROW)")
     # every row, and every point of a row's space, is checked (exit 2) before Ray starts; the MLflow run ends with
     # the block
-    with run_job(run_tables, params, data_dir, no_tracking) as (result, unit):
+    with run_job(run_tables, params, data_dir, no_tracking) as result:
         dataset = result.job.spec.manifest.get("dataset", "")
         curves = curve_rows(result.rows)
         write_csv(out / "results.csv", csv_records(result.rows), COLUMNS)
@@ -130,10 +130,10 @@ def tables_cmd(params: Params, data_dir: Path, base: Path, no_tracking: bool, re
         tuned = [out / "tuning.csv"] if result.tuning else []
         if result.tuning:
             write_csv(out / "tuning.csv", result.tuning, TUNING_COLUMNS)
-        write_json(out / "results.json", {"dataset": dataset, "hours_unit": unit, "rows": csv_records(result.rows),
-                                          "params": params.model_dump(mode="json"),
+        write_json(out / "results.json", {"dataset": dataset, "hours_unit": result.unit,
+                                          "rows": csv_records(result.rows), "params": params.model_dump(mode="json"),
                                           "tables": params.tables.model_dump(mode="json"), "tuning": result.tuning})
-        files = write_outputs(base, result.rows, curves, params, unit, dataset, result.tuning)
+        files = write_outputs(base, result.rows, curves, params, result.unit, dataset, result.tuning)
         close_tune_job(result, [*files, out / "results.csv", out / "results.json", out / "curves.csv", *tuned])
     failed = sum(r["status"] != "TERMINATED" for r in result.rows)
     click.echo(f"tables: {len(result.rows)} runs ({failed} failed) in {result.seconds:.0f} s -> {files[0]}, "

@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -26,6 +27,15 @@ TRAIN_CONSOLE_LEVEL = "ERROR"
 #: A Tune trial's: a trial torn down by Ctrl-C or ASHA may fail its controller's report to Tune (40 lines of
 #: traceback); a trial that really fails gets its one-line reason from the job's tracker.
 TRIAL_CONSOLE_LEVEL = "CRITICAL"
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a job opens on: whether its workers train on GPUs, and the cluster's resources then (a cluster may still
+    grow: :func:`wait_for_workers`)."""
+
+    gpu: bool
+    totals: dict[str, float]
 
 
 class ClusterError(RuntimeError):
@@ -195,10 +205,9 @@ def ray_up() -> bool:
 
 
 def connect(params: Params, root: Path | None = None, *, tracking: bool = True, cpus_per_worker: float | None = None,
-            trial_cpu: float = 0.0, what: str = "pretraining") -> tuple[bool, dict[str, float]]:
+            trial_cpu: float = 0.0, what: str = "pretraining") -> Capacity:
     """What every Ray stage does first, cheapest first: the tracking store is sound; a local Ray's request fits this
-    machine (exit 2, before Ray starts); connect; a local Ray's nodes (also a rehearsal's) fit it. Returns whether
-    the workers train on GPUs, and the cluster's resources (a cluster may still grow: :func:`wait_for_workers`)."""
+    machine (exit 2, before Ray starts); connect; a local Ray's nodes (also a rehearsal's) fit it."""
     check_tracking(root, tracking)
     request = {"cpus_per_worker": cpus_per_worker, "trial_cpu": trial_cpu, "what": what}
     local = address_of(params) is None
@@ -212,7 +221,7 @@ def connect(params: Params, root: Path | None = None, *, tracking: bool = True, 
     gpu = use_gpu(params, totals.get("GPU", 0.0))
     if local:
         check_request(params, live_nodes(), gpu=gpu, **request)
-    return gpu, totals
+    return Capacity(gpu, totals)
 
 
 def check_tracking(root: Path | None, tracking: bool) -> None:
@@ -223,15 +232,14 @@ def check_tracking(root: Path | None, tracking: bool) -> None:
         check_reachable(tracking_uri(root))
 
 
-def check_here(params: Params, root: Path | None = None, *, tracking: bool = True) -> tuple[bool, dict[str, float]]:
+def check_here(params: Params, root: Path | None = None, *, tracking: bool = True) -> Capacity:
     """What a run in this process (``pipeline.runs.train.in_process``: no Ray) checks first: the tracking store is
-    sound, its one worker fits this machine (exit 2). Returns whether it trains on a GPU, and this machine's
-    resources."""
+    sound, its one worker fits this machine (exit 2); its capacity is this machine's."""
     check_tracking(root, tracking)
     nodes = local_nodes()
     gpu = use_gpu(params, nodes[0]["GPU"])
     check_request(params, nodes, gpu=gpu)
-    return gpu, nodes[0]
+    return Capacity(gpu, nodes[0])
 
 
 def start_local_ray(num_gpus: int = 0, **init: object) -> None:

@@ -184,11 +184,12 @@ def open_job(stage: str, params: Params, data_dir: Path, root: Path, *, tracking
     storage = storage_location(params, root)
     check_storage(storage)
     if here:
-        gpu, totals = check_here(params, root, tracking=tracking)
+        capacity = check_here(params, root, tracking=tracking)
     else:
-        gpu, totals = connect(params, root, tracking=tracking, cpus_per_worker=cpus_per_worker, trial_cpu=trial_cpu,
-                              what=what)
-        wait_for_workers(params, gpu=gpu, cpus_per_worker=cpus_per_worker, trial_cpu=trial_cpu)
+        capacity = connect(params, root, tracking=tracking, cpus_per_worker=cpus_per_worker, trial_cpu=trial_cpu,
+                           what=what)
+        wait_for_workers(params, gpu=capacity.gpu, cpus_per_worker=cpus_per_worker, trial_cpu=trial_cpu)
+    gpu, totals = capacity.gpu, capacity.totals
     run = mlflow_run(root, name, stage=stage, title=title, logged=logged, manifest=manifest,
                      data_dir=data_dir) if tracking else None  # only once the cluster can serve the job
     if run:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -72,10 +72,18 @@ STAGE = "tables"
 
 
 # --------------------------------------------------------------------------------------------------- trial
+@dataclass(frozen=True)
+class RowProbes:
+    """A row's probes, as its trial reports them."""
+
+    accuracies: dict[str, float]  # each probe's test accuracy
+    n_probe: int  # the training images the probes were fit on
+    held: dict[str, float]  # the Ray resources they ran with ({"CPU": 3.0, "GPU": 1.0}; {} outside Ray)
+
+
 def probe_row(params: Params, data_dir: str, manifest: Manifest, model_state: dict[str, torch.Tensor] | None,
-              control: str | None = None) -> tuple[dict[str, float], int, dict[str, float]]:
-    """A row's probes on its trained model (``model_state``), or a control's (``raw_pixels``, ``random_init``), and
-    the Ray resources it ran with (``{"CPU": 3.0, "GPU": 1.0}``)."""
+              control: str | None = None) -> RowProbes:
+    """A row's probes on its trained model (``model_state``), or a control's (``raw_pixels``, ``random_init``)."""
     import ray
 
     from pipeline.data.storage import fetch_prepared
@@ -84,11 +92,11 @@ def probe_row(params: Params, data_dir: str, manifest: Manifest, model_state: di
     use_threads(torch_threads(params.ray.cpus_per_worker))  # a control's trial, a Ray task: Ray's OMP_NUM_THREADS
     accuracies, n_probe = probe_row_model(params, fetch_prepared(data_dir, manifest), model_state, control)
     held = ray.get_runtime_context().get_assigned_resources() if ray.is_initialized() else {}
-    return accuracies, n_probe, {k: float(v) for k, v in held.items() if k in ("CPU", "GPU")}
+    return RowProbes(accuracies, n_probe, {k: float(v) for k, v in held.items() if k in ("CPU", "GPU")})
 
 
 def probe_where_trained(params: Params, job: WorkerSpec, model_state: dict[str, torch.Tensor] | None,
-                        control: str | None = None) -> tuple[dict[str, float], int, dict[str, float]]:
+                        control: str | None = None) -> RowProbes:
     """Run :func:`probe_row` where the row's resources are: in a one-worker row's trial (it holds the worker's bundle),
     else as a Ray task of one worker's resources, once the row's Ray Train run has released them."""
     args = (params, job.data_dir, job.manifest, model_state, control)
@@ -117,17 +125,17 @@ def _row_trial(config: Config, job: WorkerSpec) -> None:
                      "workers": workers, "hours": run.seconds * workers / 3600})
         return
     start = time.time()
-    accuracies, n_probe, held = probe_where_trained(params, job, run.state.model if run else None, row["control"])
+    probes = probe_where_trained(params, job, run.state.model if run else None, row["control"])
     history = run.state.history if run else []
     knn = [h["knn_acc"] for h in history if h.get("knn_acc") is not None]
     workers, seconds = (params.ray.num_workers, run.seconds) if run else (0, 0.0)
     tune.report({
         "evaluated": 1, "epoch": run.state.epoch if run else 0, "knn_acc": knn[-1] if knn else math.nan,
-        **{f"probe.{k}": v for k, v in accuracies.items()}, "n_probe_train": n_probe,
+        **{f"probe.{k}": v for k, v in probes.accuracies.items()}, "n_probe_train": probes.n_probe,
         "train_seconds": float(sum(h["seconds"] for h in history)), "fit_seconds": seconds,
         "eval_seconds": time.time() - start, "workers": workers, "gpus": workers if job.use_gpu else 0,
         "hours": seconds * workers / 3600, "checkpoint_path": run.checkpoint_path if run else "",
-        "probe_cpus": held.get("CPU", 0.0), "probe_gpus": held.get("GPU", 0.0),
+        "probe_cpus": probes.held.get("CPU", 0.0), "probe_gpus": probes.held.get("GPU", 0.0),
     })
 
 
@@ -250,10 +258,10 @@ def tune_rows(job: Job, params: Params, tuned: list[Tuned], unit: str) -> list[d
     return [records[t.row.index] for t in tuned]
 
 
-def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = True) -> tuple[JobResult, str]:
+def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = True) -> JobResult:
     """Run (or resume) the tables job: the tuning phase of the rows with a space, then the final rows × seeds with
-    each row's chosen point; returns its result (``rows``: :func:`collect`; ``tuning``: :func:`tune_rows`'s records)
-    and the hours' unit. Raises ``ParamsError`` for bad rows (before Ray) and ``SweepError`` if interrupted or every
+    each row's chosen point; returns its result (``rows``: :func:`collect`; ``tuning``: :func:`tune_rows`'s records;
+    ``unit``: the hours'). Raises ``ParamsError`` for bad rows (before Ray) and ``SweepError`` if interrupted or every
     row failed."""
     params = with_worker_cpus(params, TRIAL_CPU)  # null: this machine's CPUs less the trial's own
     tuning_rows(params, resolve_rows(params))  # the params first, every row and point of a space: exit 2 before data
@@ -293,5 +301,5 @@ def run_tables(params: Params, data_dir: Path, root: Path, *, tracking: bool = T
     result = tune_job(job, trainer, space, tracker=tracker, concurrent=concurrent, announce=announce, metric=None,
                       reuse_actors=all(inline(r.params) for r in rows))
     result.rows = collect(result.outcomes, [*control_rows(params), *rows], unit)
-    result.tuning = tried
-    return result, unit
+    result.tuning, result.unit = tried, unit
+    return result

@@ -80,12 +80,13 @@ class TrainedState:
     epoch: int
     workers: list[Worker]
     head_plan: HeadPlan | None = None
+    path: str | None = None  # the checkpoint it was read from (a path or a URI), None: from the loop itself
 
     @classmethod
-    def of(cls, state: Mapping[str, object], workers: list[Worker]) -> TrainedState:
+    def of(cls, state: Mapping[str, object], workers: list[Worker], path: str | None = None) -> TrainedState:
         plan = state.get("head_plan")
         return cls(model=state["model"], history=list(state["history"]), epoch=int(state["epoch"]),
-                   workers=list(workers), head_plan=HeadPlan(**plan) if isinstance(plan, dict) else None)
+                   workers=list(workers), head_plan=HeadPlan(**plan) if isinstance(plan, dict) else None, path=path)
 
 
 class CheckpointRecord(TypedDict):
@@ -345,7 +346,7 @@ def train_here(spec: WorkerSpec, log: Callable[[Epoch], None] | None, keep: int)
     if found is None:
         return None
     record = json.loads(Path(found.path, RECORD_FILE).read_text())
-    return TrainedState.of(load_torch(Path(found.path) / STATE_FILE), record["workers"])
+    return TrainedState.of(load_torch(Path(found.path) / STATE_FILE), record["workers"], found.path)
 
 
 def recover(run_dir: str | None) -> str | None:
@@ -399,7 +400,7 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
                 with trk.EpochLog(run.uri, run.run_id) if run else contextlib.nullcontext() as log:
                     state = train_here(job.spec, log, keep=2)
             else:
-                state, _ = fit_run(job.spec, [trk.epoch_logger(run.uri, run.run_id)] if run else [], keep=2,
+                state = fit_run(job.spec, [trk.epoch_logger(run.uri, run.run_id)] if run else [], keep=2,
                                    max_failures=params.ray.max_failures)
     except Exception as exc:
         message = error_reason(exc)
@@ -426,9 +427,9 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
 
 
 def fit_run(spec: WorkerSpec, callbacks: list[ray.train.UserCallback], keep: int, max_failures: int = 0,
-            console_level: str = TRAIN_CONSOLE_LEVEL) -> tuple[TrainedState | None, str | None]:
+            console_level: str = TRAIN_CONSOLE_LEVEL) -> TrainedState | None:
     """Ray Train's run of ``spec``'s workers (``keep`` checkpoints, ``max_failures`` restarts, its console at
-    ``console_level``); returns its final checkpoint's state and path (None, None without one)."""
+    ``console_level``); returns its final checkpoint's state (None without one)."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -447,7 +448,7 @@ def fit_run(spec: WorkerSpec, callbacks: list[ray.train.UserCallback], keep: int
                                        logging_config=ray.train.LoggingConfig(log_level=console_level)),
     ).fit()
     if result.checkpoint is None:
-        return None, None
+        return None
     with result.checkpoint.as_directory() as d:
         record = json.loads(Path(d, RECORD_FILE).read_text())
-        return TrainedState.of(load_torch(Path(d) / STATE_FILE), record["workers"]), result.checkpoint.path
+        return TrainedState.of(load_torch(Path(d) / STATE_FILE), record["workers"], result.checkpoint.path)

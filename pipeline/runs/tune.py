@@ -104,19 +104,19 @@ def fit_trial(job: WorkerSpec, params: Params) -> TrialRun:
     if inline(params):
         clear_status(run_dir)
         loop = run_worker(spec, TuneSession(), device=worker_device(spec.use_gpu, params.ray.backend, ray_train=False))
-        state, path = (TrainedState.of(loop.state_dict(), workers=[]) if loop else None), None
+        state = TrainedState.of(loop.state_dict(), workers=[]) if loop else None
     else:
         from ray.tune.integration.ray_train import TuneReportCallback
 
         spec.resume_dir = recover(run_dir)
-        state, path = fit_run(spec, [TuneReportCallback()], keep=1, console_level=TRIAL_CONSOLE_LEVEL)
+        state = fit_run(spec, [TuneReportCallback()], keep=1, console_level=TRIAL_CONSOLE_LEVEL)
     seconds = time.time() - start
     status = read_json(run_dir, STATUS_FILE)  # kept with the run: a restored trial whose run had diverged fails again
     if status:
         raise TrialFailed(status_reason(status))
     if state is None:
         raise TrialFailed("the trial's training finished without a checkpoint")
-    return TrialRun(state=state, checkpoint_path=path, seconds=seconds)
+    return TrialRun(state=state, checkpoint_path=state.path, seconds=seconds)
 
 
 def trainable(trial: Callable[[Config, WorkerSpec], None], job: WorkerSpec,
@@ -269,6 +269,7 @@ class JobResult:  # a Tune job's outcome: the sweep's, the tables'
     peak: int = 0  # the most trials that trained at the same moment (Record.peak_at_once)
     rows: list[dict[str, object]] = field(default_factory=list)  # the job's rows (sweep: per trial; tables: records)
     tuning: list[dict[str, object]] = field(default_factory=list)  # tables: the tuning phase's trials, one record each
+    unit: str = "worker-hours"  # what its hours count: GPU-hours on GPU workers
 
     def trial_runs(self) -> list[str]:
         """The Ray Train runs its trials may have left on the storage."""
