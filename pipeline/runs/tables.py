@@ -134,7 +134,7 @@ def _row_trial(config: Config, job: WorkerSpec) -> None:
         **{f"probe.{k}": v for k, v in probes.accuracies.items()}, "n_probe_train": probes.n_probe,
         "train_seconds": float(sum(h["seconds"] for h in history)), "fit_seconds": seconds,
         "eval_seconds": time.time() - start, "workers": workers, "gpus": workers if job.use_gpu else 0,
-        "hours": seconds * workers / 3600, "checkpoint_path": run.checkpoint_path if run else "",
+        "hours": seconds * workers / 3600, "checkpoint_path": (run.state.path or "") if run else "",
         "probe_cpus": probes.held.get("CPU", 0.0), "probe_gpus": probes.held.get("GPU", 0.0),
     })
 

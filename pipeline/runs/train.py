@@ -331,7 +331,7 @@ def train_loop_per_worker(config: dict[str, WorkerSpec]) -> None:
 def in_process(params: Params) -> bool:
     """Whether pretraining runs in this process instead of on Ray Train: one worker, no cluster (``ray.address``,
     ``RAY_ADDRESS``), no restarts asked for (``ray.max_failures``: 0; a rerun resumes) and a local storage. Ray Train
-    would add only its start and stop and a report per epoch through its controller (docs/distributed.md)."""
+    would add only its start and stop and a report per epoch through its controller (docs/design.md: where it runs)."""
     return (params.ray.num_workers == 1 and address_of(params) is None and params.ray.max_failures == 0
             and not is_uri(params.ray.storage_path))
 

@@ -56,7 +56,6 @@ TRACKER_FILE = "trials.json"  # the tracker's record of the trials, in the drive
 @dataclass
 class TrialRun:
     state: TrainedState  # the final checkpoint's
-    checkpoint_path: str | None  # where that checkpoint is stored (None: a trial trained inside Tune)
     seconds: float  # wall time of the training: what its workers (and their GPUs) were held for
 
 
@@ -116,7 +115,7 @@ def fit_trial(job: WorkerSpec, params: Params) -> TrialRun:
         raise TrialFailed(status_reason(status))
     if state is None:
         raise TrialFailed("the trial's training finished without a checkpoint")
-    return TrialRun(state=state, checkpoint_path=state.path, seconds=seconds)
+    return TrialRun(state=state, seconds=seconds)
 
 
 def trainable(trial: Callable[[Config, WorkerSpec], None], job: WorkerSpec,
