@@ -16,6 +16,7 @@ import sys
 
 import click
 
+from pipeline.runs import tracking_process
 from pipeline.runs.undocumented import CONSOLE_SKIP
 
 
@@ -74,8 +75,21 @@ COMMANDS = {
 }
 
 
+# subcommands that start their MLflow tracking process before their imports (pipeline.runs.tracking_process)
+TRACKING_PROCESS = ("pretrain",)
+
+
 class LazyGroup(click.Group):
     """A group whose subcommands (:data:`COMMANDS`) are imported on first use."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple:
+        """Before the subcommand's module is imported: a ``pretrain`` that tracks, run as a program of its own (no
+        torch or MLflow loaded yet), starts its tracking process, so that MLflow's import and store open beside
+        torch's import (:mod:`pipeline.runs.tracking_process`)."""
+        if (args and args[0] in TRACKING_PROCESS and not {"--no-tracking", "-h", "--help"} & set(args[1:])
+                and not {"torch", "mlflow"} & set(sys.modules)):
+            tracking_process.start()
+        return super().resolve_command(ctx, args)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)

@@ -602,11 +602,14 @@ def test_files_are_only_loaded_with_the_safe_flag(module, package, flag, safe, a
 
 
 def test_no_unsafe_unpickling_or_archive_extraction():
-    """pickle only for CIFAR-10's own format (user-placed or md5-verified files); no tar/zip extraction of our own."""
+    """pickle only for CIFAR-10's own format (user-placed or md5-verified files) and between a stage and its own
+    tracking process (an anonymous pipe that no other process holds, as multiprocessing's); no tar/zip extraction of
+    our own."""
+    allowed = {"sources.py": 1, "tracking_process.py": 3}  # tracking_process: the two ends of the pipe, a round trip
     for path in PRODUCT_SOURCES:
         text = path.read_text()
         pickles = _calls(path, "pickle", {"load", "loads", "Unpickler"})
-        assert not pickles or (path.name == "sources.py" and len(pickles) == 1), f"{path.name}: pickle"
+        assert len(pickles) == allowed.get(path.name, 0) or not pickles, f"{path.name}: pickle"
         extracting = [n for n in _nodes(path) if isinstance(n, ast.Call)
                       and isinstance(n.func, ast.Attribute) and n.func.attr in EXTRACTING]
         assert not extracting and "import zipfile" not in text, path.name

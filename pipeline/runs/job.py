@@ -23,6 +23,7 @@ from pipeline.config.params import Params
 from pipeline.data.storage import check_storage, is_uri, join, stage_prepared
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import check_here, connect, wait_for_workers
+from pipeline.runs.tracking_process import tracker
 from pipeline.runs.undocumented import failure_causes
 from pipeline.training.loop import Callback
 
@@ -202,17 +203,19 @@ def open_job(stage: str, params: Params, data_dir: Path, root: Path, *, tracking
 
 def mlflow_run(root: Path, name: str, *, stage: str, title: str, logged: Mapping[str, object], manifest: Manifest,
                data_dir: Path) -> Tracked:
-    """The MLflow run of the job ``name``: created once, continued by the id kept in its state dir when it resumes."""
+    """The MLflow run of the job ``name``: created once, continued by the id kept in its state dir when it resumes
+    (through this process's tracker: its tracking process, when the stage started one)."""
+    via = tracker()
     uri = trk.tracking_uri(root)
-    exp = trk.experiment_id(uri, root)
+    exp = via.experiment_id(uri, root)
     id_file = root / STATE_DIR / name / "mlflow_run_id"  # Job.state_dir
     if id_file.exists():
         run_id = id_file.read_text().strip()
-        trk.resume_run(uri, run_id)
+        via.resume_run(uri, run_id)
         return Tracked(uri, exp, run_id)
-    data = trk.dataset_input(manifest, data_dir if data_dir.is_absolute() else root / data_dir)
     tags = {**trk.stage_tags(stage, root), stage: name, trk.IDENTITY_TAG: name}
-    run_id = trk.create_run(uri, root, title, tags, logged, inputs=[data])
+    run_id = via.create_job_run(uri, root, title, tags, logged, manifest,
+                                data_dir if data_dir.is_absolute() else root / data_dir)
     id_file.parent.mkdir(parents=True, exist_ok=True)
     id_file.write_text(run_id)
     return Tracked(uri, exp, run_id)
@@ -223,15 +226,15 @@ def close_job(job: Job, files: Iterable[Path], *, metrics: Mapping[str, float] |
               runs: Iterable[str] = ()) -> None:
     """The job's MLflow run gets ``metrics`` (step 0), ``tags``, ``files``, ``model``, ends FINISHED; then cleanup."""
     if job.run:
-        uri, run_id = job.run.uri, job.run.run_id
+        uri, run_id, via = job.run.uri, job.run.run_id, tracker()
         if metrics:
-            trk.log_metrics_batch(uri, run_id, [{"epoch": 0, **metrics}], tuple(metrics))
-        trk.set_tags(run_id, tags or {}, uri=uri)
+            via.log_metrics_batch(uri, run_id, [{"epoch": 0, **metrics}], tuple(metrics))
+        via.set_tags(run_id, tags or {}, uri=uri)
         if model is not None:
-            trk.log_pytorch_model(uri, run_id, model, [f for f in files if f.is_file()])
+            via.log_pytorch_model(uri, run_id, model, [f for f in files if f.is_file()])
         else:
-            trk.log_artifacts(uri, run_id, list(files))
-            trk.end_run(uri, run_id, "FINISHED")
+            via.log_artifacts(uri, run_id, list(files))
+            via.end_run(uri, run_id, "FINISHED")
         run_ended(job.run)
     cleanup(job.params, job.root, job.name, runs)
 
@@ -240,7 +243,7 @@ def fail_job(job: Job, status: str = "FAILED", error: str = "") -> None:
     """End the job's MLflow run ``status`` (FAILED, KILLED), tagged ``error`` (one line) when given; a rerun
     continues it."""
     if job.run:
-        trk.end_run(job.run.uri, job.run.run_id, status, {"error": error} if error else None)
+        tracker().end_run(job.run.uri, job.run.run_id, status, {"error": error} if error else None)
         run_ended(job.run)
 
 
@@ -257,7 +260,7 @@ def ending_runs() -> Iterator[None]:
         interrupted = isinstance(exc, KeyboardInterrupt)
         for run in [r for r in open_runs() if r not in before]:
             try:
-                trk.end_run(run.uri, run.run_id, "KILLED" if interrupted else "FAILED",
+                tracker().end_run(run.uri, run.run_id, "KILLED" if interrupted else "FAILED",
                             None if interrupted else {"error": error_reason(exc) or type(exc).__name__})
             except Exception as end_exc:  # the store itself may be what failed: the job's error is the one to see
                 sys.stderr.write(f"warning: could not end MLflow run {run.run_id} in {run.uri} ({end_exc})\n")

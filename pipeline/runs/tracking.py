@@ -149,6 +149,23 @@ def _new_run(client: MlflowClient, exp_id: str, name: str, tags: Mapping[str, st
     return run.info.run_id
 
 
+def create_job_run(uri: str, root: Path, name: str, tags: Mapping[str, str], params: Mapping[str, object],
+                   manifest: Mapping[str, object], source: Path) -> str:
+    """:func:`create_run` with the prepared data in ``source`` (its ``manifest``) as its dataset input."""
+    return create_run(uri, root, name, tags, params, inputs=[dataset_input(manifest, source)])
+
+
+def warm() -> None:
+    """Import what opening a store and a run takes (MLflow, its SQL store): a tracking process does it first."""
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+    from mlflow import MlflowClient  # noqa: F401
+
+
+def prepare_model_logging() -> None:
+    """Import what :func:`log_pytorch_model` takes (torch, MLflow's pytorch flavour), while the stage trains."""
+    import mlflow.pytorch  # noqa: F401
+
+
 def resume_run(uri: str, run_id: str) -> None:
     """Mark a run that is being continued (a resumed stage) RUNNING again."""
     _client(uri).update_run(run_id, status="RUNNING")

@@ -41,6 +41,7 @@ from pipeline.io import load_torch
 from pipeline.runs import tracking as trk
 from pipeline.runs.cluster import TRAIN_CONSOLE_LEVEL, address_of, with_worker_cpus
 from pipeline.runs.job import TRAINING, Job, WorkerSpec, error_reason, fail_job, flat_sections, open_job, say
+from pipeline.runs.tracking_process import tracker
 from pipeline.runs.undocumented import (
     CHECKPOINT_PREFIX,
     checkpoint_dirs,
@@ -393,11 +394,14 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     run = job.run
     if not here:
         job.spec.resume_dir = recover(job.run_dir)
+    via = tracker()  # this process's MLflow calls: its tracking process, when the stage started one
     fit_started, fit_start = time.time(), time.perf_counter()
     try:  # the driver's node's system metrics while it trains
-        with trk.system_metrics(run.uri if run else None, run.run_id if run else None):
+        with via.system_metrics(run.uri if run else None, run.run_id if run else None):
             if here:
-                with trk.EpochLog(run.uri, run.run_id) if run else contextlib.nullcontext() as log:
+                with via.EpochLog(run.uri, run.run_id) if run else contextlib.nullcontext() as log:
+                    if run:  # the model's logging at the end imports torch there: now, beside the loop's start
+                        via.prepare_model_logging()
                     state = train_here(job.spec, log, keep=2)
             else:
                 state = fit_run(job.spec, [trk.epoch_logger(run.uri, run.run_id)] if run else [], keep=2,
@@ -419,9 +423,9 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
     if state is None:
         raise PretrainError("pretraining finished without a checkpoint")
     if run:  # epochs checkpointed before an interruption but never logged: the run shows every epoch once
-        trk.log_missing_epochs(run.uri, run.run_id, state.history, epoch_metric_names(state.history))
+        via.log_missing_epochs(run.uri, run.run_id, state.history, epoch_metric_names(state.history))
         if state.head_plan:  # the head's path on the workers (pipeline.core.plan): dense|tiled, sharded
-            trk.set_tags(run.run_id, state.head_plan.tags(), uri=run.uri)
+            via.set_tags(run.run_id, state.head_plan.tags(), uri=run.uri)
     return PretrainResult(state=state, job=job, input_shape=data.input_shape, n_classes=len(data.classes),
                           fit_started=fit_started, fit_seconds=fit_seconds, in_ray=not here)
 

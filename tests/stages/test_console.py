@@ -13,6 +13,7 @@ import csv
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import mlflow
 import psutil
 import pytest
 
+from pipeline.runs.tracking_process import DIED
 from tests import faults
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -57,13 +59,20 @@ def pretrain(project: Path, tmp: str, home: Path, *args: str, **env: str) -> tup
     return stage(project, tmp, home, "pretrain", *RUN, *args, **env)
 
 
-def stage(project: Path, tmp: str, home: Path, *args: str, **env: str) -> tuple[int, list[str]]:
-    """Run `transfusion *args` as a user would (see :func:`pretrain`); its console lines."""
+def stage(project: Path, tmp: str, home: Path, *args: str, python: tuple[str, ...] = (),
+          **env: str) -> tuple[int, list[str]]:
+    """Run `transfusion *args` as a user would (see :func:`pretrain`; ``python``: flags of the interpreter); its
+    console lines."""
+    out = subprocess.run([sys.executable, *python, "-m", "stages.cli", *args], cwd=project, capture_output=True,
+                         text=True, timeout=480, env=user_env(tmp, home, **env))
+    return out.returncode, (out.stdout + out.stderr).splitlines()
+
+
+def user_env(tmp: str, home: Path, **env: str) -> dict[str, str]:
+    """This environment without Ray settings of ours, Ray's temp dir ``tmp``, ``HOME`` ``home``, and ``env``."""
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("RAY_AUTH", "RAY_DEDUP", "RAY_BACKEND", "RAY_SCHEDULER")) and k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-m", "stages.cli", *args], cwd=project, capture_output=True,
-                         text=True, timeout=480, env={**base, "RAY_TMPDIR": tmp, "HOME": str(home), **env})
-    return out.returncode, (out.stdout + out.stderr).splitlines()
+    return {**base, "RAY_TMPDIR": tmp, "HOME": str(home), **env}
 
 
 def ray_chatter(lines: list[str]) -> list[str]:
@@ -90,11 +99,16 @@ def session_logs(tmp: str) -> Path:
 
 def test_the_default_one_worker_trains_in_this_process_and_starts_no_ray(sandbox):
     """The default (one worker, no cluster) trains in the stage's own process: our lines only, no Ray session, no
-    Ray process; the same outputs and MLflow run as on Ray Train."""
+    Ray process; the same outputs and MLflow run as on Ray Train. The stage's process never imports MLflow (its
+    ``-X importtime`` lines): its tracking process logs the run."""
     project, tmp, home = sandbox
-    code, lines = pretrain(project, tmp, home)
+    code, lines = pretrain(project, tmp, home, python=("-X", "importtime"))
+    imports = [line for line in lines if line.startswith("import time:")]
+    lines = [line for line in lines if not line.startswith("import time:")]
     console = "\n".join(lines)
     assert code == 0, console
+    assert any(line.endswith("| torch") for line in imports), imports[:5]  # the stage's own imports, all of them
+    assert not [line for line in imports if "mlflow" in line or "sqlalchemy" in line], console
     assert not not_ours(lines), console
     assert "[pretrain] 1 worker in this process, no Ray (" in console, console
     assert "start (imports, checks, MLflow run)" in console and "the run in this process" in console, console
@@ -104,6 +118,43 @@ def test_the_default_one_worker_trains_in_this_process_and_starts_no_ray(sandbox
     (run,) = client.search_runs([client.get_experiment_by_name("transfusion").experiment_id])
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2]
+
+
+def test_ctrl_c_ends_the_run_killed_and_a_killed_stage_leaves_it_failed(sandbox):
+    """Ctrl-C (SIGINT to the terminal's foreground group: the stage; its tracking process is in a session of its
+    own) ends the run KILLED with its epochs and checkpoints kept, exit 1. The rerun resumes the same run; killed with
+    SIGKILL (no Python left to end anything), its tracking process ends that run FAILED, naming why."""
+    project, tmp, home = sandbox
+    client = mlflow.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+
+    def run_until_epoch(epoch: int) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "stages.cli", "pretrain", *RUN, "-S", "train.epochs=400"],
+                                cwd=project, env=user_env(tmp, home), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for line in proc.stdout:
+            if line.startswith(f"[pretrain] epoch {epoch}/400 "):
+                return proc
+        raise AssertionError(f"the stage ended before epoch {epoch}: exit {proc.wait()}")
+
+    proc = run_until_epoch(3)
+    os.killpg(proc.pid, signal.SIGINT)
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 1, rest
+    (run,) = client.search_runs([client.get_experiment_by_name("transfusion").experiment_id])
+    assert run.info.status == "KILLED", rest
+    logged = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert len(logged) >= 2 and logged == list(range(1, len(logged) + 1)), logged  # the epoch at Ctrl-C: maybe
+    assert list((project / "ray_results").glob("pretrain-*/checkpoint_*")), rest
+
+    proc = run_until_epoch(len(logged) + 2)  # resumed after the last checkpoint
+    proc.kill()
+    proc.wait(timeout=60)
+    end = time.monotonic() + 60
+    while client.get_run(run.info.run_id).info.status == "RUNNING" and time.monotonic() < end:
+        time.sleep(0.2)
+    (again,) = client.search_runs([client.get_experiment_by_name("transfusion").experiment_id])
+    assert again.info.run_id == run.info.run_id and again.info.status == "FAILED"
+    assert again.data.tags["error"] == DIED
 
 
 def test_a_ray_train_run_prints_our_lines_and_ray_keeps_its_own_logs(sandbox):
