@@ -43,6 +43,7 @@ class TrackingProcess:
                                      start_new_session=True)  # no Ctrl-C from the terminal: the stage ends the run
         self.ids = itertools.count(1)
         self.closed = False
+        self.lost = False  # a send found the tracking process gone
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         """``tracking_process.experiment_id(uri)`` calls ``pipeline.runs.tracking.experiment_id`` there."""
@@ -51,8 +52,15 @@ class TrackingProcess:
         return lambda *args, **kwargs: self.call(name, *args, **kwargs)
 
     def send(self, name: str, *args: Any, **kwargs: Any) -> None:
-        """Call ``name`` there without waiting (its error, if any, is printed there as one warning)."""
-        self._write((0, name, args, kwargs))
+        """Call ``name`` there without waiting (its error, if any, is printed there as one warning). Tracking never
+        stops training: a tracking process that is gone is one warning line here, and nothing more is sent."""
+        if self.lost:
+            return
+        try:
+            self._write((0, name, args, kwargs))
+        except Exception as exc:
+            self.lost = True
+            print(f"[mlflow] warning: {exc}; the stage goes on without logging")
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``name`` there and return its value (raise its error), after the calls sent before it."""

@@ -117,3 +117,20 @@ def test_a_block_that_fails_or_is_interrupted_reaches_the_context_manager_there(
         with pytest.raises(type(error)), proc.system_metrics(uri, run_id):
             raise error
         assert wait_for_status(client, run_id) == status
+
+
+def test_a_tracking_process_that_is_gone_never_stops_training(tmp_path, capsys):
+    """The epochs are sent without waiting: once the tracking process is gone they are one warning line and
+    nothing more; a call that waits for an answer raises a TrackingError naming what happened."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = TrackingProcess()
+    proc.experiment_id(uri, tmp_path)
+    capsys.readouterr()
+    proc.proc.kill()
+    proc.proc.wait(timeout=60)
+    for epoch in (1, 2, 3):
+        proc.send("log_metrics_batch", uri, "0" * 32, [{"epoch": epoch, "loss": 1.0}], ("loss",))
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith("[mlflow] warning: the MLflow tracking process ended (exit code -9)")
+    with pytest.raises(TrackingError, match=r"the MLflow tracking process ended \(exit code -9\)"):
+        proc.experiment_id(uri, tmp_path)

@@ -136,7 +136,7 @@ def test_ctrl_c_ends_the_run_killed_and_a_killed_stage_leaves_it_failed(sandbox)
                 return proc
         raise AssertionError(f"the stage ended before epoch {epoch}: exit {proc.wait()}")
 
-    proc = run_until_epoch(3)
+    proc = run_until_epoch(6)  # after the checkpoint of epoch 5 (train.checkpoint_every)
     os.killpg(proc.pid, signal.SIGINT)
     rest = proc.stdout.read()
     assert proc.wait(timeout=120) == 1, rest

@@ -13,6 +13,7 @@ from tests.conftest import invoke, pretrain_curve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
+EVERY_EPOCH = ["-S", "train.checkpoint_every=1"]
 TINY = ["-S", "train.epochs=3", "-S", "train.batch_size=128", "-S", "data.limit_train=256",
         "-S", "model.embed_dim=32", "-S", "train.knn_every=1"]
 
@@ -112,9 +113,9 @@ def test_one_worker_in_this_process_equals_its_ray_train_run(prepared, ray_sessi
 def test_an_interrupted_run_in_this_process_resumes_from_its_last_checkpoint(prepared, install_faults):
     """A run in the stage's process that fails after epoch 2 keeps its checkpoints (each a folder written whole) and
     its MLflow run FAILED; the rerun resumes after epoch 2, continues the same MLflow run, and ends where an
-    uninterrupted run does."""
+    uninterrupted run does (a checkpoint every epoch here; the default's is every 5 and the last)."""
     install_faults(crash_at_epoch=2)
-    failed = invoke("pretrain", *TINY)
+    failed = invoke("pretrain", *TINY, *EVERY_EPOCH)
     assert failed.exit_code == 1
     assert "injected crash after epoch 2" in failed.output and "rerun the stage to resume" in failed.output
     (run_dir,) = [d for d in (prepared / "ray_results").iterdir() if d.name.startswith("pretrain-")]
@@ -122,7 +123,7 @@ def test_an_interrupted_run_in_this_process_resumes_from_its_last_checkpoint(pre
     client, (run,) = mlflow_runs(prepared)
     assert run.info.status == "FAILED" and "injected crash after epoch 2" in run.data.tags["error"]
     install_faults()
-    resumed = invoke("pretrain", *TINY)
+    resumed = invoke("pretrain", *TINY, *EVERY_EPOCH)
     assert resumed.exit_code == 0, resumed.output
     assert "[pretrain] resumed from the checkpoint after epoch 2" in resumed.output
     assert "[pretrain] epoch 1/3" not in resumed.output and "[pretrain] epoch 3/3" in resumed.output
@@ -130,7 +131,7 @@ def test_an_interrupted_run_in_this_process_resumes_from_its_last_checkpoint(pre
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]
     state_resumed = torch.load(prepared / "models/pretrain/model.pt", weights_only=True)
-    whole = invoke("pretrain", *TINY)  # the finished job was forgotten: it trains afresh, uninterrupted
+    whole = invoke("pretrain", *TINY, *EVERY_EPOCH)  # the finished job was forgotten: it trains afresh, uninterrupted
     assert whole.exit_code == 0 and "resumed" not in whole.output
     state_whole = torch.load(prepared / "models/pretrain/model.pt", weights_only=True)
     for name, tensor in state_whole.items():
