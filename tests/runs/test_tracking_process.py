@@ -18,13 +18,14 @@ from pipeline.runs import tracking
 from pipeline.runs.tracking import TrackingError
 from pipeline.runs.tracking_process import DIED, TrackingProcess
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # each starts a process: 1.5-2.5 s of a core
 MANIFEST = {"dataset": "digits", "n_train": 4, "n_val": 2, "n_test": 2, "classes": ["0", "1"], "input_shape": [1, 2, 2],
             "dtype": "uint8", "params": {"data": {}}, "files": {"train_x.npy": {"sha256": "a" * 64}}}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def proc():
+    """One tracking process for the tests that leave it answering (each starts in 1.5-2.5 s of a core)."""
     p = TrackingProcess()
     yield p
     p.close()
