@@ -29,7 +29,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 DIED = "the stage's process ended without closing its MLflow run (killed, or out of memory)"
 _STARTED: list[TrackingProcess] = []  # this process's tracking process, once started
@@ -45,13 +45,13 @@ class TrackingProcess:
         self.closed = False
         self.lost = False  # a send found the tracking process gone
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
+    def __getattr__(self, name: str) -> Callable[..., object]:
         """``tracking_process.experiment_id(uri)`` calls ``pipeline.runs.tracking.experiment_id`` there."""
         if name.startswith("_"):
             raise AttributeError(name)
         return lambda *args, **kwargs: self.call(name, *args, **kwargs)
 
-    def send(self, name: str, *args: Any, **kwargs: Any) -> None:
+    def send(self, name: str, *args: object, **kwargs: object) -> None:
         """Call ``name`` there without waiting (its error, if any, is printed there as one warning). Tracking never
         stops training: a tracking process that is gone is one warning line here, and nothing more is sent."""
         if self.lost:
@@ -62,7 +62,7 @@ class TrackingProcess:
             self.lost = True
             print(f"[mlflow] warning: {exc}; the stage goes on without logging")
 
-    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, name: str, *args: object, **kwargs: object) -> object:
         """Call ``name`` there and return its value (raise its error), after the calls sent before it."""
         call_id = next(self.ids)
         self._write((call_id, name, args, kwargs))
@@ -79,7 +79,7 @@ class TrackingProcess:
         return value
 
     @contextlib.contextmanager
-    def opened(self, name: str, *args: Any) -> Iterator[Callable[..., None]]:
+    def opened(self, name: str, *args: object) -> Iterator[Callable[..., None]]:
         """The context manager ``pipeline.runs.tracking.<name>(*args)`` entered there for the block; the block gets a
         function that sends its arguments to the entered value (an :class:`~pipeline.runs.tracking.EpochLog`'s
         epochs). An error or Ctrl-C in the block reaches the context manager there as the same kind of exception."""
@@ -104,7 +104,7 @@ class TrackingProcess:
         """Say goodbye (the runs stay as the stage left them) and let the tracking process end on its own."""
         if not self.closed:
             self.closed = True
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(Exception):  # already gone: nothing to say goodbye to
                 self._write((0, "_bye", (), {}))
                 self.proc.stdin.close()
 
@@ -156,11 +156,11 @@ def serve(requests: BinaryIO, answers: BinaryIO, out: io.StringIO, err: io.Strin
     from pipeline.runs import tracking
 
     opened: dict[int, contextlib.AbstractContextManager] = {}
-    entered: dict[int, Any] = {}
+    entered: dict[int, Callable[..., object]] = {}
     runs: dict[str, str] = {}  # run id -> uri: the runs this process created or resumed and has not ended
     handles = itertools.count(1)
 
-    def run(name: str, args: tuple, kwargs: dict) -> Any:
+    def run(name: str, args: tuple, kwargs: dict) -> object:
         if name == "_enter":
             handle = next(handles)
             opened[handle] = getattr(tracking, args[0])(*args[1:])
@@ -209,7 +209,7 @@ def _messages(requests: BinaryIO) -> Iterator[tuple]:
             return
 
 
-def _follow(runs: dict[str, str], name: str, args: tuple, kwargs: dict, value: Any) -> None:
+def _follow(runs: dict[str, str], name: str, args: tuple, kwargs: dict, value: object) -> None:
     """Keep ``runs`` (the runs open here) up to date after the call ``name`` that returned ``value``."""
     if name in ("create_job_run", "create_run"):
         runs[value] = args[0]
