@@ -7,7 +7,8 @@ in one run of this script, with the same torch threads:
   ``pipeline.core.model.build_model`` in ``train.memory_format``'s layout, Adam, ``BatchAugment``'s two views, the
   loss of ``make_loss``, and nothing else;
 - **pipeline**: the pretrain stage's :func:`pipeline.runs.train.pretrain` as the stage calls it, MLflow tracking on
-  (a sqlite store in a temporary folder): its one worker in this process (``pipeline.runs.train.in_process``; on Ray
+  (a sqlite store in a temporary folder, its calls in a tracking process as the command makes them,
+  ``pipeline.runs.tracking_process``): its one worker in this process (``pipeline.runs.train.in_process``; on Ray
   Train with ``-S ray.num_workers=2`` or ``-S ray.max_failures=1``), the per-epoch online kNN, fusion health, report
   and checkpoint, the MLflow epoch logging; ``--no-ray`` runs the pipeline's ``PretrainLoop`` alone instead (what the
   loop's per-epoch work costs, without the job around it).
@@ -132,8 +133,10 @@ def main() -> int:
             history, fit_seconds = loop.history, time.time() - fit_started
         else:
             from pipeline.runs.job import cleanup
+            from pipeline.runs.tracking_process import start
             from pipeline.runs.train import pretrain
 
+            start()  # its MLflow calls in a process of their own, as `transfusion pretrain` makes them
             os.chdir(tmp)  # MLflow's sqlite store, Ray's storage and the stage's state folder live here
             params = params.model_copy(update={"ray": params.ray.model_copy(update={"storage_path": str(tmp / "r")})})
             res = pretrain(params, tmp / "data/prepared", tmp, tracking=True)
