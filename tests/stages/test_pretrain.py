@@ -72,7 +72,7 @@ def test_two_workers_write_outputs_and_track_in_mlflow(prepared, ray_session):
 
 def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(prepared, ray_session, install_faults):
     install_faults(nan_at_epoch=2)
-    result = invoke("pretrain", *TINY)
+    result = invoke("pretrain", *TINY, *EVERY_EPOCH)
     assert result.exit_code == 1
     assert "non-finite" in result.output and "last good checkpoint" in result.output
     assert not (prepared / "models").exists() and not (prepared / "metrics").exists()

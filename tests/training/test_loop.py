@@ -240,7 +240,8 @@ def test_a_user_callback_sees_every_step_and_epoch_in_order_from_where_the_run_r
     loop.fit(lambda m, ckpt: events.append(("report", m.epoch, ckpt)), [Recorder(events)])
     steps = [("step", e, s, (32, 1, 8, 8), torch.float32) for e in (1, 2) for s in (1, 2, 3)]
     assert loop.steps_per_epoch == 3 and data.input_shape == (1, 8, 8)
-    assert events == [("start", 0), *steps[:3], ("report", 1, True), ("end", 1, 1), *steps[3:], ("report", 2, True),
+    # a checkpoint every train.checkpoint_every (5) epochs and after the last
+    assert events == [("start", 0), *steps[:3], ("report", 1, False), ("end", 1, 1), *steps[3:], ("report", 2, True),
                       ("end", 2, 2)]
 
     resumed = tiny(data, 2)
