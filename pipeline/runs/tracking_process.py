@@ -1,10 +1,10 @@
 """MLflow's calls of a stage made in a process of their own, as wandb's service does, so that the stage never
 imports MLflow.
 
-Importing MLflow and opening its store take 1.5-2.5 s of one core, as long as importing torch; in a process of
-their own they run beside the stage's imports (2 cores), and the training loop's process then spends nothing on
-MLflow: no import, no writer thread, no system-metrics thread. ``transfusion pretrain`` starts the process first
-(:func:`start`, from ``stages.cli`` before the stage's module is imported) when it runs as a program of its own: a
+Importing MLflow and opening its store take 1.5-2.5 s of one core, longer than importing torch (1.0-1.1 s); in a
+process of their own they run beside the stage's imports (2 cores), and the training loop's process then spends
+nothing on MLflow: no import, no writer thread, no system-metrics thread. ``transfusion pretrain`` starts the process
+first (:func:`start`, from ``stages.cli`` before the stage's module is imported) when it runs as a program of its own: a
 process that already holds torch or MLflow (a notebook, a test) gains nothing from one and calls
 :mod:`pipeline.runs.tracking` itself. :func:`tracker` says which; both answer the same calls.
 
