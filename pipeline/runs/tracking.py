@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import subprocess
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
@@ -162,8 +163,24 @@ def warm() -> None:
 
 
 def prepare_model_logging() -> None:
-    """Import what :func:`log_pytorch_model` takes (torch, MLflow's pytorch flavour), while the stage trains."""
-    import mlflow.pytorch  # noqa: F401
+    """Pay, while the stage trains, what :func:`log_pytorch_model` pays on its first call: MLflow's pytorch flavour
+    imported, and a first model saved as it saves one (MLflow then maps every installed package to its modules, to
+    check the model's requirements against them: about 0.4 s here)."""
+    import mlflow.pytorch
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp, _quiet("mlflow.pytorch"):
+        mlflow.pytorch.save_model(torch.nn.Identity(), Path(tmp, "model"), serialization_format="pickle",
+                                  pip_requirements=_model_requirements())
+
+
+def _model_requirements() -> list[str]:
+    """A logged model's requirements: this torch, without its local label (``+cu130``). MLflow's check of them by
+    ``pip install --dry-run`` is skipped: it needs a package index, and the pin is this process's own torch."""
+    import torch
+
+    os.environ.setdefault("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
+    return [f"torch=={torch.__version__.split('+')[0]}"]
 
 
 def resume_run(uri: str, run_id: str) -> None:
@@ -393,17 +410,15 @@ def log_stage_run(stage: str, root: Path, *, params: Mapping[str, object], metri
 
 def log_pytorch_model(uri: str, run_id: str, model: torch.nn.Module, files: list[Path]) -> None:
     """Continue ``run_id`` to upload ``files`` and ``model`` (pickled, pinned to this torch), then end it FINISHED."""
-    os.environ.setdefault("MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK", "true")
     import mlflow
     import mlflow.pytorch
-    import torch
 
     mlflow.set_tracking_uri(uri)
     with mlflow.start_run(run_id=run_id), _quiet("mlflow.pytorch"):  # pickle is our choice: no caution notice
         for f in files:
             mlflow.log_artifact(str(f))
         mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
-                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+                                 pip_requirements=_model_requirements())
 
 
 @contextlib.contextmanager

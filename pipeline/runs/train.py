@@ -6,12 +6,14 @@ also a Tune trial's of several workers), its run in this process (:func:`train_h
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -388,6 +390,9 @@ def pretrain(params: Params, data_dir: Path, root: Path, *, tracking: bool = Tru
         raise ParamsError(f"train.batch_size ({params.train.batch_size}) exceeds the training set "
                           f"({len(data.train.y)} samples in {data_dir}); lower it or prepare more data")
     flat = flat_sections(params, TRAINING, ("ray.num_workers", "ray.use_gpu"))
+    if here:  # torch builds its first optimizer by importing torch._dynamo (0.8 s of one core): begun now, beside the
+        # wait for the MLflow run
+        threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
     job = open_job("pretrain", params, data_dir, root, tracking=tracking, title=pretrain_label(flat), logged=flat,
                    here=here)
     clear_status(job.run_dir)
