@@ -15,11 +15,12 @@ in one run of this script, with the same torch threads:
 
 It prints samples/s of both, ``pipeline / plain loop: R`` (wall time over the same steps), and where the pipeline's
 extra time goes: MLflow (and Ray) before the run, the run's start (Ray Train's, on Ray), the steps, the work between
-epochs (kNN, health, report, checkpoint), the last epoch's work (and Ray Train's stop). The two runs' steps differ
-by up to ~10 % on a shared 2-core machine (the same steps, measured one after the other), as much as the overhead
-itself, so it also prints the pipeline's wall time over its own training steps.
+epochs (kNN, health, report, checkpoint), the last epoch's work (and Ray Train's stop). This machine's speed
+drifts by a few per cent over minutes, as much as the overhead itself: the plain loop runs before the pipeline and
+again after it, and the pipeline is compared with their mean (a drift that is linear in time cancels out); it also
+prints the pipeline's wall time over its own training steps.
 
-    python benchmarks/bench_pipeline.py                        # 10,000 images, 6 epochs, 2 threads (a few minutes)
+    python benchmarks/bench_pipeline.py                        # 10,000 images, 6 epochs, 2 threads (about 11 minutes)
     python benchmarks/bench_pipeline.py --no-ray --device cuda # on a GPU machine (60,000 images: --limit-train 0)
 """
 
@@ -122,7 +123,7 @@ def main() -> int:
         data = load_prepared(tmp / "data/prepared")
         n, b = len(data.train.y), params.train.batch_size
         samples = args.epochs * (n // b) * b
-        plain = plain_loop(params, data, device)
+        before = plain_loop(params, data, device)
         called = time.time()
         if args.no_ray:
             from pipeline.training.loop import PretrainLoop
@@ -144,11 +145,14 @@ def main() -> int:
             cleanup(params, tmp, res.job.name)
             os.chdir(ROOT)
         total = time.time() - called
+        after = plain_loop(params, data, device)  # before and after: the machine's drift in between cancels out
+    plain = (before + after) / 2
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
     print(f"{name}: Fashion-MNIST {n:,} images, {params.model.backbone}, depth {params.model.depth}, "
           f"{params.loss.name}, batch {b}, {args.epochs} epochs ({samples:,} samples), online kNN every "
           f"{params.train.knn_every} epoch(s), checkpoint every {params.train.checkpoint_every}")
-    print(f"  plain loop: {plain:7.1f} s, {samples / plain:8,.0f} samples/s")
+    print(f"  plain loop: {plain:7.1f} s, {samples / plain:8,.0f} samples/s (the mean of {before:.1f} s before the "
+          f"pipeline and {after:.1f} s after it)")
     which = "PretrainLoop alone" if args.no_ray else f"pipeline ({'Ray Train' if res.in_ray else 'in process'}, MLflow)"
     print(f"  {which}: {total:7.1f} s, {samples / total:8,.0f} samples/s")
     parts = breakdown(history, fit_started, fit_seconds, called)

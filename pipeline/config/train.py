@@ -22,7 +22,7 @@ class TrainConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     checkpoint_every: int = Field(1, ge=1)
     grad_cache_chunk: int | None = Field(None, ge=1)
-    knn_every: int = Field(1, ge=0)  # epochs between online kNN evaluations (0 = only at the end)
+    knn_every: int = Field(1, ge=0)  # epochs between the online checks, kNN and health (0 = only after the last)
     knn_k: int = Field(20, ge=1)
     head_lr_scale: float = Field(1.0, gt=0.0, le=1000.0)  # ours: the head's lr = train.lr * this
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # the step's autocast (pipeline.training.precision)

@@ -128,10 +128,11 @@ class EpochMetrics:
     lr: float
     samples_per_s: float
     view_noise: float
-    knn_acc: float | None
+    knn_acc: float | None  # the online checks' epochs only (train.knn_every, and the last): None between them
     seconds: float
     ended_at: float  # wall clock (time.time()) when the epoch's steps ended, before any evaluation
-    health: dict[str, float | None] = field(default_factory=dict)  # "block_1.positive", ... (evaluation.health)
+    health: dict[str, float | None] = field(default_factory=dict)  # "block_1.positive", ... (evaluation.health); {}
+    # between the online checks, at depth 0 and on ranks but 0
 
     def as_dict(self) -> dict[str, Any]:
         """The fields, with the health numbers as top-level keys."""
@@ -314,14 +315,13 @@ class PretrainLoop:
         seconds = time.perf_counter() - start
         ended_at = time.time()
         self.epoch += 1
-        knn = None
-        every = t.knn_every
-        if self.rank == 0 and (self.epoch == t.epochs or (every and self.epoch % every == 0)):
-            knn = self.knn()
+        every = t.knn_every  # the online checks, kNN and health, on rank 0: every `every` epochs and after the last
+        checked = self.rank == 0 and (self.epoch == t.epochs or (every > 0 and self.epoch % every == 0))
         return EpochMetrics(
             epoch=self.epoch, loss=sum(losses) / len(losses), lr=self.optimizer.param_groups[0]["lr"],
             samples_per_s=self.steps_per_epoch * self.batch / seconds, view_noise=sum(noises) / len(noises),
-            knn_acc=knn, seconds=seconds, ended_at=ended_at, health=self.health() if self.rank == 0 else {},
+            knn_acc=self.knn() if checked else None, seconds=seconds, ended_at=ended_at,
+            health=self.health() if checked else {},
         )
 
     @torch.no_grad()

@@ -16,7 +16,15 @@ from pipeline.config.data import DataConfig
 from pipeline.config.params import load_params
 from pipeline.data.prepared import load_prepared
 from pipeline.data.sources import load_dataset
-from pipeline.training.loop import DATA_BUDGET_SHARE, KNN_BANK, KNN_QUERIES, Callback, PretrainLoop, data_budget
+from pipeline.training.loop import (
+    DATA_BUDGET_SHARE,
+    KNN_BANK,
+    KNN_QUERIES,
+    Callback,
+    EpochMetrics,
+    PretrainLoop,
+    data_budget,
+)
 from tests.conftest import ROOT
 from tests.data.test_datasets import mapped_file
 from tests.evaluation.test_health import assert_same_numbers
@@ -283,6 +291,19 @@ def test_the_monitors_cost_is_bounded_whatever_the_training_set(limit_train, one
     loop.fit(lambda m, ckpt: None)
     n, q = len(data.train.y), len(data.val.y)
     assert sum(rows) == min(KNN_BANK, n) + min(KNN_QUERIES, q) + 2 * 64
+
+
+@pytest.mark.parametrize(("every", "epochs", "checked"), [(2, 5, [2, 4, 5]), (0, 3, [3]), (1, 2, [1, 2])])
+def test_the_online_checks_follow_knn_every_and_the_last_epoch(every, epochs, checked, one_thread):
+    """The kNN and the blocks' health run together, on the epochs ``train.knn_every`` names and after the last; between
+    them an epoch carries neither (its console line no health either)."""
+    loop = small_loop(f"train.epochs={epochs}", f"train.knn_every={every}", "model.depth=1", *MLP, data=digits(96))
+    reported: list[EpochMetrics] = []
+    loop.fit(lambda m, ckpt: reported.append(m))
+    assert [m.epoch for m in reported if m.knn_acc is not None] == checked
+    assert [m.epoch for m in reported if m.health] == checked
+    assert all(set(m.health) >= {"block_1.positive", "block_1.entropy"} for m in reported if m.health)
+    assert all("positive pairs" not in m.line(epochs) for m in reported if not m.health)
 
 
 def _noise(split):
