@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,13 @@ def invoke(*args: str):
     from stages.cli import main
 
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def as_a_foreground_job() -> None:
+    """``preexec_fn`` of a command a test presses Ctrl-C at: SIGINT at its default, as in a terminal's foreground job.
+    A suite started in the background of a non-interactive shell (``nohup bash .ci/run &``) hands SIGINT on ignored,
+    and Python then installs no handler: the Ctrl-C would reach nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def pretrain_curve(project: Path) -> list[dict[str, str]]:

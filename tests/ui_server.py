@@ -18,6 +18,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tests.conftest import as_a_foreground_job
+
 RUNS_URL = re.compile(r"Runs of experiment '\w+' \(id \w+\): (?P<url>\S+)")
 
 
@@ -34,6 +36,7 @@ class UiProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "stages.cli", "ui", *args], cwd=cwd, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            preexec_fn=as_a_foreground_job,
         )
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()

@@ -27,6 +27,7 @@ import pytest
 
 from pipeline.runs.tracking_process import DIED
 from tests import faults
+from tests.conftest import as_a_foreground_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -130,7 +131,8 @@ def test_ctrl_c_ends_the_run_killed_and_a_killed_stage_leaves_it_failed(sandbox)
     def run_until_epoch(epoch: int) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-m", "stages.cli", "pretrain", *RUN, "-S", "train.epochs=400"],
                                 cwd=project, env=user_env(tmp, home), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                preexec_fn=as_a_foreground_job)
         for line in proc.stdout:
             if line.startswith(f"[pretrain] epoch {epoch}/400 "):
                 return proc

@@ -21,7 +21,7 @@ import yaml
 
 from tests import faults
 from tests.config.test_rehearse import FILES, SETS_FILES
-from tests.conftest import ROOT, invoke
+from tests.conftest import ROOT, as_a_foreground_job, invoke
 from tests.stages.test_sweep import sweep_runs
 
 AT_ONCE = re.compile(r"\[(sweep|tables)\] \d+ (?:trials|rows) in \d+ s, up to (\d+) training at once \((\d+) allowed\)")
@@ -148,7 +148,7 @@ def interrupt_mid_sweep(args, env, cwd) -> tuple[str, set[str], float, list[floa
     exit, seconds from each ended trial to the next one's start, exit code)."""
     proc = subprocess.Popen([sys.executable, "-m", "stages.cli", *args], cwd=cwd, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=as_a_foreground_job)
     lines, sent, ended, gaps, last_end = [], None, set(), [], None
     try:
         for line in proc.stdout:
