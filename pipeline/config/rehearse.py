@@ -120,8 +120,8 @@ def default_sizes(shipped: dict[str, Any], cpus: int, gpus: int = 0) -> dict[str
     train = shipped.get("train", {})
     sizes["train.epochs"] = min(int(train.get("epochs", 2)), max(2, int(train.get("checkpoint_every", 1) or 1) + 1))
     sweep = shipped.get("sweep", {})
-    if sweep.get("asha"):
-        sizes["sweep.epochs"] = min(int(sweep.get("epochs", 2)), int(sweep.get("grace_period", 1)) + 2)
+    if sweep.get("asha"):  # its first rung, and an epoch beyond it
+        sizes["sweep.epochs"] = min(int(sweep.get("epochs", 2)), int(sweep.get("grace_period", 1)) + 1)
     else:
         sizes["sweep.epochs"] = min(int(sweep.get("epochs", 2)), 2)
     limit = sizes["data.limit_train"]

@@ -7,6 +7,7 @@ GPU scheduling on a Ray that declares GPUs, with Ctrl-C of its sweep of multi-wo
 from __future__ import annotations
 
 import csv
+import math
 import os
 import re
 import shlex
@@ -17,6 +18,7 @@ import time
 
 import mlflow
 import pytest
+import torch
 import yaml
 
 from tests import faults
@@ -94,19 +96,66 @@ def test_a_preset_that_is_anothers_but_for_its_rows_rehearses_its_tables():
     assert [len(jobs_to_rehearse(name)) for name in PRESETS] == [2, 6, 6, 2, 2, 2, 2, 6]
 
 
+def rows_to_rehearse(name: str) -> list[dict]:
+    """Of the rows ``name``'s rehearsal runs, those it runs through Ray here (``tables.rows`` is a grid: a subset is a
+    size): each table's first row, the ``tables.reference`` row, and the first row with a ``space`` when none of
+    those has one (the tuning phase). Every row's own settings train and probe in
+    :func:`test_every_row_of_a_shipped_file_trains_and_probes_in_one_process`."""
+    from pipeline.config.rehearse import plan
+
+    raw = plan(ROOT / name, cpus=2).raw
+    rows = raw["tables"]["rows"]
+    picked = [next(r for r in rows if r["table"] == t) for t in sorted({r["table"] for r in rows})]
+    picked += [r for r in rows if r["name"] == raw["tables"].get("reference")]
+    if not any(r.get("space") for r in picked):
+        picked += [r for r in rows if r.get("space")][:1]
+    return [r for r in rows if r in picked]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", PRESETS)
 def test_shipped_preset_rehearses_end_to_end(name, tmp_path, ray_session):
     """Every preset (one added later is in FILES: the test lists presets/ itself) but ON_DECLARED_GPUS, which the
     last test rehearses on a Ray that declares its GPUs; params.yaml's jobs run through `dvc repro`
-    (tests/test_dvc_pipeline.py) and `transfusion tables` (tests/stages/test_tables.py)."""
+    (tests/test_dvc_pipeline.py) and `transfusion tables` (tests/stages/test_tables.py). Its tables: the rows of
+    :func:`rows_to_rehearse`."""
     work, jobs = tmp_path / "rehearsal", jobs_to_rehearse(name)
-    result = invoke("rehearse", "--params", str(ROOT / name), "--dir", str(work), "--jobs", ",".join(jobs))
+    rows = yaml.safe_dump(rows_to_rehearse(name), default_flow_style=True, width=1 << 20).strip()
+    result = invoke("rehearse", "--params", str(ROOT / name), "--dir", str(work), "--jobs", ",".join(jobs),
+                    "-S", f"tables.rows={rows}")
     assert result.exit_code == 0, result.output
     assert f"[rehearse] {ROOT / name}: {', '.join(jobs)} passed" in result.output
     check_outputs(work, result.output, jobs)
     check_controls(name, work)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FILES)
+def test_every_row_of_a_shipped_file_trains_and_probes_in_one_process(name, one_thread):
+    """Every row of every tables job a shipped file runs (its tuning phase's points included), on the rehearsal's
+    sizes, trained and probed as a one-worker trial of the job does (``train_and_probe``) without Ray: what each row's
+    own settings do (a loss, a head, a projector, a depth). The probes and epochs are a file's settings, not a row's:
+    kNN-50 after one epoch here (a row's own epochs kept), the file's own in its rehearsal."""
+    from pipeline.config.params import validate_params
+    from pipeline.config.rehearse import plan
+    from pipeline.data.sources import load_dataset
+    from pipeline.evaluation.tables_rows import resolve_rows, trial_configs, trial_row_params, tuning_rows
+    from pipeline.training.rows import train_and_probe
+
+    p = validate_params(plan(ROOT / name, cpus=2).raw)
+    p = p.model_copy(update={"probe": p.probe.model_copy(update={"probes": ["knn50"]}),
+                             "train": p.train.model_copy(update={"epochs": 1})})  # a row's own epochs stay
+    data, rows = load_dataset(p.data), resolve_rows(p)
+    configs = [c for c in trial_configs(p, rows) if not c["control"]]
+    configs += [t.config(s) for t in tuning_rows(p, rows) for s in {c["seed"] for c in configs}]
+    assert configs
+    for config in configs:
+        row = trial_row_params(p, config)
+        done = train_and_probe(row, data, torch.device("cpu"))
+        assert len(done.history) == row.train.epochs, config["name"]
+        assert all(math.isfinite(h["loss"]) for h in done.history), (config["name"], done.history)
+        assert set(done.accuracies) == {"knn50"} and done.accuracies["knn50"] > 0.2, (config["name"], done)
 
 
 @pytest.mark.slow
