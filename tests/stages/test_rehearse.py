@@ -229,7 +229,8 @@ def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
     """cluster-sweep.yaml's Ray jobs (pretrain, sweep, tables: every check of the test above; evaluate and report run
     on the driver, rehearsed by every other preset) on a Ray that declares 4 GPUs (none exist: ray.backend gloo), so
     with ray.use_gpu as shipped: each worker its own GPU, the sweep and the tables as many trials at once as
-    pipeline.config.resources computes, probes on a worker's GPU bundle. Ctrl-C while its sweep of two-worker trials
+    pipeline.config.resources computes, probes on a worker's GPU bundle (the tables: one trained row, the controls).
+    Ctrl-C while its sweep of two-worker trials
     runs ends the rehearsal in 30 s, with no partial sweep outputs and MLflow's sweep run KILLED; the command it
     prints resumes it: the unfinished trials only, every epoch logged once, the same MLflow run."""
     from pipeline.config.ray import TRIAL_CPU
@@ -239,9 +240,11 @@ def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
     work, log = tmp_path / "gpu", tmp_path / "trials.log"
     env = faults.environment(count_file=str(log))
     shipped = str(ROOT / ON_DECLARED_GPUS)
+    row = "tables.rows=" + yaml.safe_dump(rows_to_rehearse(ON_DECLARED_GPUS)[:1], default_flow_style=True,
+                                          width=1 << 20).strip()  # one trained row (table 1's) beside the controls
     out, ended, waited, gaps, code = interrupt_mid_sweep(
-        ["rehearse", "--params", shipped, "--gpus", "4", "--dir", str(work), "--jobs", ",".join(RAY_JOBS)], env,
-        tmp_path)
+        ["rehearse", "--params", shipped, "-S", row, "--gpus", "4", "--dir", str(work), "--jobs", ",".join(RAY_JOBS)],
+        env, tmp_path)
     assert gaps and max(gaps) < 30, f"the next trial started {gaps} s after one ended\n{out}"
     assert waited < 30, f"{waited:.0f} s after Ctrl-C\n{out}"
     assert code == 1, out
@@ -249,8 +252,9 @@ def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
     assert not [line for line in after if any(n in line for n in NOISE)], out
     assert re.search(r"Error: rehearsal: `transfusion sweep` failed: the sweep was interrupted with \d+ of 4 trials "
                      r"unfinished; rerun the stage to resume", out), out
-    again = (f"to continue the rehearsal from there: transfusion rehearse --params {shipped} --gpus 4 --dir {work} "
-             "--jobs sweep,tables --resume")
+    again = ("to continue the rehearsal from there: " + shlex.join(
+        ["transfusion", "rehearse", "--params", shipped, "-S", row, "--gpus", "4", "--dir", str(work), "--jobs",
+         "sweep,tables", "--resume"]))
     assert again in out, out
     placed = re.search(r"\[pretrain\] 2 worker\(s\) on 1 node\(s\): rank 0 .*GPU (\d)\), rank 1 .*GPU (\d)\)", out)
     assert placed and placed[1] != placed[2], out  # each worker its own GPU
@@ -288,7 +292,7 @@ def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
     computed = trials_at_once({"CPU": 2, "GPU": 4}, TrialShape(2, 0.25, True, TRIAL_CPU), len(trials))
     peaks = {m[1]: (int(m[2]), int(m[3])) for m in AT_ONCE.finditer(resumed.stdout)}
     assert computed == 2 and peaks["sweep"] == (computed, computed), out  # two unfinished trials at least
-    assert peaks["tables"] == (2, 2), out
+    assert peaks["tables"] == (1, 2), out  # one trained row (the controls train nothing)
     rows = read_csv(work / "tables/results.csv")
     assert {(r["control"], r["hours_unit"], r["gpus"], r["probe_cpus"], r["probe_gpus"]) for r in rows} == {
         ("", "GPU-hours", "2", "0.25", "1.0"),  # each row's probes on one worker's bundle, not the trial's 0.25 CPU
