@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import csv
 import gc
 import json
 import os
 import shutil
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -92,7 +94,14 @@ def ray_session():
 
         start_local_ray(num_cpus=2, object_store_memory=200 * 1024**2)
     yield ray
-    ray.shutdown()
+    # ray.shutdown joins Ray's log thread, which once waited for good in its GCS subscriber's poll (a suite whose
+    # tests had all passed, then hung): bounded here; if it hangs, the process's exit ends the Ray it started, and
+    # Ray's own exit hook (a second shutdown, behind the same lock) is dropped
+    stop = threading.Thread(target=ray.shutdown, daemon=True)
+    stop.start()
+    stop.join(timeout=120)
+    if stop.is_alive():
+        atexit.unregister(ray.shutdown)
 
 
 @pytest.fixture
