@@ -112,6 +112,11 @@ def rows_to_rehearse(name: str) -> list[dict]:
     return [r for r in rows if r in picked]
 
 
+def rows_setting(rows: list[dict]) -> str:
+    """``tables.rows=<rows>`` as ``-S`` takes it (YAML's flow style, on one line)."""
+    return "tables.rows=" + yaml.safe_dump(rows, default_flow_style=True, width=1 << 20).strip()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", PRESETS)
@@ -121,9 +126,8 @@ def test_shipped_preset_rehearses_end_to_end(name, tmp_path, ray_session):
     (tests/test_dvc_pipeline.py) and `transfusion tables` (tests/stages/test_tables.py). Its tables: the rows of
     :func:`rows_to_rehearse`."""
     work, jobs = tmp_path / "rehearsal", jobs_to_rehearse(name)
-    rows = yaml.safe_dump(rows_to_rehearse(name), default_flow_style=True, width=1 << 20).strip()
     result = invoke("rehearse", "--params", str(ROOT / name), "--dir", str(work), "--jobs", ",".join(jobs),
-                    "-S", f"tables.rows={rows}")
+                    "-S", rows_setting(rows_to_rehearse(name)))
     assert result.exit_code == 0, result.output
     assert f"[rehearse] {ROOT / name}: {', '.join(jobs)} passed" in result.output
     check_outputs(work, result.output, jobs)
@@ -226,13 +230,13 @@ def interrupt_mid_sweep(args, env, cwd) -> tuple[str, set[str], float, list[floa
 @pytest.mark.first  # the suite's longest test: started first, beside the rest
 @pytest.mark.timeout(900)
 def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
-    """cluster-sweep.yaml's Ray jobs (pretrain, sweep, tables: every check of the test above; evaluate and report run
-    on the driver, rehearsed by every other preset) on a Ray that declares 4 GPUs (none exist: ray.backend gloo), so
-    with ray.use_gpu as shipped: each worker its own GPU, the sweep and the tables as many trials at once as
+    """cluster-sweep.yaml's Ray jobs (pretrain, sweep, tables: every check of the test above; evaluate and report run on
+    the driver, rehearsed by every other preset) on a Ray that declares 4 GPUs (none exist: ray.backend gloo), so with
+    ray.use_gpu as shipped: each worker its own GPU, the sweep and the tables as many trials at once as
     pipeline.config.resources computes, probes on a worker's GPU bundle (the tables: one trained row, the controls).
-    Ctrl-C while its sweep of two-worker trials
-    runs ends the rehearsal in 30 s, with no partial sweep outputs and MLflow's sweep run KILLED; the command it
-    prints resumes it: the unfinished trials only, every epoch logged once, the same MLflow run."""
+    Ctrl-C while its sweep of two-worker trials runs ends the rehearsal in 30 s, with no partial sweep outputs and
+    MLflow's sweep run KILLED; the command it prints resumes it: the unfinished trials only, every epoch logged once,
+    the same MLflow run."""
     from pipeline.config.ray import TRIAL_CPU
     from pipeline.config.resources import TrialShape, trials_at_once
 
@@ -240,8 +244,7 @@ def test_gpu_preset_on_declared_gpus_ctrl_c_mid_sweep_then_resume(tmp_path):
     work, log = tmp_path / "gpu", tmp_path / "trials.log"
     env = faults.environment(count_file=str(log))
     shipped = str(ROOT / ON_DECLARED_GPUS)
-    row = "tables.rows=" + yaml.safe_dump(rows_to_rehearse(ON_DECLARED_GPUS)[:1], default_flow_style=True,
-                                          width=1 << 20).strip()  # one trained row (table 1's) beside the controls
+    row = rows_setting(rows_to_rehearse(ON_DECLARED_GPUS)[:1])  # one trained row (table 1's) beside the controls
     out, ended, waited, gaps, code = interrupt_mid_sweep(
         ["rehearse", "--params", shipped, "-S", row, "--gpus", "4", "--dir", str(work), "--jobs", ",".join(RAY_JOBS)],
         env, tmp_path)
