@@ -152,7 +152,8 @@ def test_every_row_of_a_shipped_file_trains_and_probes_in_one_process(name, one_
                              "train": p.train.model_copy(update={"epochs": 1})})  # a row's own epochs stay
     data, rows = load_dataset(p.data), resolve_rows(p)
     configs = [c for c in trial_configs(p, rows) if not c["control"]]
-    configs += [t.config(s) for t in tuning_rows(p, rows) for s in {c["seed"] for c in configs}]
+    if p.tables.tuning:  # the tuning phase's points, with its seed (as pipeline.runs.tables.tune_rows runs them)
+        configs += [t.config(p.tables.tuning.seed) for t in tuning_rows(p, rows)]
     assert configs
     for config in configs:
         row = trial_row_params(p, config)
